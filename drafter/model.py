@@ -1,0 +1,205 @@
+"""The DFlash drafter: Qwen3-style layers that draft a block of tokens conditioned on target features.
+
+Data flow (one forward):
+    target features [b, n, K*H] --fc--> hidden_norm --> ctx [b, n, H]   (shared by every layer)
+    block embeddings [b, Q, H] (the target's embedding of [anchor, MASK, ...])
+    every layer: queries from the block; keys/values = that layer's k/v projections of [ctx || block]
+    (KV injection); the context never passes through an MLP.
+    final norm --> the target's LM head (frozen, not ours) --> logits.
+
+The same `forward` serves training (all anchors' blocks of a sequence at once, ctx = the whole
+sequence, a block mask) and inference (one block, ctx = new context positions appended to a
+`DraftCache`, no mask). Weight names and config follow the public `dflash` format, so
+`save_pretrained` output loads in `dflash.model.DFlashDraftModel`, SGLang and vLLM.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3MLP, Qwen3PreTrainedModel, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half)
+
+from drafter.target import default_target_layer_ids
+
+# Copied from the target config into the drafter's: the drafter has the target's widths.
+_TARGET_WIDTH_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                      "intermediate_size", "rms_norm_eps", "max_position_embeddings", "vocab_size",
+                      "hidden_act", "rope_parameters", "attention_bias")
+
+
+def drafter_config(target_config, *, num_layers: int, block_size: int, mask_token_id: int,
+                   target_layer_ids: list[int] | None = None, **record) -> Qwen3Config:
+    """A drafter config for any HF causal-LM target config.
+
+    `record` lands in `dflash_config` (e.g. target_path, chat_template_kwargs) so that a checkpoint can
+    be evaluated without flags.
+    """
+    text_config = target_config.get_text_config()
+    num_target_layers = text_config.num_hidden_layers
+    if target_layer_ids is None:
+        target_layer_ids = default_target_layer_ids(num_target_layers, num_layers)
+    target_layer_ids = [int(i) for i in target_layer_ids]
+    if not all(0 <= i < num_target_layers for i in target_layer_ids):
+        raise ValueError(f"target_layer_ids {target_layer_ids} outside 0..{num_target_layers - 1}")
+    if not 0 <= mask_token_id < text_config.vocab_size:
+        raise ValueError(f"mask_token_id {mask_token_id} has no row in the target's embedding "
+                         f"(vocab_size {text_config.vocab_size})")
+    widths = {k: getattr(text_config, k) for k in _TARGET_WIDTH_KEYS if hasattr(text_config, k)}
+    widths.setdefault("head_dim", text_config.hidden_size // text_config.num_attention_heads)
+    return Qwen3Config(
+        **widths, num_hidden_layers=num_layers, num_target_layers=num_target_layers,
+        block_size=block_size, tie_word_embeddings=False, use_sliding_window=False,
+        architectures=["DFlashDraftModel"],
+        dflash_config={"target_layer_ids": target_layer_ids, "mask_token_id": int(mask_token_id),
+                       **record})
+
+
+def resolve_mask_token_id(tokenizer, target_vocab_size: int) -> int:
+    """The tokenizer's mask token; if it has none, add `<|MASK|>` (it must fit the target's vocab rows)."""
+    if tokenizer.mask_token_id is None:
+        tokenizer.add_special_tokens({"mask_token": "<|MASK|>"})
+    if tokenizer.mask_token_id >= target_vocab_size:
+        raise ValueError(f"mask token id {tokenizer.mask_token_id} >= target vocab size "
+                         f"{target_vocab_size}: the frozen target has no embedding row for it")
+    return tokenizer.mask_token_id
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [b, heads, n, d]; cos/sin [b, n, d]."""
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+
+
+class DraftCache:
+    """Per-layer K/V of the context only: block entries are never stored, so no crop is needed."""
+
+    def __init__(self):
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    @property
+    def length(self) -> int:
+        return self.keys[0].shape[2] if self.keys else 0
+
+    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Append new context K/V for `layer`; return all context K/V of that layer so far."""
+        if layer == len(self.keys):
+            self.keys.append(k)
+            self.values.append(v)
+        else:
+            self.keys[layer] = torch.cat([self.keys[layer], k], dim=2)
+            self.values[layer] = torch.cat([self.values[layer], v], dim=2)
+        return self.keys[layer], self.values[layer]
+
+
+def attend(q, k, v, mask):
+    """q [b, h, Q, d]; k, v [b, hkv, K, d]; mask: None (all visible), bool [b, 1, Q, K], or a BlockMask."""
+    if isinstance(mask, BlockMask):
+        return flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def _heads(self, x, heads):
+        return x.view(*x.shape[:2], heads, self.head_dim).transpose(1, 2)
+
+    def _keys_values(self, x, rope):
+        k = apply_rope(self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads)), *rope)
+        return k, self._heads(self.v_proj(x), self.num_kv_heads)
+
+    def forward(self, block, ctx, block_rope, ctx_rope, mask, cache=None, layer_idx=0):
+        q = apply_rope(self.q_norm(self._heads(self.q_proj(block), self.num_heads)), *block_rope)
+        k_ctx, v_ctx = self._keys_values(ctx, ctx_rope)
+        if cache is not None:
+            k_ctx, v_ctx = cache.extend(layer_idx, k_ctx, v_ctx)
+        k_blk, v_blk = self._keys_values(block, block_rope)
+        k, v = torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2)
+        out = attend(q, k, v, mask)
+        return self.o_proj(out.transpose(1, 2).reshape(*block.shape[:2], -1))
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.self_attn = DFlashAttention(config)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, x, ctx, block_rope, ctx_rope, mask, cache=None, layer_idx=0):
+        x = x + self.self_attn(self.input_layernorm(x), ctx, block_rope, ctx_rope, mask, cache,
+                               layer_idx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDraftModel(Qwen3PreTrainedModel):
+    config_class = Qwen3Config
+    _no_split_modules = ["DFlashDecoderLayer"]
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__(config)
+        num_features = len(config.dflash_config["target_layer_ids"])
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.fc = nn.Linear(num_features * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_init()
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return self.config.dflash_config["target_layer_ids"]
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.config.dflash_config["mask_token_id"]
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features [b, n, K*H] -> the context states every layer projects to K/V."""
+        return self.hidden_norm(self.fc(features))
+
+    def forward(self, block_embeds, block_positions, ctx, ctx_positions, mask=None, cache=None):
+        """Final-normed block states [b, Q, H].
+
+        block_embeds [b, Q, H], block_positions [b, Q]; ctx [b, n, H] (already fused) with
+        ctx_positions [b, n]. Keys are ordered [ctx (cache first, if any) || block]; `mask` indexes them
+        in that order.
+        """
+        block_rope = self.rotary_emb(block_embeds, block_positions)
+        ctx_rope = self.rotary_emb(ctx, ctx_positions)
+        x = block_embeds
+        for i, layer in enumerate(self.layers):
+            x = layer(x, ctx, block_rope, ctx_rope, mask, cache, i)
+        return self.norm(x)
+
+    @torch.no_grad()
+    def draft_logits(self, target, ctx_features, block_ids, cache: DraftCache) -> torch.Tensor:
+        """Inference: fp32 logits [b, B-1, V] for block positions 1..B-1.
+
+        ctx_features [b, n, K*H] are the new context positions cache.length .. cache.length+n-1 (they
+        are appended to `cache`); block_ids [b, B] = [anchor, MASK, ...] sit right after them.
+        """
+        start = cache.length
+        n, block_len = ctx_features.shape[1], block_ids.shape[1]
+        positions = torch.arange(start, start + n + block_len, device=block_ids.device)[None]
+        positions = positions.expand(block_ids.shape[0], -1)
+        ctx = self.fuse(ctx_features.to(self.dtype))
+        block_embeds = target.get_input_embeddings()(block_ids).to(self.dtype)
+        hidden = self(block_embeds, positions[:, n:], ctx, positions[:, :n], None, cache)
+        return target.get_output_embeddings()(hidden[:, 1:].to(target.dtype)).float()

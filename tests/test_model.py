@@ -1,0 +1,106 @@
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from conftest import MASK_ID, make_drafter
+from drafter.model import DFlashDraftModel, DraftCache, drafter_config, resolve_mask_token_id
+from drafter.target import context_features, default_target_layer_ids, select_features
+
+
+def test_default_layer_ids_match_reference_rule():
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B, RESEARCH.md section 1
+    assert default_target_layer_ids(36, 1) == [18]
+    assert default_target_layer_ids(32, 2) == [1, 29]
+
+
+def test_context_features_stop_after_last_needed_layer(target):
+    ids = torch.randint(0, 250, (2, 17))
+    called = []
+    hooks = [layer.register_forward_hook(lambda m, i, o, n=n: called.append(n))
+             for n, layer in enumerate(target.model.layers)]
+    try:
+        features = context_features(target, ids, [1, 3])
+    finally:
+        for h in hooks:
+            h.remove()
+    assert called == [0, 1, 2, 3]
+    full = target(ids, output_hidden_states=True).hidden_states
+    torch.testing.assert_close(features, select_features(full, [1, 3]), rtol=0, atol=1e-5)
+
+
+def test_config_records_everything_eval_needs(target, tmp_path):
+    cfg = drafter_config(target.config, num_layers=3, block_size=16, mask_token_id=MASK_ID,
+                         target_layer_ids=[0, 2, 4], target_path="some/target",
+                         chat_template_kwargs={"enable_thinking": False})
+    DFlashDraftModel(cfg).save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["architectures"] == ["DFlashDraftModel"]
+    assert saved["num_hidden_layers"] == 3 and saved["num_target_layers"] == 6
+    assert saved["block_size"] == 16
+    assert saved["dflash_config"] == {"target_layer_ids": [0, 2, 4], "mask_token_id": MASK_ID,
+                                      "target_path": "some/target",
+                                      "chat_template_kwargs": {"enable_thinking": False}}
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight"} <= names
+    assert not any("embed" in n or "lm_head" in n for n in names)
+    assert "layers.2.self_attn.k_norm.weight" in names and "layers.0.mlp.gate_proj.weight" in names
+
+
+def test_bad_layer_ids_and_mask_token_are_rejected(target):
+    with pytest.raises(ValueError, match="target_layer_ids"):
+        drafter_config(target.config, num_layers=1, block_size=8, mask_token_id=1, target_layer_ids=[6])
+    with pytest.raises(ValueError, match="mask_token_id"):
+        drafter_config(target.config, num_layers=1, block_size=8, mask_token_id=256)
+
+
+class _Tok:
+    def __init__(self, mask_id, vocab):
+        self.mask_token_id, self.vocab = mask_id, vocab
+
+    def add_special_tokens(self, tokens):
+        self.mask_token_id = self.vocab
+
+
+def test_mask_token_is_added_when_missing():
+    assert resolve_mask_token_id(_Tok(7, 100), 200) == 7
+    assert resolve_mask_token_id(_Tok(None, 100), 200) == 100
+    with pytest.raises(ValueError, match="no embedding row"):
+        resolve_mask_token_id(_Tok(None, 200), 200)
+
+
+def test_public_dflash_package_loads_our_export_with_equal_logits(target, tmp_path):
+    """DESIGN.md contract 1: the z-lab `dflash` package loads the export and computes our logits."""
+    from dflash.model import DFlashDraftModel as PublicDraftModel
+
+    drafter = make_drafter(target, num_layers=2, block_size=8)
+    drafter.save_pretrained(tmp_path)
+    public = PublicDraftModel.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert public.target_layer_ids == drafter.target_layer_ids
+    assert public.mask_token_id == MASK_ID and public.block_size == 8
+
+    ids = torch.randint(0, 250, (1, 30))
+    features = context_features(target, ids, drafter.target_layer_ids)
+    block = torch.tensor([[int(ids[0, 21])] + [MASK_ID] * 7])
+    ours = drafter.draft_logits(target, features[:, :21], block, DraftCache())
+    with torch.no_grad():
+        hidden = public(target_hidden=features[:, :21], noise_embedding=target.model.embed_tokens(block),
+                        position_ids=torch.arange(29)[None])
+    theirs = target.lm_head(hidden[:, 1:])
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_cache_keeps_context_only_and_matches_one_shot(drafter, target):
+    """Drafting with context added in pieces through the cache equals drafting with it all at once."""
+    ids = torch.randint(0, 250, (1, 24))
+    features = context_features(target, ids, drafter.target_layer_ids)
+    block = torch.tensor([[int(ids[0, 20])] + [MASK_ID] * 7])
+    one_shot = drafter.draft_logits(target, features[:, :20], block, DraftCache())
+    cache = DraftCache()
+    drafter.draft_logits(target, features[:, :9], torch.tensor([[int(ids[0, 9])] + [MASK_ID] * 7]), cache)
+    assert cache.length == 9
+    pieces = drafter.draft_logits(target, features[:, 9:20], block, cache)
+    assert cache.length == 20
+    torch.testing.assert_close(pieces, one_shot, rtol=1e-5, atol=1e-5)
