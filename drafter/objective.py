@@ -1,0 +1,277 @@
+"""The DFlash training objective: anchors, the block mask, the weighted loss and the training metrics.
+
+One training forward over a right-padded batch [b, T]:
+  1. draw up to `num_anchors` anchors per sequence (positions p where x_p and x_{p+1} are supervised);
+  2. build each anchor's block [x_p, MASK x (B-1)] at positions p..p+B-1, labels x_{p+k} at slot k
+     (same-position labels; slot 0 gets no loss);
+  3. run all blocks of the batch in one drafter forward under the block mask: a block sees the context
+     strictly before its anchor, its own block bidirectionally, nothing else;
+  4. loss = sum_k w_k CE_k / sum_k w_k with w_k = exp(-(k-1)/gamma), computed in row chunks so the
+     full anchors x block x vocab logits never exist at once.
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask
+
+from drafter.ddtree import build_tree_from_logprobs, teacher_forced_accept
+
+DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # DFlash paper, by block size
+
+
+def resolve_gamma(gamma: float | None, block_size: int) -> float:
+    if gamma is not None:
+        return float(gamma)
+    if block_size not in DEFAULT_GAMMA:
+        raise ValueError(f"no default loss gamma for block size {block_size}; set objective.gamma")
+    return DEFAULT_GAMMA[block_size]
+
+
+def position_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """w [B]: 0 at slot 0 (the anchor), exp(-(k-1)/gamma) at slot k >= 1."""
+    k = torch.arange(block_size, dtype=torch.float32)
+    return torch.where(k == 0, 0.0, torch.exp(-(k - 1) / gamma))
+
+
+def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator):
+    """Up to `num_anchors` distinct anchors per sequence, sorted: (anchors [b, A], valid [b, A]).
+
+    Candidates are positions p with loss_mask[p] and loss_mask[p+1]. A = the largest count drawn in the
+    batch; sequences with fewer candidates get `valid=False` filler anchors (position 0).
+    """
+    mask = loss_mask.bool()
+    candidates = torch.zeros_like(mask)
+    candidates[:, :-1] = mask[:, :-1] & mask[:, 1:]
+    scores = torch.rand(mask.shape, generator=generator, device=generator.device).to(mask.device)
+    scores = scores.masked_fill(~candidates, -1.0)
+    count = min(num_anchors, int(candidates.sum(1).max()))
+    count = max(count, 1)
+    top_scores, anchors = scores.topk(count, dim=1)
+    valid = top_scores >= 0
+    anchors = torch.where(valid, anchors, 0)
+    order = torch.argsort(anchors + (~valid) * mask.shape[1], dim=1)  # valid first, ascending
+    return anchors.gather(1, order), valid.gather(1, order)
+
+
+@dataclass
+class Blocks:
+    """All anchors' blocks of a batch. Shapes [b, A, B] unless noted."""
+    anchors: torch.Tensor   # [b, A] position of each block's slot 0
+    valid: torch.Tensor     # [b, A] anchor exists
+    ids: torch.Tensor       # drafter input: [x_p, MASK, ...]
+    positions: torch.Tensor  # p + k
+    labels: torch.Tensor    # x_{p+k}
+    weights: torch.Tensor   # w_k where slot k is supervised (0 elsewhere and at k = 0)
+
+
+def build_blocks(input_ids, loss_mask, anchors, valid, block_size: int, mask_token_id: int,
+                 gamma: float) -> Blocks:
+    """Blocks for `anchors`. A slot is supervised only if it lies inside the sequence and every slot
+    from 1 up to it is supervised: a block never trains across the end of the sequence or of an
+    assistant turn (missing slots get weight 0; the block itself is kept)."""
+    b, T = input_ids.shape
+    positions = anchors[..., None] + torch.arange(block_size, device=anchors.device)
+    inside = positions < T
+    gather_at = positions.clamp(max=T - 1).view(b, -1)
+    labels = input_ids.gather(1, gather_at).view(positions.shape)
+    supervised = loss_mask.bool().gather(1, gather_at).view(positions.shape) & inside
+    supervised[..., 0] = True  # the anchor itself is supervised by construction
+    supervised = supervised.long().cumprod(-1).bool() & valid[..., None]
+    weights = position_weights(block_size, gamma).to(anchors.device) * supervised
+    ids = torch.full_like(labels, mask_token_id)
+    ids[..., 0] = labels[..., 0]
+    return Blocks(anchors, valid, ids, positions, labels, weights)
+
+
+def dense_block_mask(anchors: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+    """Bool [b, 1, A*B, T + A*B] over keys [context (T) || blocks (A*B)]."""
+    b, num_blocks = anchors.shape
+    query_block = torch.arange(num_blocks * block_size, device=anchors.device) // block_size
+    ctx_visible = torch.arange(seq_len, device=anchors.device) < anchors[:, query_block, None]
+    own_block = query_block[:, None] == query_block[None, :]
+    return torch.cat([ctx_visible, own_block.expand(b, -1, -1)], dim=2)[:, None]
+
+
+def flex_block_mask(anchors: torch.Tensor, seq_len: int, block_size: int):
+    """The same mask as `dense_block_mask`, as a flex_attention BlockMask."""
+    b, num_blocks = anchors.shape
+
+    def mask_mod(batch, head, q, kv):
+        block = q // block_size
+        return torch.where(kv < seq_len, kv < anchors[batch, block], (kv - seq_len) // block_size == block)
+
+    return create_block_mask(mask_mod, B=b, H=None, Q_LEN=num_blocks * block_size,
+                             KV_LEN=seq_len + num_blocks * block_size, device=anchors.device)
+
+
+def drafter_hidden(drafter, target, features, blocks: Blocks, use_flex: bool) -> torch.Tensor:
+    """The drafter's final-normed states for every block slot: [b, A, B, H]."""
+    b, T, _ = features.shape
+    num_blocks, block_size = blocks.ids.shape[1:]
+    ctx = drafter.fuse(features)
+    block_embeds = target.get_input_embeddings()(blocks.ids.view(b, -1)).to(ctx.dtype)
+    ctx_positions = torch.arange(T, device=features.device)[None].expand(b, -1)
+    make_mask = flex_block_mask if use_flex else dense_block_mask
+    mask = make_mask(blocks.anchors, T, block_size)
+    hidden = drafter(block_embeds, blocks.positions.view(b, -1), ctx, ctx_positions, mask)
+    return hidden.view(b, num_blocks, block_size, -1)
+
+
+class ChunkedLMHeadLoss(torch.autograd.Function):
+    """sum_r w_r CE_r / sum_r w_r through a frozen LM head, one row chunk at a time.
+
+    The gradient w.r.t. the hidden states is computed in the forward pass, chunk by chunk, so at most
+    one chunk of fp32 logits is alive. Also returns each row's label rank (0 = top-1) and, for rows
+    in `topk_rows`, the top-k log-probabilities and token ids (the DDTree metric's input).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, head_weight, labels, row_weights, topk_rows, k: int, chunk_rows: int):
+        total_weight = row_weights.sum().clamp_min(1e-12)
+        grad_hidden = torch.empty_like(hidden)
+        loss = hidden.new_zeros((), dtype=torch.float32)
+        ranks = torch.empty_like(labels)
+        topk_index = torch.nonzero(topk_rows).squeeze(1)
+        topk_logprobs = hidden.new_empty((len(topk_index), k), dtype=torch.float32)
+        topk_ids = labels.new_empty((len(topk_index), k))
+        for start in range(0, hidden.shape[0], chunk_rows):
+            rows = slice(start, start + chunk_rows)
+            logits = (hidden[rows] @ head_weight.T).float()
+            log_z = logits.logsumexp(-1, keepdim=True)
+            label_logit = logits.gather(1, labels[rows, None])
+            w = row_weights[rows, None].float()
+            loss += ((log_z - label_logit) * w).sum()
+            ranks[rows] = (logits > label_logit).sum(-1)
+            in_chunk = (topk_index >= start) & (topk_index < start + chunk_rows)
+            if in_chunk.any():
+                values, ids = (logits[topk_index[in_chunk] - start] - log_z[topk_index[in_chunk] - start]).topk(k)
+                topk_logprobs[in_chunk], topk_ids[in_chunk] = values, ids
+            probs = (logits - log_z).exp_()  # reuse the logits buffer: d CE / d logits = p - onehot
+            probs.scatter_add_(1, labels[rows, None], -torch.ones_like(label_logit))
+            grad_hidden[rows] = (probs * (w / total_weight)).to(head_weight.dtype) @ head_weight
+        ctx.save_for_backward(grad_hidden)
+        ctx.mark_non_differentiable(ranks, topk_logprobs, topk_ids)
+        return loss / total_weight, ranks, topk_logprobs, topk_ids
+
+    @staticmethod
+    def backward(ctx, grad_loss, *unused):
+        (grad_hidden,) = ctx.saved_tensors
+        return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None, None, None
+
+
+def dense_lm_head_loss(hidden, head_weight, labels, row_weights):
+    """Reference: the same loss with all logits materialised (for tests and bench/loss_memory.py)."""
+    logits = (hidden @ head_weight.T).float()
+    ce = F.cross_entropy(logits, labels, reduction="none")
+    return (ce * row_weights).sum() / row_weights.sum().clamp_min(1e-12)
+
+
+def chunk_rows_for(vocab_size: int, chunk_bytes: int = 256 * 2**20) -> int:
+    return max(1, chunk_bytes // (4 * vocab_size))
+
+
+@dataclass
+class ObjectiveConfig:
+    block_size: int
+    mask_token_id: int
+    num_anchors: int = 512
+    gamma: float | None = None  # None: the paper's value for the block size
+    ddtree_budget: int = 64     # budget B of the ddtree_accept@B metric
+    ddtree_blocks: int = 16     # blocks per step sampled for ddtree_accept@B
+    chunk_bytes: int = 256 * 2**20
+
+
+def training_step(drafter, target, features, input_ids, loss_mask, cfg: ObjectiveConfig,
+                  generator: torch.Generator, use_flex: bool):
+    """One training forward: (loss, metrics). `metrics` maps names to [sum, count] tensors so that
+    ranks and micro-batches can be summed before dividing (see `finalize_metrics`)."""
+    gamma = resolve_gamma(cfg.gamma, cfg.block_size)
+    anchors, valid = sample_anchors(loss_mask, cfg.num_anchors, generator)
+    blocks = build_blocks(input_ids, loss_mask, anchors, valid, cfg.block_size, cfg.mask_token_id, gamma)
+    hidden = drafter_hidden(drafter, target, features, blocks, use_flex)
+
+    rows = blocks.weights.view(-1) > 0
+    row_index = torch.nonzero(rows).squeeze(1)
+    sampled = sample_complete_blocks(blocks, cfg.ddtree_blocks, generator)
+    topk_rows = torch.zeros_like(blocks.weights, dtype=torch.bool)
+    topk_rows.view(-1, cfg.block_size)[sampled, 1:] = True
+    head = target.get_output_embeddings().weight
+    k = min(cfg.ddtree_budget, head.shape[0])
+    loss, ranks, topk_logprobs, topk_ids = ChunkedLMHeadLoss.apply(
+        hidden.reshape(-1, hidden.shape[-1])[row_index], head, blocks.labels.view(-1)[row_index],
+        blocks.weights.view(-1)[row_index], topk_rows.view(-1)[row_index], k,
+        chunk_rows_for(head.shape[0], cfg.chunk_bytes))
+
+    label_rank = torch.full_like(blocks.labels, torch.iinfo(torch.long).max)
+    label_rank.view(-1)[row_index] = ranks
+    metrics = rank_metrics(label_rank, blocks)
+    metrics[f"ddtree_accept@{cfg.ddtree_budget}"] = ddtree_accept_metric(
+        topk_logprobs.view(len(sampled), cfg.block_size - 1, k),
+        topk_ids.view(len(sampled), cfg.block_size - 1, k),
+        blocks.labels.view(-1, cfg.block_size)[sampled, 1:], cfg.ddtree_budget)
+    metrics["loss"] = torch.stack([loss.detach(), loss.new_ones(())])
+    return loss, metrics
+
+
+def sample_complete_blocks(blocks: Blocks, count: int, generator: torch.Generator) -> torch.Tensor:
+    """Flat indices of up to `count` blocks whose slots 1..B-1 are all supervised."""
+    complete = (blocks.weights[..., 1:] > 0).all(-1).view(-1)
+    index = torch.nonzero(complete).squeeze(1)
+    order = torch.randperm(len(index), generator=generator, device=generator.device).to(index.device)
+    return index[order[:count]].sort().values
+
+
+def _mean(values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    """[sum, count] of `values` over `where`."""
+    return torch.stack([(values.float() * where).sum(), where.float().sum()])
+
+
+def rank_metrics(label_rank: torch.Tensor, blocks: Blocks) -> dict[str, torch.Tensor]:
+    """Teacher-forced metrics from each slot's label rank in the drafter's distribution.
+
+    acc / top4_acc / top8_acc: P(label is the drafter's top-1 / in its top-4 / top-8), over supervised
+        slots, overall and per block position (`acc_pos` etc. hold a [sum, count] row per slot 1..B-1).
+    streak: mean tokens one greedy single-path verify would commit per block = 1 (bonus) + the number
+        of leading slots whose label is the drafter's top-1. It estimates DFlash tau under teacher
+        forcing; blocks cut short by the sequence end count only their supervised slots (a lower bound).
+    ddtree_streak4 / ddtree_streak8: the same where a slot counts as accepted if its label is in the
+        drafter's top-4 / top-8, an optimistic stand-in for a tree with 4 / 8 children everywhere.
+    """
+    supervised = blocks.weights[..., 1:] > 0
+    rank = label_rank[..., 1:]
+    metrics = {}
+    for name, k in (("acc", 1), ("top4_acc", 4), ("top8_acc", 8)):
+        hit = (rank < k) & supervised
+        metrics[name] = _mean(hit, supervised)
+        metrics[f"{name}_pos"] = torch.stack([hit.float().sum((0, 1)), supervised.float().sum((0, 1))], 1)
+    for name, k in (("streak", 1), ("ddtree_streak4", 4), ("ddtree_streak8", 8)):
+        accepted = ((rank < k) & supervised).long().cumprod(-1).sum(-1)
+        metrics[name] = _mean(accepted + 1, blocks.valid)
+    return metrics
+
+
+def ddtree_accept_metric(topk_logprobs, topk_ids, labels, budget: int) -> torch.Tensor:
+    """ddtree_accept@B: exact teacher-forced DDTree acceptance at budget B, as [sum, count].
+
+    For each sampled complete block, build the best-first tree of B nodes from the block's per-position
+    marginals (top-k per position suffices: no depth holds more than B nodes) and walk it along the
+    labels; the value is the tokens that verify would commit (accepted depth + 1 bonus). It estimates
+    DDTree tau at budget B when the drafter's context is the target's own text.
+    """
+    if labels.shape[0] == 0:
+        return topk_logprobs.new_zeros(2)
+    committed = [teacher_forced_accept(build_tree_from_logprobs(lp, ids, budget), lab)
+                 for lp, ids, lab in zip(topk_logprobs, topk_ids, labels)]
+    return torch.stack([topk_logprobs.new_tensor(float(sum(committed))),
+                        topk_logprobs.new_tensor(float(len(committed)))])
+
+
+def finalize_metrics(summed: dict[str, torch.Tensor]) -> dict[str, float | list[float]]:
+    """[sum, count] -> mean (NaN where count is 0); per-position rows -> a list per slot 1..B-1."""
+    out = {}
+    for name, value in summed.items():
+        ratio = value[..., 0] / value[..., 1]
+        out[name] = ratio.tolist() if ratio.dim() else (float(ratio) if value[1] > 0 else math.nan)
+    return out

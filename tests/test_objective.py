@@ -1,0 +1,209 @@
+import math
+
+import pytest
+import torch
+
+from conftest import MASK_ID, make_drafter
+from drafter.model import DraftCache
+from drafter.objective import (ChunkedLMHeadLoss, ObjectiveConfig, build_blocks, dense_block_mask,
+                               dense_lm_head_loss, drafter_hidden, finalize_metrics, position_weights,
+                               rank_metrics, resolve_gamma, sample_anchors, training_step)
+from drafter.target import context_features
+
+B = 8
+
+
+def padded_batch(lengths, seed=0, vocab=250):
+    gen = torch.Generator().manual_seed(seed)
+    T = max(lengths)
+    ids = torch.randint(0, vocab, (len(lengths), T), generator=gen)
+    loss_mask = torch.zeros(len(lengths), T, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        loss_mask[i, 3:n] = 1  # a 3-token "prompt", then supervised response
+        ids[i, n:] = 0  # padding
+    return ids, loss_mask
+
+
+def training_logits(drafter, target, features, blocks, use_flex):
+    hidden = drafter_hidden(drafter, target, features, blocks, use_flex)
+    return target.lm_head(hidden)
+
+
+@pytest.mark.parametrize("use_flex", [False, True], ids=["dense", "flex"])
+def test_training_logits_equal_inference_logits(drafter, target, use_flex):
+    """DESIGN.md contract 2 on a padded batch of sequences of different lengths, several anchors each."""
+    ids, loss_mask = padded_batch([29, 40, 17])
+    features = context_features(target, ids, drafter.target_layer_ids)
+    anchors, valid = sample_anchors(loss_mask, 5, torch.Generator().manual_seed(3))
+    blocks = build_blocks(ids, loss_mask, anchors, valid, B, MASK_ID, gamma=7.0)
+    with torch.no_grad():
+        train = training_logits(drafter, target, features, blocks, use_flex)
+    checked = 0
+    for i in range(ids.shape[0]):
+        for a in range(anchors.shape[1]):
+            if not valid[i, a]:
+                continue
+            p = int(anchors[i, a])
+            block = torch.tensor([[int(ids[i, p])] + [MASK_ID] * (B - 1)])
+            infer = drafter.draft_logits(target, features[i:i + 1, :p], block, DraftCache())
+            torch.testing.assert_close(train[i, a, 1:], infer[0], rtol=1e-4, atol=1e-4)
+            checked += 1
+    assert checked >= 12  # every sequence contributed anchors, including the short one
+
+
+@pytest.mark.parametrize("use_flex", [False, True], ids=["dense", "flex"])
+def test_features_at_or_after_anchor_have_no_influence(drafter, target, use_flex):
+    ids, loss_mask = padded_batch([33, 26], seed=1)
+    features = context_features(target, ids, drafter.target_layer_ids)
+    anchors, valid = sample_anchors(loss_mask, 4, torch.Generator().manual_seed(0))
+    blocks = build_blocks(ids, loss_mask, anchors, valid, B, MASK_ID, gamma=7.0)
+    with torch.no_grad():
+        base = training_logits(drafter, target, features, blocks, use_flex)
+        p = int(anchors[0, 1])
+        perturbed = features.clone()
+        perturbed[0, p:] += 5 * torch.randn_like(perturbed[0, p:])
+        moved = training_logits(drafter, target, perturbed, blocks, use_flex)
+    torch.testing.assert_close(moved[0, :2], base[0, :2], rtol=0, atol=1e-5)  # anchors <= p
+    assert (moved[0, 2:] - base[0, 2:]).abs().max() > 1e-3  # later anchors do see position p
+    torch.testing.assert_close(moved[1], base[1], rtol=0, atol=0)  # other sequences untouched
+
+
+def test_flex_and_dense_paths_agree(drafter, target):
+    ids, loss_mask = padded_batch([40, 22], seed=2)
+    features = context_features(target, ids, drafter.target_layer_ids)
+    anchors, valid = sample_anchors(loss_mask, 6, torch.Generator().manual_seed(1))
+    blocks = build_blocks(ids, loss_mask, anchors, valid, B, MASK_ID, gamma=7.0)
+    with torch.no_grad():
+        dense = training_logits(drafter, target, features, blocks, use_flex=False)
+        flex = training_logits(drafter, target, features, blocks, use_flex=True)
+    torch.testing.assert_close(flex, dense, rtol=1e-4, atol=1e-4)
+
+
+def test_block_mask_sees_strict_past_and_own_block_only():
+    anchors = torch.tensor([[2, 5]])
+    mask = dense_block_mask(anchors, seq_len=8, block_size=3)[0, 0]
+    # block 0 (anchor 2): context 0..1 visible, 2.. not; own keys 8..10 only
+    assert mask[0, :8].tolist() == [True, True] + [False] * 6
+    assert mask[4, :8].tolist() == [True] * 5 + [False] * 3
+    assert mask[1, 8:].tolist() == [True, True, True, False, False, False]
+    assert mask[5, 8:].tolist() == [False, False, False, True, True, True]
+
+
+def test_anchors_are_supervised_distinct_and_redrawn():
+    _, loss_mask = padded_batch([30, 12], seed=3)
+    loss_mask[0, 10] = 0  # p=9 and p=10 are no longer candidates
+    gen = torch.Generator().manual_seed(0)
+    anchors, valid = sample_anchors(loss_mask, 100, gen)
+    for i in range(2):
+        chosen = anchors[i][valid[i]].tolist()
+        expected = [p for p in range(loss_mask.shape[1] - 1) if loss_mask[i, p] and loss_mask[i, p + 1]]
+        assert chosen == expected  # all candidates, sorted, nothing else
+    few, few_valid = sample_anchors(loss_mask, 4, gen)
+    again, _ = sample_anchors(loss_mask, 4, gen)
+    assert few_valid.all() and few.shape == (2, 4)
+    assert not torch.equal(few, again)  # redrawn every call
+    same, _ = sample_anchors(loss_mask, 4, torch.Generator().manual_seed(0))
+    first, _ = sample_anchors(loss_mask, 4, torch.Generator().manual_seed(0))
+    assert torch.equal(same, first)  # seeded
+
+
+def test_block_slots_past_sequence_or_supervised_span_get_zero_weight():
+    ids = torch.arange(12)[None]
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1]])
+    anchors, valid = torch.tensor([[2, 9]]), torch.tensor([[True, True]])
+    blocks = build_blocks(ids, loss_mask, anchors, valid, 6, MASK_ID, gamma=7.0)
+    w = position_weights(6, 7.0)
+    # anchor 2: slots 1..3 (pos 3..5) supervised, pos 6 unsupervised ends the span
+    assert torch.equal(blocks.weights[0, 0], w * torch.tensor([0, 1, 1, 1, 0, 0.]))
+    # anchor 9: pos 10, 11 exist; 12.. run past the sequence
+    assert torch.equal(blocks.weights[0, 1], w * torch.tensor([0, 1, 1, 0, 0, 0.]))
+    assert blocks.ids[0, 0].tolist() == [2] + [MASK_ID] * 5
+    assert blocks.labels[0, 0, :4].tolist() == [2, 3, 4, 5]  # same-position labels
+    assert blocks.positions[0, 1].tolist() == list(range(9, 15))
+
+
+@pytest.mark.parametrize("gamma", [2.0, 10.0])
+def test_loss_weights_follow_configured_gamma(drafter, target, gamma):
+    """The loss is sum_k w_k CE_k / sum_k w_k with w_k = exp(-(k-1)/gamma) for the configured gamma."""
+    ids, loss_mask = padded_batch([40, 40], seed=4)
+    features = context_features(target, ids, drafter.target_layer_ids)
+    cfg = ObjectiveConfig(block_size=B, mask_token_id=MASK_ID, num_anchors=6, gamma=gamma)
+    loss, _ = training_step(drafter, target, features, ids, loss_mask, cfg,
+                            torch.Generator().manual_seed(5), use_flex=False)
+    anchors, valid = sample_anchors(loss_mask, 6, torch.Generator().manual_seed(5))
+    blocks = build_blocks(ids, loss_mask, anchors, valid, B, MASK_ID, gamma=1.0)
+    with torch.no_grad():
+        logits = training_logits(drafter, target, features, blocks, use_flex=False)
+    ce = torch.nn.functional.cross_entropy(logits[..., 1:, :].reshape(-1, 256),
+                                           blocks.labels[..., 1:].reshape(-1), reduction="none")
+    supervised = (blocks.weights[..., 1:] > 0).reshape(-1)  # gamma=1.0 above only marks the slots
+    w = torch.exp(-torch.arange(B - 1) / gamma).repeat(ce.numel() // (B - 1)) * supervised
+    torch.testing.assert_close(loss.detach(), (w * ce).sum() / w.sum(), rtol=1e-5, atol=1e-6)
+    assert position_weights(16, gamma)[2] / position_weights(16, gamma)[1] == pytest.approx(math.exp(-1 / gamma))
+
+
+def test_default_gamma_by_block_size():
+    assert [resolve_gamma(None, b) for b in (16, 10, 8)] == [7.0, 5.0, 4.0]
+    assert resolve_gamma(10, 16) == 10.0
+    with pytest.raises(ValueError, match="gamma"):
+        resolve_gamma(None, 12)
+
+
+def test_chunked_loss_matches_dense_loss_and_gradients():
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(37, 16, generator=gen, requires_grad=True)
+    head = torch.randn(300, 16, generator=gen)
+    labels = torch.randint(0, 300, (37,), generator=gen)
+    weights = torch.rand(37, generator=gen)
+    topk_rows = torch.zeros(37, dtype=torch.bool)
+    topk_rows[[3, 20, 36]] = True
+    loss, ranks, topk_lp, topk_ids = ChunkedLMHeadLoss.apply(hidden, head, labels, weights, topk_rows, 5, 8)
+    (grad,) = torch.autograd.grad(3 * loss, hidden)
+    ref_hidden = hidden.detach().clone().requires_grad_(True)
+    ref = dense_lm_head_loss(ref_hidden, head, labels, weights)
+    (ref_grad,) = torch.autograd.grad(3 * ref, ref_hidden)
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(grad, ref_grad)
+    logits = hidden.detach() @ head.T
+    assert torch.equal(ranks, (logits > logits.gather(1, labels[:, None])).sum(1))
+    logprobs = logits.log_softmax(-1)
+    torch.testing.assert_close(topk_lp, logprobs[[3, 20, 36]].topk(5).values)
+    assert torch.equal(topk_ids, logprobs[[3, 20, 36]].topk(5).indices)
+
+
+def test_streak_and_accuracy_metrics_on_known_ranks():
+    ids = torch.arange(20)[None]
+    loss_mask = torch.ones(1, 20, dtype=torch.long)
+    anchors, valid = torch.tensor([[0, 5, 10]]), torch.tensor([[True, True, False]])
+    blocks = build_blocks(ids, loss_mask, anchors, valid, 5, MASK_ID, gamma=7.0)
+    ranks = torch.tensor([[[0, 0, 0, 5, 0], [0, 3, 0, 0, 9], [0, 0, 0, 0, 0]]])
+    m = finalize_metrics(rank_metrics(ranks, blocks))
+    assert m["streak"] == pytest.approx((1 + 2 + 1 + 0) / 2)  # (2 accepted + bonus), (0 + bonus)
+    assert m["ddtree_streak4"] == pytest.approx((1 + 2 + 1 + 3) / 2)
+    assert m["ddtree_streak8"] == pytest.approx((1 + 4 + 1 + 3) / 2)
+    assert m["acc"] == pytest.approx(5 / 8)
+    assert m["top4_acc"] == pytest.approx(6 / 8) and m["top8_acc"] == pytest.approx(7 / 8)
+    assert m["acc_pos"] == pytest.approx([0.5, 1.0, 0.5, 0.5])
+
+
+def test_training_step_reports_all_metrics_and_learns(target):
+    drafter = make_drafter(target, num_layers=1).train()
+    ids, loss_mask = padded_batch([48, 48, 30], seed=6)
+    features = context_features(target, ids, drafter.target_layer_ids)
+    cfg = ObjectiveConfig(block_size=B, mask_token_id=MASK_ID, num_anchors=8, ddtree_budget=16)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    losses = []
+    for step in range(25):
+        loss, metrics = training_step(drafter, target, features, ids, loss_mask, cfg,
+                                      torch.Generator().manual_seed(step), use_flex=False)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    m = finalize_metrics(metrics)
+    for key in ("loss", "acc", "top4_acc", "top8_acc", "streak", "ddtree_streak4", "ddtree_streak8",
+                "ddtree_accept@16"):
+        assert math.isfinite(m[key]), key
+    assert 1.0 <= m["streak"] <= m["ddtree_streak4"] <= m["ddtree_streak8"] <= B
+    assert 1.0 <= m["ddtree_accept@16"] <= B
+    assert sum(losses[-5:]) < 0.8 * sum(losses[:5])
