@@ -1,0 +1,88 @@
+"""Run logging: one console line per log step, the same numbers (and more) in metrics.jsonl and W&B."""
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+
+def human_duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def console_line(m: dict) -> str:
+    """`[3m] step=31 loss=4.0696 acc=0.000 streak=1.0 lr=6.85e-06 noise=0.1000 gnorm=1.23 | tgt=0.63b/s
+    dft=0.62b/s (24.6Ktok/s) | q_pre=[50, 50] | epoch~0.01 ETA=5.2d`"""
+    return (f"[{human_duration(m['elapsed_s'])}] step={m['step']} loss={m['loss']:.4f} acc={m['acc']:.3f} "
+            f"streak={m['streak']:.2f} ddtree@{m['ddtree_budget']}={m['ddtree_accept']:.2f} "
+            f"lr={m['lr']:.2e} noise={m['noise']:.4f} gnorm={m['grad_norm']:.2f} | "
+            f"tgt={m['target_batches_per_s']:.2f}b/s dft={m['drafter_batches_per_s']:.2f}b/s "
+            f"({m['tokens_per_s'] / 1000:.1f}Ktok/s) | q_pre={m['prefetch_queue']} | "
+            f"epoch~{m['epoch_progress']:.2f} ETA={human_duration(m['eta_s'])}"
+            + (f" | skipped={m['skipped_steps']}" if m["skipped_steps"] else ""))
+
+
+class RunLogger:
+    """Rank 0 writes; other ranks hold a logger that does nothing."""
+
+    def __init__(self, cfg, is_main: bool, resume_id: str | None = None):
+        self.is_main = is_main
+        self.out_dir = Path(cfg.run.out_dir)
+        self.wandb = None
+        self.start = time.time()
+        if not is_main:
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(cfg, self.out_dir / "config.yaml", resolve=True)
+        self.metrics_file = open(self.out_dir / "metrics.jsonl", "a")
+        if cfg.wandb.enabled:
+            import wandb
+            mode = cfg.wandb.mode or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+            self.wandb = wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, name=cfg.run.name,
+                                    dir=str(self.out_dir), mode=mode, id=resume_id, resume="allow",
+                                    config=OmegaConf.to_container(cfg, resolve=True))
+
+    @property
+    def run_id(self) -> str | None:
+        return self.wandb.id if self.wandb else None
+
+    def print(self, text: str):
+        if self.is_main:
+            print(text, flush=True)
+
+    def log(self, metrics: dict, prefix: str = ""):
+        """One JSON object per call in metrics.jsonl (`prefix` names eval records), and W&B."""
+        if not self.is_main:
+            return
+        record = {"kind": prefix or "train", **metrics}
+        self.metrics_file.write(json.dumps(record) + "\n")
+        self.metrics_file.flush()
+        if self.wandb:
+            self.wandb.log({f"{prefix or 'train'}/{k}": v for k, v in _flatten(metrics).items()},
+                           step=metrics["step"])
+
+    def close(self):
+        if self.is_main:
+            self.metrics_file.close()
+            if self.wandb:
+                self.wandb.finish()
+
+
+def _flatten(metrics: dict) -> dict:
+    """Lists become `name/<i>` scalars and dicts `name/<key>` (W&B charts scalars)."""
+    flat = {}
+    for key, value in metrics.items():
+        if isinstance(value, dict):
+            flat.update({f"{key}/{k}": v for k, v in _flatten(value).items()})
+        elif isinstance(value, list):
+            flat.update({f"{key}/{i}": v for i, v in enumerate(value) if isinstance(v, (int, float))})
+        elif isinstance(value, (int, float)):
+            flat[key] = value
+    return flat
