@@ -1,0 +1,140 @@
+"""Show how a prepared dataset will be batched under a config and world size, before any GPU is spent.
+
+    python data/plan.py --lengths L.npy --cfg configs/v3.yaml --world-size 8 [--json plan.json] [key.sub=value ...]
+    python data/plan.py --dataset DIR --cfg configs/v3.yaml --world-size 8
+    python data/plan.py --cfg configs/v3.yaml --world-size 8            # the dataset at data.path
+
+Lengths come from a `.npy` array, a text file with one integer per line, or the `length` column of
+a dataset saved with save_to_disk. When data.eval_path is null the eval rows are held out first,
+exactly as training does. Prints the bucket table, padding efficiency, the longest same-bucket run
+and a picture of the bucket sequence over the epoch; --json writes the statistics and, for every
+global step, the bucket id of each rank.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+from omegaconf import OmegaConf
+
+from drafter.sampler import BucketSampler, sampler_from_config, split_holdout
+
+SHADES = " .:-=+*#%@"  # share of a column's steps in a bucket, from none to all
+
+
+def read_lengths_file(path: str) -> np.ndarray:
+    """Sample lengths from a .npy array or a text file of one integer per line."""
+    if path.endswith(".npy"):
+        lengths = np.load(path)
+        if lengths.ndim != 1 or not np.issubdtype(lengths.dtype, np.integer):
+            raise ValueError(f"{path}: expected a 1-D integer array, got shape {lengths.shape} dtype {lengths.dtype}")
+        return lengths
+    lengths = []
+    with open(path) as lines:
+        for line_number, line in enumerate(lines, start=1):
+            try:
+                lengths.append(int(line))
+            except ValueError:
+                raise ValueError(f"{path}, line {line_number}: {line.strip()!r} is not an integer length") from None
+    return np.asarray(lengths, dtype=np.int64)
+
+
+def read_dataset_lengths(path: str) -> np.ndarray:
+    """The `length` column of a prepared dataset saved with save_to_disk."""
+    from datasets import Dataset, load_from_disk
+
+    dataset = load_from_disk(path)
+    if not isinstance(dataset, Dataset):
+        raise ValueError(f"{path}: expected a single Dataset, found a {type(dataset).__name__}")
+    if "length" not in dataset.column_names:
+        raise ValueError(f"{path}: no 'length' column (columns: {dataset.column_names})")
+    return np.asarray(dataset.with_format("numpy")["length"])
+
+
+def bucket_picture(step_buckets: np.ndarray, num_buckets: int, width: int = 100) -> list[str]:
+    """One text row per bucket; each column covers an equal span of steps and its shade is the
+    share of those steps that come from the bucket."""
+    columns = np.array_split(step_buckets, min(width, max(len(step_buckets), 1)))
+    rows = []
+    for bucket in range(num_buckets):
+        shares = [np.mean(column == bucket) if len(column) else 0.0 for column in columns]
+        shades = [SHADES[0] if share == 0 else SHADES[1 + int(share * (len(SHADES) - 2.001))] for share in shares]
+        rows.append(f"{bucket:>6} |{''.join(shades)}|")
+    return rows
+
+
+def format_report(stats: dict, sampler: BucketSampler, step_buckets: np.ndarray, held_out: int) -> str:
+    lines = [
+        f"{stats['samples']:,} samples ({held_out:,} held out for eval), world size {stats['world_size']}, "
+        f"{stats['tokens_per_batch']:,} tokens per batch per rank (padding counted), epoch {stats['epoch']}",
+        "",
+        f"{'bucket':>6} {'range':>13} {'samples':>11} {'batches':>9} {'% batches':>9} {'tokens':>15} {'pad eff':>7}",
+    ]
+    for bucket, row in enumerate(stats["buckets"]):
+        efficiency = row["tokens"] / row["computed_tokens"] if row["computed_tokens"] else 1.0
+        lines.append(f"{bucket:>6} {row['lo']:>6}-{row['hi']:<6} {row['samples']:>11,} {row['batches']:>9,} "
+                     f"{row['batch_pct']:>8.1f}% {row['tokens']:>15,} {efficiency:>7.3f}")
+    lines += [
+        "",
+        f"steps per epoch        {stats['num_steps']:,} (one batch per rank each, every rank in the same bucket)",
+        f"padding efficiency     {stats['pad_efficiency']:.4f} (real tokens / computed tokens)",
+        f"sequence length        min {stats['length_min']}, mean {stats['length_mean']:.1f}, max {stats['length_max']}",
+        f"longest same-bucket run {stats['max_same_bucket_run']} (cap {stats['run_cap']}"
+        + (f", relaxed from {stats['max_run']}: one bucket holds too many steps" if stats["run_cap"] > stats["max_run"] else "")
+        + ")",
+        f"skipped (too long)     {stats['skipped_too_long']:,} samples over {sampler.max_length} tokens",
+        f"dropped (remainder)    {stats['dropped_samples']:,} samples in {stats['dropped_batches']} batches "
+        f"(each bucket's batch count is cut to a multiple of the world size)",
+        "",
+        f"bucket sequence over the epoch ({len(step_buckets):,} steps, left to right; shade = share of the column's steps):",
+        *bucket_picture(step_buckets, sampler.num_buckets),
+        "first steps: " + "".join(str(b) if b < 10 else "+" for b in step_buckets[:100].tolist()),
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--lengths", help=".npy array or text file with one integer length per line")
+    source.add_argument("--dataset", help="prepared dataset directory (save_to_disk) with a 'length' column")
+    parser.add_argument("--cfg", required=True, help="YAML config with a data: section")
+    parser.add_argument("--world-size", type=int, default=1)
+    parser.add_argument("--epoch", type=int, default=0)
+    parser.add_argument("--json", help="write the statistics and per-step bucket ids here")
+    parser.add_argument("overrides", nargs="*", help="OmegaConf dotlist overrides, e.g. data.tokens_per_batch=32768")
+    args = parser.parse_args(argv)
+
+    cfg = OmegaConf.merge(OmegaConf.load(args.cfg), OmegaConf.from_dotlist(args.overrides))
+    data_cfg = cfg.data
+    if args.lengths:
+        lengths = read_lengths_file(args.lengths)
+    elif args.dataset:
+        lengths = read_dataset_lengths(args.dataset)
+    elif not OmegaConf.is_missing(data_cfg, "path"):
+        lengths = read_dataset_lengths(data_cfg.path)
+    else:
+        parser.error("give --lengths or --dataset, or set data.path in the config")
+
+    held_out = 0
+    if data_cfg.eval_path is None:
+        train_rows, eval_rows = split_holdout(len(lengths), data_cfg.eval_fraction, data_cfg.seed)
+        lengths, held_out = lengths[train_rows], len(eval_rows)
+    sampler = sampler_from_config(lengths, data_cfg, args.world_size)
+    stats = sampler.stats(args.epoch)
+    epoch_plan = sampler.epoch_plan(args.epoch)
+    print(format_report(stats, sampler, epoch_plan.step_buckets, held_out))
+
+    first_samples = epoch_plan.samples[epoch_plan.offsets[:-1]]  # bucket of each rank's actual batch
+    rank_buckets = sampler.sample_buckets[first_samples].reshape(len(epoch_plan), args.world_size)
+    plan = {**stats, "held_out": held_out, "steps": rank_buckets.tolist()}
+    if args.json:
+        Path(args.json).write_text(json.dumps(plan))
+        print(f"\nwrote {args.json}")
+    return plan
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
