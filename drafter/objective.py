@@ -262,10 +262,8 @@ def ddtree_accept_metric(topk_logprobs, topk_ids, labels, budget: int) -> torch.
     """
     if labels.shape[0] == 0:
         return topk_logprobs.new_zeros(2)
-    committed = [teacher_forced_accept(build_tree_from_logprobs(lp, ids, budget), lab)
-                 for lp, ids, lab in zip(topk_logprobs, topk_ids, labels)]
-    return torch.stack([topk_logprobs.new_tensor(float(sum(committed))),
-                        topk_logprobs.new_tensor(float(len(committed)))])
+    committed = teacher_forced_accept(build_tree_from_logprobs(topk_logprobs, topk_ids, budget), labels)
+    return torch.stack([committed.sum().float(), committed.new_tensor(len(committed)).float()])
 
 
 def finalize_metrics(summed: dict[str, torch.Tensor]) -> dict[str, float | list[float]]:

@@ -3,7 +3,7 @@ import os
 import pytest
 import torch
 
-torch.set_num_threads(int(os.environ.get("TEST_TORCH_THREADS", "2")))
+torch.set_num_threads(int(os.environ.get("TEST_TORCH_THREADS", "1")))
 
 from drafter.model import DFlashDraftModel, drafter_config  # noqa: E402
 from drafter.target import random_qwen3  # noqa: E402

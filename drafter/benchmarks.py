@@ -1,0 +1,100 @@
+"""Prompt sets for eval/ddtree_accept.py: the papers' hub benchmarks and local JSONL files.
+
+A prompt set is a list of `Prompt`s: messages that come before the first generated turn (e.g. a
+system prompt) and the user turns, each sent after the model's answer to the previous one
+(MT-Bench style). Hub sets use the prompt formats and sample counts of the DFlash/DDTree papers
+(128 samples, 164 for HumanEval, 80 for MT-Bench), drawn with a fixed shuffle.
+
+Local JSONL: one object per line with one of
+    {"prompt": str}                       a single user turn
+    {"turns": [str, ...]}                 user turns, multi-turn
+    {"messages": [{"role", "content"}]}   OpenAI style, ending with the user turn to answer
+"""
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+REASON_BOXED = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+CODE_TASK = "Write a solution to the following problem and make sure that it passes the tests:\n"
+
+
+@dataclass
+class Prompt:
+    source: str                 # "path:line" or "hub name:row"
+    history: list[dict]         # messages before the first user turn
+    turns: list[str]            # user turns, answered one after the other
+
+
+def _alpaca(row: dict) -> list[str]:
+    return [f"{row['instruction']}\n\nInput:\n{row['input']}" if row["input"] else row["instruction"]]
+
+
+# name -> (load_dataset args, split, sample count, row -> user turns)
+HUB_BENCHMARKS = {
+    "gsm8k": (("openai/gsm8k", "main"), "test", 128, lambda row: [row["question"] + REASON_BOXED]),
+    "math500": (("HuggingFaceH4/MATH-500",), "test", 128, lambda row: [row["problem"] + REASON_BOXED]),
+    "humaneval": (("openai/openai_humaneval",), "test", 164,
+                  lambda row: [f"{CODE_TASK}```python\n{row['prompt']}\n```"]),
+    "mbpp": (("google-research-datasets/mbpp", "sanitized"), "test", 128, lambda row: [row["prompt"]]),
+    "mt-bench": (("HuggingFaceH4/mt_bench_prompts",), "train", 80, lambda row: list(row["prompt"])),
+    "alpaca": (("tatsu-lab/alpaca",), "train", 128, _alpaca),
+}
+
+
+def load_prompts(spec: str, max_samples: int | None = None) -> tuple[str, list[Prompt]]:
+    """(benchmark name, prompts) for a hub benchmark name or a local JSONL path."""
+    if spec in HUB_BENCHMARKS:
+        prompts = load_hub(spec)
+        name = spec
+    elif Path(spec).is_file():
+        prompts = load_jsonl(Path(spec))
+        name = Path(spec).stem
+    else:
+        raise ValueError(f"--bench {spec!r}: neither a file nor one of {', '.join(HUB_BENCHMARKS)}")
+    return name, prompts[:max_samples] if max_samples is not None else prompts
+
+
+def load_hub(name: str) -> list[Prompt]:
+    import datasets
+
+    load_args, split, count, turns_of = HUB_BENCHMARKS[name]
+    rows = datasets.load_dataset(*load_args, split=split)
+    rows = rows.shuffle(seed=0).select(range(min(count, len(rows))))
+    return [Prompt(f"{name}:{i}", [], turns_of(row)) for i, row in enumerate(rows)]
+
+
+def load_jsonl(path: Path) -> list[Prompt]:
+    """Prompts of a local JSONL file; a bad line raises ValueError naming the file, line and reason."""
+    prompts = []
+    with open(path, encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            source = f"{path}:{number}"
+            try:
+                prompts.append(parse_prompt(json.loads(line), source))
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{source}: not valid JSON ({error.msg})") from None
+    if not prompts:
+        raise ValueError(f"{path}: no prompts")
+    return prompts
+
+
+def parse_prompt(row, source: str) -> Prompt:
+    if not isinstance(row, dict):
+        raise ValueError(f"{source}: expected a JSON object, found {type(row).__name__}")
+    if isinstance(row.get("prompt"), str) and row["prompt"].strip():
+        return Prompt(source, [], [row["prompt"]])
+    turns = row.get("turns")
+    if isinstance(turns, list) and turns and all(isinstance(t, str) and t.strip() for t in turns):
+        return Prompt(source, [], turns)
+    messages = row.get("messages")
+    if isinstance(messages, list) and messages:
+        if not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                   and isinstance(m.get("content"), str) for m in messages):
+            raise ValueError(f"{source}: every message needs a string role and content")
+        if messages[-1]["role"] != "user":
+            raise ValueError(f"{source}: the last message must be the user turn to answer")
+        return Prompt(source, messages[:-1], [messages[-1]["content"]])
+    raise ValueError(f"{source}: expected a non-empty \"prompt\" string, a \"turns\" list of "
+                     "strings or a \"messages\" list")

@@ -1,0 +1,317 @@
+"""DDTree: a draft tree from one DFlash block, its verification by the target, and the bookkeeping.
+
+Tree build. The drafter gives per-depth distributions q_1..q_L for one block. The tree with budget N
+is the N most probable prefixes under the product of the q's (RESEARCH.md section 4), found by the
+reference's best-first search: a heap of prefixes of top-k ranks (r_1..r_d) keyed by summed
+log-probability; pop the best, push its next sibling and its first child, stop at N. On a score tie
+the lexicographically smaller rank tuple pops first (a prefix before its extensions: Python's tuple
+order in the reference heap). Nodes are numbered in pop order, so a parent precedes its children.
+
+Two backends give the same nodes in the same order:
+  compiled  the heap itself in C (`tree_heap.c`, built with the system C compiler on first use and
+            cached under ~/.cache/drafter); CPU tensors only.
+  tensor    torch ops with static shapes and no host sync (any device): per depth, a beam of the
+            best N prefixes kept in lexicographic order, then the best N over all depths.
+Scores are log-probs in fixed point (int64, 2^-32 nats), so sums are exact on every device and in
+every order, and ties are real ties. When fewer than N prefixes exist (k + k^2 + ... + k^L < N with
+k = min(N, V)) the tree holds all of them.
+
+Verification. One target forward over [root (the bonus token) + N nodes] at positions start + depth,
+each node seeing the whole past and its own ancestors. The walk starts at the root and moves to the
+child carrying the target's token at the current node (argmax, or a sample at temperature > 0: the
+sampled walk is lossless); the token that finds no child is the next bonus. The cache rows of the
+accepted path are then moved down and the rest cropped; their hidden states are the drafter's next
+context features.
+"""
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from drafter.target import select_features
+
+SCORE_SCALE = 2.0 ** 32    # fixed-point step of a log-probability: 2^-32 nats
+SCORE_FLOOR = -2.0 ** 20   # lower clamp (-inf included), so that sums over many depths fit int64
+BACKENDS = ("auto", "compiled", "tensor")
+
+
+@dataclass
+class DraftTree:
+    """Nodes in pop order; tensors [..., N] (a leading batch dimension when built batched).
+
+    tokens: token id of each node; parents: index of the parent node, -1 for children of the root;
+    depths: 1 for children of the root. `depth_limit` is the block's number of drafted positions.
+    """
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    depth_limit: int
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[-1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Tree build
+# ---------------------------------------------------------------------------------------------
+
+def build_tree(draft_logits: torch.Tensor, budget: int, backend: str = "auto") -> DraftTree:
+    """The best-`budget` draft tree from draft logits [L, V] (or batched [b, L, V])."""
+    logits = draft_logits.float()
+    k = max(1, min(budget, logits.shape[-1]))
+    top_logits, top_ids = logits.topk(k, dim=-1)
+    return build_tree_from_logprobs(top_logits - logits.logsumexp(-1, keepdim=True), top_ids, budget,
+                                    backend)
+
+
+def build_tree_from_logprobs(topk_logprobs: torch.Tensor, topk_token_ids: torch.Tensor, budget: int,
+                             backend: str = "auto") -> DraftTree:
+    """The best-`budget` draft tree from each depth's top-k log-probs [..., L, K], sorted descending
+    along K, and their token ids [..., L, K]. K may exceed the budget (only the first `budget`
+    columns can matter). Leading dimensions are a batch of independent blocks.
+
+    backend: "compiled" (C heap, CPU), "tensor" (torch ops, any device, no host sync) or "auto"
+    (compiled for CPU tensors when a C compiler is available, tensor otherwise).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r} not in {BACKENDS}")
+    batch_shape, (depth_limit, k) = topk_logprobs.shape[:-2], topk_logprobs.shape[-2:]
+    k = min(k, max(budget, 0))
+    if depth_limit == 0 or k == 0:
+        empty = torch.zeros((*batch_shape, 0), dtype=torch.long, device=topk_logprobs.device)
+        return DraftTree(empty, empty.clone(), empty.clone(), depth_limit)
+    scores = fixed_point(topk_logprobs[..., :k]).reshape(-1, depth_limit, k)
+    if backend == "auto":
+        backend = "compiled" if scores.device.type == "cpu" and _compiled_heap() is not None else "tensor"
+    select = _best_first_compiled if backend == "compiled" else _best_first_tensor
+    depths, ranks, parents = select(scores, budget)
+    flat_ids = topk_token_ids[..., :k].reshape(scores.shape[0], depth_limit * k)
+    tokens = flat_ids.gather(1, (depths - 1) * k + ranks)
+    n = tokens.shape[1]
+    return DraftTree(tokens.view(*batch_shape, n), parents.view(*batch_shape, n),
+                     depths.view(*batch_shape, n), depth_limit)
+
+
+def fixed_point(logprobs: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities as int64 multiples of 2^-32 nats (clamped at SCORE_FLOOR)."""
+    return (logprobs.double().clamp(min=SCORE_FLOOR) * SCORE_SCALE).round().long()
+
+
+@functools.cache
+def _compiled_heap():
+    """`ddtree_best_first` from tree_heap.c through ctypes, or None (with a warning) when it cannot
+    be built or loaded."""
+    source = Path(__file__).with_name("tree_heap.c")
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
+    cache_dir = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "drafter"
+    library = cache_dir / f"tree_heap-{digest}.so"
+    try:
+        if not library.exists():
+            _compile(source, library)
+        function = ctypes.CDLL(str(library)).ddtree_best_first
+    except (OSError, RuntimeError) as error:
+        warnings.warn(f"DDTree trees on the CPU use the tensor backend: {error}")
+        return None
+    function.restype = ctypes.c_int64
+    function.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 3
+    return function
+
+
+def _compile(source: Path, library: Path) -> None:
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        raise RuntimeError("no C compiler found (set CC)")
+    library.parent.mkdir(parents=True, exist_ok=True)
+    partial = library.with_name(f"{library.name}.{os.getpid()}.tmp")  # ranks may race: rename last
+    built = subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", str(partial), str(source)],
+                           capture_output=True, text=True)
+    if built.returncode != 0:
+        raise RuntimeError(f"building {source} failed:\n{built.stderr}")
+    os.replace(partial, library)
+
+
+def _best_first_compiled(scores: torch.Tensor, budget: int):
+    """The C heap; tensors on another device go through the host (a sync, as in the reference)."""
+    function = _compiled_heap()
+    if function is None:
+        raise RuntimeError("the compiled DDTree backend could not be built (see the warning)")
+    host_scores = scores.cpu().contiguous()
+    batch, depth_limit, k = host_scores.shape
+    depths, ranks, parents = (torch.empty((batch, budget), dtype=torch.long) for _ in range(3))
+    count = function(host_scores.data_ptr(), batch, depth_limit, k, budget, depths.data_ptr(),
+                     ranks.data_ptr(), parents.data_ptr())
+    if count < 0:
+        raise MemoryError("ddtree_best_first could not allocate its heap")
+    return tuple(t[:, :count].to(scores.device) for t in (depths, ranks, parents))
+
+
+@functools.cache
+def _children_per_parent(width: int, k: int, budget: int, device: torch.device):
+    """(counts [width], their sum): how many children of the parent at score position i (0 = best)
+    can be among the best `budget` prefixes of the next depth: (i + 1) * (r + 1) <= budget, because
+    every (parent, rank) pair at or above both positions scores at least as high (sums are exact)
+    and sorts no later. Cached: a host-to-device copy per call would synchronise."""
+    counts = [min(k, budget // (i + 1)) for i in range(width)]
+    return torch.tensor(counts, device=device), sum(counts)
+
+
+def _best_first_tensor(scores: torch.Tensor, budget: int):
+    """Depth, rank and parent of the heap's nodes in pop order, [b, n] each, with torch ops.
+
+    Depth by depth, keep the best `budget` prefixes of that depth (the parents of any prefix in the
+    tree are among the best of theirs), stored in lexicographic rank order, so that candidates
+    generated parent by parent, rank by rank, are in lexicographic order too and a stable sort by
+    score applies the heap's tie rule. Across depths, lexicographic order is the preorder of the
+    union of the beams, computed from subtree sizes. Shapes depend only on (L, k, budget).
+    """
+    batch, depth_limit, k = scores.shape
+    device = scores.device
+    batch_index = torch.arange(batch, device=device)[:, None]
+    width = min(budget, k)
+    beams = [(scores[:, 0, :width], torch.full((batch, width), -1, device=device),
+              torch.arange(width, device=device).expand(batch, width))]
+    for depth in range(1, depth_limit):
+        parent_score = beams[-1][0]
+        per_position, total = _children_per_parent(width, k, budget, device)
+        by_score = parent_score.argsort(dim=1, descending=True, stable=True)
+        position = torch.empty_like(by_score).scatter_(
+            1, by_score, torch.arange(width, device=device).expand(batch, width))
+        counts = per_position[position].reshape(-1)
+        owner = torch.repeat_interleave(torch.arange(batch * width, device=device), counts,
+                                        output_size=batch * total)
+        first = counts.cumsum(0) - counts
+        rank = (torch.arange(batch * total, device=device) - first[owner]).view(batch, total)
+        parent = owner.view(batch, total) - batch_index * width
+        candidate = parent_score.gather(1, parent) + scores[:, depth].gather(1, rank)
+        width = min(budget, total)
+        best = candidate.argsort(dim=1, descending=True, stable=True)[:, :width]
+        keep = best.sort(dim=1).values
+        beams.append((candidate.gather(1, keep), parent.gather(1, keep), rank.gather(1, keep)))
+    return _best_over_depths(beams, budget)
+
+
+def _best_over_depths(beams, budget: int):
+    """The best `budget` prefixes of all beams, in pop order: score descending, then preorder."""
+    ones = [torch.ones_like(score) for score, _, _ in beams]
+    sizes = ones[:]  # subtree sizes within the union of the beams
+    for depth in range(len(beams) - 1, 0, -1):
+        sizes[depth - 1] = ones[depth - 1].scatter_add(1, beams[depth][1], sizes[depth])
+    preorder = [sizes[0].cumsum(1) - sizes[0]]
+    for depth in range(1, len(beams)):
+        parent = beams[depth][1]
+        below_parents = sizes[depth - 1] - 1
+        before_parent = below_parents.cumsum(1) - below_parents
+        before_here = sizes[depth].cumsum(1) - sizes[depth]
+        preorder.append(preorder[-1].gather(1, parent) + 1 + before_here
+                        - before_parent.gather(1, parent))
+    offsets = [0]
+    for score, _, _ in beams:
+        offsets.append(offsets[-1] + score.shape[1])
+    score = torch.cat([s for s, _, _ in beams], dim=1)
+    rank = torch.cat([r for _, _, r in beams], dim=1)
+    depth = torch.cat([torch.full_like(s, d + 1) for d, (s, _, _) in enumerate(beams)], dim=1)
+    parent = torch.cat([p if d == 0 else p + offsets[d - 1] for d, (_, p, _) in enumerate(beams)], dim=1)
+    union = score.shape[1]
+    arange = torch.arange(union, device=score.device).expand_as(score)
+    at_preorder = torch.empty_like(arange).scatter_(1, torch.cat(preorder, dim=1), arange)
+    n = min(budget, union)
+    order = score.gather(1, at_preorder).argsort(dim=1, descending=True, stable=True)[:, :n]
+    chosen = at_preorder.gather(1, order)
+    pop_index = torch.full_like(arange, -1).scatter_(1, chosen, arange[:, :n])
+    parent = parent.gather(1, chosen)
+    parent = torch.where(parent < 0, parent, pop_index.gather(1, parent.clamp(min=0)))
+    return depth.gather(1, chosen), rank.gather(1, chosen), parent
+
+
+# ---------------------------------------------------------------------------------------------
+# Verification
+# ---------------------------------------------------------------------------------------------
+
+def tree_visibility(tree: DraftTree) -> torch.Tensor:
+    """[N+1, N+1] bool over verify rows (0 = root, 1 + i = node i): a row sees itself and its ancestors."""
+    rows = tree.size + 1
+    device = tree.parents.device
+    parent_row = torch.cat([torch.zeros(1, dtype=torch.long, device=device), tree.parents + 1])
+    visible = torch.eye(rows, dtype=torch.bool, device=device)
+    every_row = torch.arange(rows, device=device)
+    ancestor = parent_row
+    for _ in range(tree.depth_limit):
+        visible[every_row, ancestor] = True
+        ancestor = parent_row[ancestor]
+    return visible
+
+
+def tree_verify_inputs(tree: DraftTree, root_token: torch.Tensor, start: int, dtype: torch.dtype):
+    """(input_ids [1, N+1], position_ids [1, N+1], additive attention mask [1, 1, N+1, start+N+1])
+    for a target forward over the tree on top of a cache holding positions 0..start-1."""
+    device = tree.tokens.device
+    input_ids = torch.cat([root_token.view(1), tree.tokens])[None]
+    positions = start + torch.cat([torch.zeros(1, dtype=torch.long, device=device), tree.depths])[None]
+    rows = tree.size + 1
+    mask = torch.zeros((1, 1, rows, start + rows), dtype=dtype, device=device)
+    mask[0, 0, :, start:].masked_fill_(~tree_visibility(tree), torch.finfo(dtype).min)
+    return input_ids, positions, mask
+
+
+def _on_path(tree: DraftTree, wanted: torch.Tensor) -> torch.Tensor:
+    """Nodes whose token equals `wanted` at the node and at every ancestor ([..., N] bool)."""
+    match = tree.tokens == wanted
+    is_top = tree.parents < 0
+    parent = tree.parents.clamp(min=0)
+    on_path = match & is_top
+    for _ in range(tree.depth_limit - 1):
+        on_path = match & (is_top | on_path.gather(-1, parent))
+    return on_path
+
+
+def follow_tree(tree: DraftTree, picks: torch.Tensor) -> torch.Tensor:
+    """Verify rows of the accepted path, root (row 0) first, given the target's token `picks` [N+1]
+    at every verify row; the next bonus token is picks[path[-1]]. An unbatched tree only."""
+    on_path = _on_path(tree, picks[tree.parents + 1])
+    return torch.cat([torch.zeros(1, dtype=torch.long, device=picks.device),
+                      on_path.nonzero().view(-1) + 1])
+
+
+def teacher_forced_accept(tree: DraftTree, labels: torch.Tensor) -> torch.Tensor:
+    """Tokens committed (accepted depth + 1, the bonus included) when the walk follows `labels`
+    [..., L], the true tokens at block positions 1..L; returns [...] long, no host sync. A label that
+    no node carries (e.g. an ignore index) ends the walk."""
+    on_path = _on_path(tree, labels.gather(-1, tree.depths - 1))
+    return on_path.sum(-1) + 1
+
+
+def compact_cache(cache, past_length: int, keep_rows: torch.Tensor) -> None:
+    """Keep positions 0..past_length-1 of a HF DynamicCache, then its rows past_length + keep_rows
+    (in that order); drop the rest."""
+    for layer in cache.layers:
+        if getattr(layer, "is_sliding", False):
+            raise NotImplementedError("tree verification needs full-attention cache layers")
+        if layer.keys is None or layer.keys.numel() == 0:
+            continue
+        for name in ("keys", "values"):
+            states = getattr(layer, name)
+            kept = states[..., past_length:, :].index_select(-2, keep_rows)
+            states[..., past_length:past_length + len(keep_rows), :] = kept
+            setattr(layer, name, states[..., :past_length + len(keep_rows), :])
+
+
+def truncate_cache(cache, length: int) -> None:
+    """Drop every cache position from `length` on."""
+    for layer in cache.layers:
+        if layer.keys is not None and layer.keys.shape[-2] > length:
+            layer.keys, layer.values = layer.keys[..., :length, :], layer.values[..., :length, :]
+
+
+def path_features(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int],
+                  path_rows: torch.Tensor) -> torch.Tensor:
+    """The drafter's next context features [1, len(path), K*H]: the verify forward's features at
+    the accepted path's rows."""
+    return select_features(hidden_states, layer_ids).index_select(1, path_rows)

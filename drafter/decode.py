@@ -1,0 +1,198 @@
+"""Generation with a frozen HF target: plain autoregressive decoding (`ar`), DFlash single-path
+speculative decoding (`dflash`) and DDTree tree verification (`ddtree`), on one prompt.
+
+All three share one loop and the conventions of the public `dflash_generate`: the prefill's
+token is the first output and the first root; each step commits the tokens accepted after the root
+plus the target's bonus token, at most up to `max_new_tokens` in all; a stop token among them ends
+generation after it. `acceptance_lengths` holds the tokens committed per target verify forward
+(tau, bonus included). At temperature 0 every method returns exactly the `ar` tokens (up to
+floating-point ties); above it, `dflash` uses speculative rejection sampling and `ddtree` the
+sampled tree walk, both lossless in distribution.
+"""
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from drafter.ddtree import (build_tree, compact_cache, follow_tree, path_features, tree_verify_inputs,
+                            truncate_cache)
+from drafter.model import DraftCache
+from drafter.target import select_features
+
+METHODS = ("ar", "dflash", "ddtree")
+STAGES = ("draft", "tree_build", "verify", "commit")
+
+
+@dataclass
+class Generation:
+    """One response: generated tokens after the prompt, tau per step, and timings (seconds)."""
+    output_ids: list[int]
+    acceptance_lengths: list[int]
+    decode_seconds: float
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+
+
+class StageTimer:
+    """Wall time per stage; on CUDA it synchronises around stages only when `synchronize` is set."""
+
+    def __init__(self, device: torch.device, synchronize: bool = False):
+        self.synchronize = synchronize and device.type == "cuda"
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def __call__(self, stage: str):
+        if self.synchronize:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        yield
+        if self.synchronize:
+            torch.cuda.synchronize()
+        self.seconds[stage] += time.perf_counter() - start
+
+
+def pick(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The target's token per row of logits [..., V]: argmax, or a sample at `temperature`."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return torch.multinomial(probs.view(-1, probs.shape[-1]), 1).view(probs.shape[:-1])
+
+
+def speculative_sample(draft_tokens: torch.Tensor, target_probs: torch.Tensor,
+                       draft_probs: torch.Tensor) -> tuple[int, int]:
+    """(accepted count, bonus token) for a drafted path [m] with target probs [m+1, V] and draft
+    probs [m, V]: accept token i with probability min(1, p/q); at the first rejection sample from
+    the normalised residual max(p - q, 0), else the bonus from the last target row."""
+    m = draft_tokens.shape[0]
+    rows = torch.arange(m, device=draft_tokens.device)
+    p, q = target_probs[rows, draft_tokens], draft_probs[rows, draft_tokens]
+    accepted = int((torch.rand_like(q) * q < p).long().cumprod(0).sum())
+    if accepted == m:
+        return m, int(torch.multinomial(target_probs[m], 1))
+    residual = (target_probs[accepted] - draft_probs[accepted]).clamp(min=0)
+    if residual.sum() <= 0:
+        residual = target_probs[accepted]
+    return accepted, int(torch.multinomial(residual, 1))
+
+
+class _Steps:
+    """One decode step per method: returns the committed tokens after the root and the context
+    features of the root and the accepted tokens (None for `ar`)."""
+
+    def __init__(self, target, drafter, budget, temperature, max_length, timer, tree_backend):
+        self.target, self.drafter = target, drafter
+        self.budget, self.temperature = budget, temperature
+        self.max_length, self.timer, self.tree_backend = max_length, timer, tree_backend
+        self.cache = DynamicCache(config=target.config)
+        self.draft_cache = DraftCache()
+
+    def positions(self, start: int, length: int) -> torch.Tensor:
+        return torch.arange(start, start + length, device=self.target.device)[None]
+
+    def prefill(self, prompt_ids: torch.Tensor, features: bool):
+        out = self.target(prompt_ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1,
+                          output_hidden_states=features)
+        context = select_features(out.hidden_states, self.drafter.target_layer_ids) if features else None
+        return int(pick(out.logits[0, -1], self.temperature)), context
+
+    def ar(self, root: int, start: int, context):
+        with self.timer("verify"):
+            out = self.target(torch.tensor([[root]], device=self.target.device),
+                              position_ids=self.positions(start, 1), past_key_values=self.cache,
+                              use_cache=True)
+        with self.timer("commit"):
+            return [int(pick(out.logits[0, -1], self.temperature))], None
+
+    def draft(self, root: int, block_size: int, context):
+        block = torch.full((1, block_size), self.drafter.mask_token_id, device=self.target.device)
+        block[0, 0] = root
+        return block, self.drafter.draft_logits(self.target, context, block, self.draft_cache)[0]
+
+    def dflash(self, root: int, start: int, context):
+        verify_size = min(self.drafter.block_size, self.max_length - start)  # as the public loop
+        with self.timer("draft"):
+            block, logits = self.draft(root, verify_size, context)
+            if self.temperature > 0:
+                draft_probs = torch.softmax(logits / self.temperature, dim=-1)
+                block[0, 1:] = torch.multinomial(draft_probs, 1)[:, 0]
+            else:
+                block[0, 1:] = logits.argmax(-1)
+        with self.timer("verify"):
+            out = self.target(block, position_ids=self.positions(start, verify_size),
+                              past_key_values=self.cache, use_cache=True, output_hidden_states=True)
+        with self.timer("commit"):
+            drafted = block[0, 1:]
+            if self.temperature > 0:
+                target_probs = torch.softmax(out.logits[0].float() / self.temperature, dim=-1)
+                accepted, bonus = speculative_sample(drafted, target_probs, draft_probs)
+            else:
+                posterior = out.logits[0].argmax(-1)
+                accepted = int((drafted == posterior[:-1]).long().cumprod(0).sum())
+                bonus = int(posterior[accepted])
+            features = select_features(out.hidden_states, self.drafter.target_layer_ids)
+            return drafted[:accepted].tolist() + [bonus], features[:, :accepted + 1]
+
+    def ddtree(self, root: int, start: int, context):
+        with self.timer("draft"):
+            block, logits = self.draft(root, self.drafter.block_size, context)
+        with self.timer("tree_build"):
+            tree = build_tree(logits, self.budget, self.tree_backend)
+        with self.timer("verify"):
+            input_ids, position_ids, mask = tree_verify_inputs(tree, block[0, 0], start, self.target.dtype)
+            out = self.target(input_ids, position_ids=position_ids, attention_mask=mask,
+                              past_key_values=self.cache, use_cache=True, output_hidden_states=True)
+        with self.timer("commit"):
+            picks = pick(out.logits[0], self.temperature)
+            path = follow_tree(tree, picks)
+            committed = input_ids[0, path[1:]].tolist() + [int(picks[path[-1]])]
+            compact_cache(self.cache, start, path)
+            return committed, path_features(out.hidden_states, self.drafter.target_layer_ids, path)
+
+
+@torch.inference_mode()
+def generate(target, prompt_ids: torch.Tensor, max_new_tokens: int, stop_token_ids=(), *,
+             method: str = "ar", drafter=None, budget: int | None = None, temperature: float = 0.0,
+             synchronize_stages: bool = False, tree_backend: str = "auto") -> Generation:
+    """Generate after `prompt_ids` [1, n] with `method` ("ar", "dflash", or "ddtree" with `budget`
+    tree nodes); `drafter` is a DFlashDraftModel for the speculative methods."""
+    if method not in METHODS:
+        raise ValueError(f"method {method!r} not in {METHODS}")
+    if method != "ar" and drafter is None:
+        raise ValueError(f"method {method!r} needs a drafter")
+    if method == "ddtree" and (budget is None or budget < 1):
+        raise ValueError("ddtree needs a tree budget >= 1")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    num_prompt = prompt_ids.shape[1]
+    max_length = num_prompt + max_new_tokens
+    timer = StageTimer(target.device, synchronize_stages)
+    steps = _Steps(target, drafter, budget, temperature, max_length, timer, tree_backend)
+    step = getattr(steps, method)
+    stops = set(stop_token_ids)
+
+    root, context = steps.prefill(prompt_ids, features=method != "ar")
+    tokens, start, lengths = prompt_ids[0].tolist() + [root], num_prompt, []
+    stopped = root in stops
+    if target.device.type == "cuda":
+        torch.cuda.synchronize()
+    decode_start = time.perf_counter()
+    while start + 1 < max_length and not stopped:
+        committed, features = step(tokens[start], start, context)
+        with timer("commit"):
+            produced = min(len(committed), max_length - start - 1)
+            for i, token in enumerate(committed[:produced]):
+                if token in stops:
+                    produced, stopped = i + 1, True
+                    break
+            tokens += committed[:produced]
+            start += produced
+            truncate_cache(steps.cache, start)
+            context = None if features is None else features[:, :produced]
+        lengths.append(produced)
+    if target.device.type == "cuda":
+        torch.cuda.synchronize()
+    return Generation(tokens[num_prompt:], lengths, time.perf_counter() - decode_start,
+                      dict(timer.seconds))

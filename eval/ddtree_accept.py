@@ -1,0 +1,303 @@
+"""Acceptance length, speedup and losslessness of a DFlash drafter under DDTree verification.
+
+    python eval/ddtree_accept.py --ckpt runs/v3/checkpoints/latest \\
+        [--bench gsm8k,math500,prompts.jsonl] [--budgets 16,32,64,128,256,512] [--temperature 0] \\
+        [--max-new-tokens 2048] [--max-samples N] [--out results.json] [--save-samples]
+    torchrun --nproc_per_node 8 eval/ddtree_accept.py ...        # prompts split over the ranks
+
+Runs, on the same prompts: plain autoregressive decoding (`ar`), DFlash single-path verification
+(`dflash`) and DDTree at each budget (`ddtree@N`). The target and the chat settings come from the
+drafter's config (`dflash_config.target_path`, `chat_template_kwargs`); `--target` and
+`--enable-thinking` override them. Writes the JSON report, prints a markdown table and saves two
+plots next to --out. Definitions: RESEARCH.md section 3 (tau counts the bonus token; speedup is the
+ratio of decode time per output token to `ar`'s, prefill excluded).
+"""
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+from transformers import AutoTokenizer
+
+from drafter.benchmarks import load_prompts
+from drafter.chat import render_prompt
+from drafter.decode import STAGES, generate
+from drafter.model import DFlashDraftModel
+from drafter.target import load_target
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ckpt", required=True, help="a drafter dir, or a run checkpoint holding drafter/")
+    parser.add_argument("--target", help="target path or hub id (default: the drafter config's)")
+    parser.add_argument("--bench", default="gsm8k,math500,humaneval,mbpp,mt-bench,alpaca",
+                        help="comma-separated hub benchmark names or local JSONL files")
+    parser.add_argument("--budgets", default="16,32,64,128,256,512")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--max-new-tokens", type=int, default=2048)
+    parser.add_argument("--max-samples", type=int, help="at most this many prompts per benchmark")
+    parser.add_argument("--out", default="results.json")
+    parser.add_argument("--save-samples", action="store_true", help="store token ids per response")
+    parser.add_argument("--enable-thinking", choices=["true", "false"],
+                        help="override the checkpoint's chat_template_kwargs.enable_thinking")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="auto: bfloat16 on GPU, float32 on CPU")
+    parser.add_argument("--tree-backend", default="auto", choices=["auto", "compiled", "tensor"])
+    parser.add_argument("--sync-stages", action="store_true",
+                        help="synchronise CUDA around every stage so that stage times are exact")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    args.budgets = [int(b) for b in args.budgets.split(",") if b]
+    if any(b < 1 for b in args.budgets):
+        parser.error("--budgets must be positive integers")
+    return args
+
+
+def drafter_dir(ckpt: str) -> Path:
+    """`ckpt` itself when it is a drafter dir, else its `drafter/` subdir."""
+    for candidate in (Path(ckpt), Path(ckpt) / "drafter"):
+        config = candidate / "config.json"
+        if config.is_file() and "DFlashDraftModel" in json.loads(config.read_text()).get("architectures", []):
+            return candidate
+    raise FileNotFoundError(f"{ckpt}: no DFlashDraftModel config.json here or in {ckpt}/drafter")
+
+
+def setup_distributed() -> tuple[int, int, torch.device]:
+    """(rank, world size, device); initialises torch.distributed under torchrun."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        return dist.get_rank(), world, device
+    return 0, 1, device
+
+
+class Evaluator:
+    """The models and settings shared by every benchmark."""
+
+    def __init__(self, args, device: torch.device):
+        dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
+                 "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+        directory = drafter_dir(args.ckpt)
+        self.drafter = DFlashDraftModel.from_pretrained(directory, dtype=dtype).to(device).eval()
+        recorded = self.drafter.config.dflash_config
+        self.target_path = args.target or recorded.get("target_path")
+        if not self.target_path:
+            raise ValueError(f"{directory}/config.json records no dflash_config.target_path: pass --target")
+        self.target = load_target(self.target_path, device, dtype)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.target_path)
+        thinking = recorded.get("chat_template_kwargs", {}).get("enable_thinking", False)
+        self.enable_thinking = thinking if args.enable_thinking is None else args.enable_thinking == "true"
+        eos = self.target.generation_config.eos_token_id or self.tokenizer.eos_token_id
+        self.stop_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        self.methods = ["ar", "dflash"] + [f"ddtree@{b}" for b in args.budgets]
+        self.args, self.dtype = args, dtype
+
+    def generate(self, method: str, prompt_ids: torch.Tensor, max_new_tokens: int):
+        name, _, budget = method.partition("@")
+        return generate(self.target, prompt_ids, max_new_tokens, self.stop_token_ids, method=name,
+                        drafter=self.drafter, budget=int(budget) if budget else None,
+                        temperature=self.args.temperature, synchronize_stages=self.args.sync_stages,
+                        tree_backend=self.args.tree_backend)
+
+    def prompt_ids(self, messages: list[dict]) -> torch.Tensor:
+        text = render_prompt(self.tokenizer, messages, self.enable_thinking)
+        ids = self.tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+        return ids.to(self.target.device)
+
+    def run_prompt(self, prompt, method: str) -> list[dict]:
+        """One record per user turn; later turns follow this method's own earlier answers."""
+        messages, records = list(prompt.history), []
+        for turn, text in enumerate(prompt.turns):
+            messages.append({"role": "user", "content": text})
+            ids = self.prompt_ids(messages)
+            result = self.generate(method, ids, self.args.max_new_tokens)
+            records.append({"source": prompt.source, "turn": turn, "prompt_ids": ids[0].tolist(),
+                            "output_ids": result.output_ids,
+                            "acceptance_lengths": result.acceptance_lengths,
+                            "decode_seconds": result.decode_seconds,
+                            "stage_seconds": result.stage_seconds})
+            answer = self.tokenizer.decode(result.output_ids, skip_special_tokens=True)
+            messages.append({"role": "assistant", "content": answer})
+        return records
+
+    def warm_up(self, prompt):
+        """First calls pay for allocation and kernel selection: keep them out of the timings."""
+        ids = self.prompt_ids(list(prompt.history) + [{"role": "user", "content": prompt.turns[0]}])
+        for method in self.methods:
+            self.generate(method, ids, min(16, self.args.max_new_tokens))
+
+
+def run_benchmark(evaluator: Evaluator, prompts, rank: int, world: int) -> dict[str, list[dict]]:
+    """Records per method for this rank's share of the prompts, gathered on every rank."""
+    shard = prompts[rank::world]
+    records = {method: [] for method in evaluator.methods}
+    if shard:
+        evaluator.warm_up(shard[0])
+    for prompt in tqdm(shard, desc="prompts", disable=rank != 0, dynamic_ncols=True):
+        for method in evaluator.methods:
+            records[method] += evaluator.run_prompt(prompt, method)
+    if world > 1:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, records)
+        records = {m: [r for part in gathered for r in part[m]] for m in evaluator.methods}
+    order = {(p.source, t): i for i, p in enumerate(prompts) for t in range(len(p.turns))}
+    return {m: sorted(rs, key=lambda r: order[(r["source"], r["turn"])]) for m, rs in records.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------------
+
+def summarize(records: list[dict], reference: list[dict], greedy: bool, save_samples: bool) -> dict:
+    """Figures of one method on one benchmark; `reference` holds `ar`'s records in the same order.
+
+    tau: mean over responses of each response's mean tokens per step (tau_pooled: over all steps);
+    tau_histogram[i]: steps that committed i + 1 tokens; acceptance_by_depth[d - 1]: fraction of
+    steps that accepted at least d drafted tokens; lossless (temperature 0 only): every response
+    equals `ar`'s, divergence_rate the fraction that do not.
+    """
+    steps = [length for r in records for length in r["acceptance_lengths"]]
+    per_response = [sum(r["acceptance_lengths"]) / len(r["acceptance_lengths"])
+                    for r in records if r["acceptance_lengths"]]
+    longest = max(steps, default=1)
+    output_tokens = sum(len(r["output_ids"]) for r in records)
+    decode_seconds = sum(r["decode_seconds"] for r in records)
+    divergent = sum(r["output_ids"] != ref["output_ids"] for r, ref in zip(records, reference))
+    summary = {
+        "tau": sum(per_response) / len(per_response) if per_response else None,
+        "tau_pooled": sum(steps) / len(steps) if steps else None,
+        "tau_histogram": [steps.count(k) for k in range(1, longest + 1)],
+        "acceptance_by_depth": [sum(s > d for s in steps) / len(steps) if steps else None
+                                for d in range(1, longest)],
+        "time_per_output_token": decode_seconds / output_tokens if output_tokens else None,
+        "stage_ms_per_step": {stage: 1e3 * sum(r["stage_seconds"].get(stage, 0.0) for r in records)
+                              / max(len(steps), 1)
+                              for stage in STAGES if any(stage in r["stage_seconds"] for r in records)},
+        "lossless": divergent == 0 if greedy else None,
+        "divergence_rate": divergent / len(records) if greedy and records else None,
+        "responses": len(records),
+        "output_tokens": output_tokens,
+        "steps": len(steps),
+    }
+    if save_samples:
+        summary["samples"] = [{key: r[key] for key in ("source", "turn", "prompt_ids", "output_ids",
+                                                       "acceptance_lengths")} for r in records]
+    return summary
+
+
+def report(records_by_bench: dict, args, evaluator: Evaluator, world: int) -> dict:
+    benchmarks = {}
+    for bench, records in records_by_bench.items():
+        methods = {m: summarize(rs, records["ar"], args.temperature <= 0, args.save_samples)
+                   for m, rs in records.items()}
+        ar_time = methods["ar"]["time_per_output_token"]
+        for summary in methods.values():
+            tpot = summary["time_per_output_token"]
+            summary["speedup"] = ar_time / tpot if ar_time and tpot else None
+        benchmarks[bench] = {"methods": methods}
+    config = {"ckpt": args.ckpt, "target": evaluator.target_path, "budgets": args.budgets,
+              "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
+              "enable_thinking": evaluator.enable_thinking, "dtype": str(evaluator.dtype),
+              "device": str(evaluator.target.device), "world_size": world,
+              "block_size": evaluator.drafter.block_size, "stage_times_synchronized":
+              args.sync_stages or evaluator.target.device.type != "cuda"}
+    return {"config": config, "benchmarks": benchmarks}
+
+
+def markdown_table(results: dict) -> str:
+    def fmt(value, spec):
+        return "-" if value is None else format(value, spec)
+
+    lines = ["| bench | method | tau | tau pooled | ms/token | speedup | lossless | "
+             + " | ".join(f"{s} ms/step" for s in STAGES) + " |",
+             "|---|---|---:|---:|---:|---:|:---:|" + "---:|" * len(STAGES)]
+    for bench, entry in results["benchmarks"].items():
+        for method, s in entry["methods"].items():
+            tpot = s["time_per_output_token"]
+            lossless = "-" if s["lossless"] is None else ("yes" if s["lossless"] else
+                                                          f"no ({s['divergence_rate']:.0%} differ)")
+            stages = " | ".join(fmt(s["stage_ms_per_step"].get(st), ".2f") for st in STAGES)
+            lines.append(f"| {bench} | {method} | {fmt(s['tau'], '.2f')} | {fmt(s['tau_pooled'], '.2f')} "
+                         f"| {fmt(tpot and tpot * 1e3, '.2f')} | {fmt(s['speedup'], '.2f')} "
+                         f"| {lossless} | {stages} |")
+    return "\n".join(lines)
+
+
+def save_plots(results: dict, out: Path) -> list[Path]:
+    """The tau histogram per benchmark and method, and tau and speedup against the tree budget."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib import ticker
+
+    benches = results["benchmarks"]
+    fig, axes = plt.subplots(1, len(benches), figsize=(5 * len(benches), 3.5), squeeze=False)
+    for ax, (bench, entry) in zip(axes[0], benches.items()):
+        for method, s in entry["methods"].items():
+            if method != "ar" and s["steps"]:
+                fractions = [c / s["steps"] for c in s["tau_histogram"]]
+                ax.plot(range(1, len(fractions) + 1), fractions, marker="o", label=method)
+        ax.set(title=bench, xlabel="tokens committed per step (tau)", ylabel="fraction of steps")
+        ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
+        ax.legend(fontsize=7)
+    histogram = out.with_name(out.stem + "_tau_hist.png")
+    fig.tight_layout()
+    fig.savefig(histogram, dpi=120)
+    plt.close(fig)
+
+    fig, (tau_ax, speed_ax) = plt.subplots(1, 2, figsize=(10, 3.5))
+    for bench, entry in benches.items():
+        tree = {int(m.split("@")[1]): s for m, s in entry["methods"].items() if m.startswith("ddtree@")}
+        budgets = sorted(tree)
+        for ax, key in ((tau_ax, "tau"), (speed_ax, "speedup")):
+            line = ax.plot(budgets, [tree[b][key] for b in budgets], marker="o", label=f"{bench} ddtree")
+            dflash = entry["methods"]["dflash"][key]
+            if dflash is not None:
+                ax.axhline(dflash, linestyle="--", color=line[0].get_color(), label=f"{bench} dflash")
+    for ax, label in ((tau_ax, "tau (tokens per verify)"), (speed_ax, "speedup over ar")):
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(ticker.ScalarFormatter())
+        ax.set(xlabel="tree budget", ylabel=label)
+        ax.legend(fontsize=7)
+    budget_plot = out.with_name(out.stem + "_budget.png")
+    fig.tight_layout()
+    fig.savefig(budget_plot, dpi=120)
+    plt.close(fig)
+    return [histogram, budget_plot]
+
+
+def main(argv=None) -> dict | None:
+    args = parse_args(argv)
+    rank, world, device = setup_distributed()
+    torch.manual_seed(args.seed + rank)
+    evaluator = Evaluator(args, device)
+    prompt_sets = [load_prompts(spec, args.max_samples) for spec in args.bench.split(",") if spec]
+    records = {}
+    for name, prompts in prompt_sets:
+        if rank == 0:
+            print(f"{name}: {len(prompts)} prompts, methods {', '.join(evaluator.methods)}", flush=True)
+        records[name] = run_benchmark(evaluator, prompts, rank, world)
+    if world > 1:
+        dist.destroy_process_group()
+    if rank != 0:
+        return None
+    results = report(records, args, evaluator, world)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    print(markdown_table(results))
+    plots = save_plots(results, out)
+    print(f"wrote {out}, {', '.join(map(str, plots))}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,293 @@
+import itertools
+import tempfile
+import time
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from bench.tree_build import heapq_tree, topk_logprobs, trees_equal
+from conftest import make_drafter
+from drafter.ddtree import (build_tree, build_tree_from_logprobs, compact_cache, fixed_point,
+                            follow_tree, path_features, teacher_forced_accept, tree_verify_inputs,
+                            tree_visibility)
+from drafter.decode import generate, speculative_sample
+from drafter.target import select_features
+
+BACKENDS = ["compiled", "tensor"]
+
+
+def random_logits(gen, depth, vocab, kind):
+    if kind == "normal":
+        return torch.randn(depth, vocab, generator=gen) * 2
+    if kind == "tied":  # few distinct values: ties within and across depths
+        return torch.randint(0, 3, (depth, vocab), generator=gen).float()
+    # log-probs of exactly 0 (probability 1 in fp32): a child ties with its parent
+    return torch.randint(0, 2, (depth, vocab), generator=gen).float() * 200
+
+
+# ---------------------------------------------------------------------------------------------
+# Tree build
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_build_equals_heapq_reference(backend):
+    gen = torch.Generator().manual_seed(0)
+    for case in range(150):
+        depth, vocab, budget = (int(torch.randint(1, high, (1,), generator=gen)) for high in (7, 12, 80))
+        logits = random_logits(gen, depth, vocab, ("normal", "tied", "peaked")[case % 3])
+        logprobs, ids = topk_logprobs(logits, budget)
+        reference = heapq_tree(logprobs, ids, budget)
+        assert trees_equal(build_tree(logits, budget, backend), reference), (case, depth, vocab, budget)
+
+
+def all_prefixes_ranked(logits):
+    """Every token prefix (depth 1..L) sorted best first: score, then lexicographic token ranks."""
+    logprobs, ids = topk_logprobs(logits, logits.shape[1])
+    scores = fixed_point(logprobs).tolist()
+    prefixes = []
+    for depth in range(1, logits.shape[0] + 1):
+        for ranks in itertools.product(range(logits.shape[1]), repeat=depth):
+            score = sum(scores[d][r] for d, r in enumerate(ranks))
+            prefixes.append((-score, ranks, tuple(int(ids[d, r]) for d, r in enumerate(ranks))))
+    return [tokens for _, _, tokens in sorted(prefixes)]
+
+
+def node_prefixes(tree):
+    prefixes = []
+    for i in range(tree.size):
+        parent = int(tree.parents[i])
+        prefixes.append((prefixes[parent] if parent >= 0 else ()) + (int(tree.tokens[i]),))
+    return prefixes
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["normal", "tied"])
+def test_tree_is_the_best_prefixes_in_pop_order(backend, kind):
+    """Against brute force over all prefixes (no heap): the N best, best first; parents first."""
+    gen = torch.Generator().manual_seed(1)
+    for budget in (1, 5, 17, 40):
+        logits = random_logits(gen, 3, 4, kind)
+        tree = build_tree(logits, budget, backend)
+        assert node_prefixes(tree) == all_prefixes_ranked(logits)[:budget]
+        parents = tree.parents.tolist()
+        assert all(p < i for i, p in enumerate(parents))
+        assert all(d == (1 if p < 0 else tree.depths[p] + 1) for d, p in zip(tree.depths.tolist(), parents))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_budget_beyond_all_prefixes_keeps_them_all(backend):
+    logits = torch.randn(2, 3, generator=torch.Generator().manual_seed(2))
+    tree = build_tree(logits, 20, backend)
+    assert tree.size == 3 + 9
+    assert sorted(node_prefixes(tree)) == sorted(all_prefixes_ranked(logits))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_budget_one_is_the_top_token(backend):
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(3))
+    tree = build_tree(logits, 1, backend)
+    assert tree.tokens.tolist() == [int(logits[0].argmax())]
+    assert tree.parents.tolist() == [-1] and tree.depths.tolist() == [1]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_batched_build_equals_one_block_at_a_time(backend):
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.stack([random_logits(gen, 4, 9, "tied") for _ in range(6)])
+    logprobs, ids = topk_logprobs(logits, 30)
+    batched = build_tree_from_logprobs(logprobs, ids, 30, backend)
+    for block in range(6):
+        single = build_tree(logits[block], 30, backend)
+        assert torch.equal(batched.tokens[block], single.tokens)
+        assert torch.equal(batched.parents[block], single.parents)
+
+
+def test_teacher_forced_accept_walks_the_labels():
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(8, 5, 6, generator=gen)
+    labels = torch.stack([logits[b].argmax(-1) for b in range(8)])
+    labels[::2, 2] = (labels[::2, 2] + 1) % 6       # a miss at depth 3 in half of the blocks
+    labels[1, 0] = -100                             # an ignore index never matches
+    logprobs, ids = topk_logprobs(logits, 12)
+    tree = build_tree_from_logprobs(logprobs, ids, 12)
+    accepted = teacher_forced_accept(tree, labels)
+    for b in range(8):
+        prefixes = set(node_prefixes(build_tree(logits[b], 12)))
+        expected = 0
+        while expected < 5 and tuple(labels[b, :expected + 1].tolist()) in prefixes:
+            expected += 1
+        assert int(accepted[b]) == expected + 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Verification
+# ---------------------------------------------------------------------------------------------
+
+def test_visibility_is_ancestors_and_self():
+    tree = build_tree(torch.randn(4, 5, generator=torch.Generator().manual_seed(6)), 25)
+    visible = tree_visibility(tree)
+    for row in range(tree.size + 1):
+        expected, node = {0, row}, row - 1
+        while node >= 0:
+            expected.add(node + 1)
+            node = int(tree.parents[node])
+        assert set(visible[row].nonzero().view(-1).tolist()) == expected
+
+
+def test_tree_forward_matches_causal_forward_and_compaction(target):
+    """Each node's logits equal a plain causal forward over its path; the compacted cache and the
+    path features equal those of a causal forward over the accepted path."""
+    layer_ids = [1, 4]
+    prompt = torch.randint(0, 250, (1, 9), generator=torch.Generator().manual_seed(7))
+    cache = DynamicCache(config=target.config)
+    target(prompt[:, :-1], past_key_values=cache, use_cache=True)
+    start, root = prompt.shape[1] - 1, prompt[0, -1]
+    tree = build_tree(torch.randn(3, 256, generator=torch.Generator().manual_seed(8)), 12)
+    input_ids, positions, mask = tree_verify_inputs(tree, root, start, target.dtype)
+    out = target(input_ids, position_ids=positions, attention_mask=mask, past_key_values=cache,
+                 use_cache=True, output_hidden_states=True)
+    paths = node_prefixes(tree)
+    for node in range(tree.size):
+        causal = target(torch.cat([prompt, torch.tensor([paths[node]])], dim=1)).logits[0, -1]
+        torch.testing.assert_close(out.logits[0, node + 1], causal, rtol=0, atol=2e-5)
+
+    deepest = max(range(tree.size), key=lambda i: (len(paths[i]), i))  # the last one popped
+    rows = [0] + [i + 1 for i in range(tree.size) if paths[i] == paths[deepest][:len(paths[i])]]
+    rows = torch.tensor(rows)
+    assert rows.tolist() != list(range(len(rows)))  # rows really move
+    compact_cache(cache, start, rows)
+    full = target(torch.cat([prompt, torch.tensor([paths[deepest]])], dim=1), use_cache=True,
+                  output_hidden_states=True)
+    assert cache.get_seq_length() == start + len(rows)
+    for ours, theirs in zip(cache.layers, full.past_key_values.layers):
+        torch.testing.assert_close(ours.keys, theirs.keys[..., :start + len(rows), :], rtol=0, atol=2e-5)
+        torch.testing.assert_close(ours.values, theirs.values[..., :start + len(rows), :], rtol=0, atol=2e-5)
+    torch.testing.assert_close(path_features(out.hidden_states, layer_ids, rows),
+                               select_features(full.hidden_states, layer_ids)[:, start:],
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_follow_tree_stops_at_first_missing_child():
+    tree = build_tree(torch.randn(3, 4, generator=torch.Generator().manual_seed(9)), 10)
+    paths = node_prefixes(tree)
+    deepest = max(range(tree.size), key=lambda i: len(paths[i]))
+    picks = torch.full((tree.size + 1,), 99)  # 99 is no node's token: every walk ends there
+    picks[0] = paths[deepest][0]
+    for i in range(tree.size):
+        if paths[i] == paths[deepest][:len(paths[i])] and len(paths[i]) < len(paths[deepest]):
+            picks[i + 1] = paths[deepest][len(paths[i])]
+    path = follow_tree(tree, picks)
+    assert [paths[r - 1] for r in path[1:].tolist()] == [paths[deepest][:d] for d in
+                                                         range(1, len(paths[deepest]) + 1)]
+    assert int(picks[path[-1]]) == 99
+
+
+# ---------------------------------------------------------------------------------------------
+# Generation: losslessness and agreement with the public loop
+# ---------------------------------------------------------------------------------------------
+
+class OracleDrafter:
+    """A real drafter (it keeps the draft cache) whose proposals are replaced by a known
+    continuation: the true token ranks first, except at every 4th position where a decoy outranks
+    it, so that a chain stops there and a tree can go on."""
+
+    def __init__(self, drafter, continuation: list[int]):
+        self.drafter, self.continuation = drafter, continuation
+        self.block_size, self.mask_token_id = drafter.block_size, drafter.mask_token_id
+        self.target_layer_ids = drafter.target_layer_ids
+
+    def draft_logits(self, target, ctx_features, block_ids, cache):
+        logits = self.drafter.draft_logits(target, ctx_features, block_ids, cache)
+        start = cache.length
+        proposal = torch.zeros_like(logits)
+        for k in range(logits.shape[1]):
+            position = start + 1 + k
+            if position < len(self.continuation):
+                true = self.continuation[position]
+                proposal[0, k, true] = 5.0
+                if position % 4 == 0:
+                    proposal[0, k, (true + 1) % logits.shape[-1]] = 6.0
+        return proposal
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    return torch.randint(0, 250, (1, 10), generator=torch.Generator().manual_seed(10))
+
+
+def run(target, prompt, method, drafter=None, budget=None, max_new=30, stops=(), temperature=0.0):
+    return generate(target, prompt, max_new, stops, method=method, drafter=drafter, budget=budget,
+                    temperature=temperature)
+
+
+def test_greedy_methods_are_lossless_and_trees_accept_more(target, prompt):
+    drafter = make_drafter(target)
+    reference = run(target, prompt, "ar", max_new=48)
+    oracle = OracleDrafter(drafter, prompt[0].tolist() + reference.output_ids)
+    assert reference.acceptance_lengths == [1] * 47
+    taus = {}
+    for method, budget, proposers in [("dflash", None, (drafter, oracle)), ("ddtree", 1, (oracle,)),
+                                      ("ddtree", 4, (oracle,)), ("ddtree", 32, (drafter, oracle))]:
+        for proposer in proposers:
+            result = run(target, prompt, method, proposer, budget, max_new=48)
+            assert result.output_ids == reference.output_ids, (method, budget)
+            assert sum(result.acceptance_lengths) + 1 == 48
+        taus[method, budget] = 47 / len(result.acceptance_lengths)
+    assert taus["ddtree", 1] <= 2 < taus["dflash", None] < taus["ddtree", 32]
+
+
+def step_ends(result) -> set[int]:
+    """Output indices of each step's last committed token (index 0 is the prefill's token)."""
+    return set(itertools.accumulate(result.acceptance_lengths))
+
+
+def test_stop_and_max_new_tokens_inside_an_accepted_block(target, prompt):
+    drafter = make_drafter(target)
+    reference = run(target, prompt, "ar", max_new=40)
+    oracle = OracleDrafter(drafter, prompt[0].tolist() + reference.output_ids)
+    speculative = [("dflash", None), ("ddtree", 8)]
+    ends = set.union(*(step_ends(run(target, prompt, m, oracle, b, max_new=40)) for m, b in speculative))
+    first_seen = {}
+    for i, token in enumerate(reference.output_ids):
+        first_seen.setdefault(token, i)
+    # a stop token, and a last token, that both methods would have committed mid-step
+    stop = next(t for t, i in first_seen.items() if i >= 4 and i not in ends)
+    max_new = next(n for n in range(20, 40) if n - 1 not in ends)
+    expected = reference.output_ids[:first_seen[stop] + 1]
+    for method, budget in [("ar", None)] + speculative:
+        stopped = run(target, prompt, method, oracle, budget, max_new=40, stops=[stop])
+        assert stopped.output_ids == expected, method
+        assert sum(stopped.acceptance_lengths) + 1 == len(expected)
+        truncated = run(target, prompt, method, oracle, budget, max_new=max_new)
+        assert truncated.output_ids == reference.output_ids[:max_new], method
+        assert sum(truncated.acceptance_lengths) + 1 == max_new
+
+
+def test_dflash_matches_public_dflash_generate(target, prompt, monkeypatch):
+    dflash_model = pytest.importorskip("dflash.model")
+    monkeypatch.setattr(dflash_model, "_cuda_time", time.perf_counter)
+    drafter = make_drafter(target)
+    with tempfile.TemporaryDirectory() as directory:
+        drafter.save_pretrained(directory)
+        public = dflash_model.DFlashDraftModel.from_pretrained(directory).eval()
+    reference = run(target, prompt, "ar", max_new=45).output_ids
+    stop = reference[30]
+    for max_new, stops in [(45, None), (37, [stop])]:
+        theirs = dflash_model.dflash_generate(public, target, prompt, max_new, stops, return_stats=True)
+        ours = run(target, prompt, "dflash", drafter, max_new=max_new, stops=stops or ())
+        assert ours.acceptance_lengths == theirs.acceptance_lengths
+        assert ours.output_ids == theirs.output_ids[0, prompt.shape[1]:].tolist()
+
+
+def test_speculative_sampling_keeps_the_target_distribution():
+    gen = torch.Generator().manual_seed(11)
+    target_probs = torch.softmax(torch.randn(2, 4, generator=gen) * 2, -1)
+    draft_probs = torch.softmax(torch.randn(1, 4, generator=gen) * 2, -1)
+    torch.manual_seed(0)
+    trials, counts = 10000, torch.zeros(4)
+    drafts = torch.multinomial(draft_probs[0], trials, replacement=True)
+    for draft in drafts:
+        accepted, bonus = speculative_sample(draft.view(1), target_probs, draft_probs)
+        counts[int(draft) if accepted else bonus] += 1
+    torch.testing.assert_close(counts / trials, target_probs[0], rtol=0, atol=0.02)
