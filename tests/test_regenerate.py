@@ -1,0 +1,302 @@
+"""data/regenerate.py against a flaky local OpenAI-compatible stub server, and the local backend."""
+import hashlib
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from data import regenerate
+from drafter import chat
+from drafter.target import random_qwen3
+from tests.tiny_tokenizer import save_tiny_tokenizer
+
+
+def canned_answer(messages: list[dict]) -> str:
+    """The stub's answer depends on the whole history, so a test can tell which history was sent."""
+    digest = hashlib.sha256(json.dumps(messages, sort_keys=True).encode()).hexdigest()[:8]
+    return f"[{digest}] re: {messages[-1]['content']}"
+
+
+class StubServer:
+    """/v1/chat/completions on 127.0.0.1 with failures chosen by markers in the last user turn:
+    FLAKY fails twice (500, then 429) and then answers; FAIL always answers 500; REJECT answers
+    400; EMPTY answers with no text; LONG answers with finish_reason "length". With enable_thinking
+    it returns the reasoning separately, as vLLM's reasoning parser does."""
+
+    def __init__(self, delay: float = 0.02):
+        self.requests, self.attempts = [], {}
+        self.in_flight = self.max_in_flight = 0
+        self.lock = threading.Lock()
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                status, reply = stub.respond(self.path, body)
+                payload = json.dumps(reply).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, *args):
+                pass
+
+        self.delay = delay
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05},
+                                       daemon=True)
+        self.thread.start()
+
+    def respond(self, path: str, body: dict) -> tuple[int, dict]:
+        assert path == "/v1/chat/completions"
+        last = body["messages"][-1]["content"]
+        key = json.dumps(body["messages"])
+        with self.lock:
+            self.requests.append(body)
+            attempt = self.attempts[key] = self.attempts.get(key, 0) + 1
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            time.sleep(self.delay)
+            if "FAIL" in last or ("FLAKY" in last and attempt == 1):
+                return 500, {"error": "internal"}
+            if "FLAKY" in last and attempt == 2:
+                return 429, {"error": "slow down"}
+            if "REJECT" in last:
+                return 400, {"error": "bad request"}
+            content = "" if "EMPTY" in last else canned_answer(body["messages"])
+            message = {"role": "assistant", "content": content}
+            if body["chat_template_kwargs"]["enable_thinking"]:
+                message["reasoning_content"] = f"thinking about {last}"
+            finish = "length" if "LONG" in last else "stop"
+            return 200, {"choices": [{"index": 0, "message": message, "finish_reason": finish}]}
+        finally:
+            with self.lock:
+                self.in_flight -= 1
+
+    def attempts_for(self, marker: str) -> int:
+        return sum(n for key, n in self.attempts.items() if marker in json.loads(key)[-1]["content"])
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def stub():
+    server = StubServer()
+    yield server
+    server.close()
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def assistant(text):
+    return {"role": "assistant", "content": text}
+
+
+GOOD_ROWS = [
+    {"messages": [user(f"Question {i}?"), assistant(f"old answer {i}")]} for i in range(6)
+] + [
+    {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi"},
+                       {"from": "gpt", "value": "old hello"}, {"from": "human", "value": "And?"},
+                       {"from": "gpt", "value": "old and"}]},
+    {"messages": [user("Prompt only, no answer yet")]},
+    {"messages": [user("FLAKY question"), assistant("old")]},
+    {"messages": [user("LONG question"), assistant("old")]},
+]
+FAILING_ROWS = [{"messages": [user("FAIL always")]}, {"messages": [user("REJECT me")]},
+                {"messages": [user("EMPTY reply")]}]
+
+
+def write_input(path, extra_lines=()) -> str:
+    with open(path, "w") as f:
+        for row in GOOD_ROWS + FAILING_ROWS:
+            f.write(json.dumps(row) + "\n")
+        for line in extra_lines:
+            f.write(line + "\n")
+    return str(path)
+
+
+def run(stub, input_path, out, *extra) -> dict:
+    return regenerate.main(["--input", input_path, "--out", str(out), "--base-url", stub.url,
+                            "--model", "stub-model", "--concurrency", "4", "--max-retries", "3",
+                            "--backoff", "0.001", "--max-tokens", "64", *extra])
+
+
+def read_rows(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def check_rewritten(row: dict, original: dict):
+    """User and system turns kept in order; every answer is the stub's answer to the
+    regenerated history before it; a conversation ending with a user turn got an answer."""
+    before = chat.normalize_row(original)
+    after = row["messages"]
+    kept = [m for m in after if m["role"] != "assistant"]
+    assert kept == [m for m in before if m["role"] != "assistant"]
+    ends_with_user = before[-1]["role"] != "assistant"
+    expected_answers = sum(m["role"] == "assistant" for m in before) + ends_with_user
+    answers = [i for i, m in enumerate(after) if m["role"] == "assistant"]
+    assert len(answers) == expected_answers and after[-1]["role"] == "assistant"
+    for i in answers:
+        assert after[i]["content"] == canned_answer(after[:i])
+
+
+def test_server_backend_rewrites_every_turn_with_retries_and_accounting(stub, tmp_path):
+    duplicate = json.dumps(GOOD_ROWS[0])
+    input_path = write_input(tmp_path / "in.jsonl", [duplicate, "{not json"])
+    out = tmp_path / "regen.jsonl"
+
+    summary = run(stub, input_path, out)
+
+    rows = read_rows(out)
+    assert summary["total"] == len(GOOD_ROWS) + len(FAILING_ROWS)
+    assert summary["ok"] == len(rows) == len(GOOD_ROWS)
+    assert summary["failures"] == {"http_500": 1, "http_400": 1, "empty_answer": 1}
+    assert summary["failed"] == len(FAILING_ROWS)
+    assert summary["ok"] + summary["failed"] + summary["skipped_existing"] + summary["remaining"] \
+        == summary["total"]
+    assert summary["skipped_existing"] == summary["remaining"] == 0
+    assert summary["invalid"] == {"malformed_json": 1} and summary["duplicates"] == 1
+    assert summary["rows_read"] == summary["total"] + 1 + 1
+    assert summary["truncated"] == 1
+
+    by_source = {row["source"]: row for row in rows}
+    for line, original in enumerate(GOOD_ROWS, start=1):
+        row = by_source[f"{input_path}:{line}"]
+        check_rewritten(row, original)
+        assert row["truncated"] == ("LONG" in json.dumps(original))
+    assert len({row["id"] for row in rows}) == len(rows)
+
+    errors = {e["source"]: e for e in read_rows(tmp_path / "regen.errors.jsonl")}
+    first_failing = len(GOOD_ROWS) + 1
+    assert errors[f"{input_path}:{first_failing}"]["reason"] == "http_500"
+    assert errors[f"{input_path}:{first_failing + 1}"]["reason"] == "http_400"
+    assert errors[f"{input_path}:{first_failing + 2}"]["reason"] == "empty_answer"
+    assert stub.attempts_for("FAIL") == 1 + 3      # first try + --max-retries
+    assert stub.attempts_for("REJECT") == 1        # a 400 is not retried
+    assert stub.attempts_for("EMPTY") == 1
+    assert stub.attempts_for("FLAKY") == 3         # 500, 429, then the answer
+    assert all(r["model"] == "stub-model" and r["temperature"] == 0.0 and r["max_tokens"] == 64
+               and r["chat_template_kwargs"] == {"enable_thinking": False} for r in stub.requests)
+    assert stub.max_in_flight >= 2
+    assert json.loads((tmp_path / "regen.summary.json").read_text()) == summary
+
+
+def test_resume_after_interruption_loses_and_duplicates_nothing(stub, tmp_path):
+    input_path = write_input(tmp_path / "in.jsonl")
+    out = tmp_path / "regen.jsonl"
+    total = len(GOOD_ROWS) + len(FAILING_ROWS)
+
+    first = run(stub, input_path, out, "--max-rows", "4", "--concurrency", "1")
+    assert first["ok"] == 4 and first["remaining"] == total - 4
+    first_rows = read_rows(out)
+    # a crash in the middle of writing a row leaves a partial last line
+    with open(out, "a") as f:
+        f.write(json.dumps({"id": "x", "source": "y", "messages": []})[:20])
+
+    requests_before = len(stub.requests)
+    second = run(stub, input_path, out)
+    assert second["skipped_existing"] == 4
+    assert second["ok"] + second["failed"] == total - 4 and second["failed"] == len(FAILING_ROWS)
+    rows = read_rows(out)  # every line parses: the partial line is gone
+    assert rows[:4] == first_rows
+    assert len(rows) == len(GOOD_ROWS) == len({row["id"] for row in rows})
+    done_prompts = {m["content"] for row in first_rows for m in row["messages"] if m["role"] == "user"}
+    asked_again = {r["messages"][-1]["content"] for r in stub.requests[requests_before:]}
+    assert not done_prompts & asked_again
+
+    third = run(stub, input_path, out)  # only the failed rows are tried again
+    assert third["skipped_existing"] == len(GOOD_ROWS) and third["ok"] == 0
+    assert third["failed"] == len(FAILING_ROWS)
+    assert read_rows(out) == rows
+
+    with pytest.raises(SystemExit, match="other settings"):
+        run(stub, input_path, out, "--temperature", "0.7")
+
+
+def test_thinking_answers_keep_the_reasoning_inline(stub, tmp_path):
+    input_path = tmp_path / "in.jsonl"
+    input_path.write_text(json.dumps({"messages": [user("Hi")]}) + "\n")
+    out = tmp_path / "regen.jsonl"
+    summary = run(stub, str(input_path), out, "--thinking", "--system-prompt", "Be kind.")
+    assert summary["ok"] == 1
+    (row,) = read_rows(out)
+    sent = [{"role": "system", "content": "Be kind."}, user("Hi")]
+    assert row["messages"][:2] == sent
+    assert row["messages"][2]["content"] == chat.join_reasoning("thinking about Hi", canned_answer(sent))
+    assert stub.requests[0]["chat_template_kwargs"] == {"enable_thinking": True}
+
+
+def greedy_reference(model, tokenizer, prompt: str, max_new_tokens: int) -> tuple[str, bool]:
+    """One prompt, no padding, an explicit argmax loop: what batched generate must reproduce."""
+    ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    new = []
+    for _ in range(max_new_tokens):
+        with torch.no_grad():
+            token = int(model(ids).logits[0, -1].argmax())
+        if token == tokenizer.eos_token_id:
+            return tokenizer.decode(new, skip_special_tokens=True), False
+        new.append(token)
+        ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+    return tokenizer.decode(new, skip_special_tokens=True), True
+
+
+def test_local_backend_matches_unbatched_greedy_decoding(tmp_path):
+    target_dir = save_tiny_tokenizer(tmp_path / "target")
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    model = random_qwen3(vocab_size=len(tokenizer), num_hidden_layers=2)
+    # Tie the end-of-turn logit to another token's so that, with this seed, some answers stop,
+    # some hit --max-tokens and some are empty (every outcome is checked below).
+    with torch.no_grad():
+        model.lm_head.weight[tokenizer.eos_token_id] = 2.5 * model.lm_head.weight[110]
+    model.save_pretrained(target_dir)
+    rows = [
+        {"messages": [user("Hi")]},
+        {"messages": [user("Hello world"), assistant("old"), user("And of Germany?"), assistant("old")]},
+        {"messages": [user("The quick brown fox jumps over the lazy dog.")]},
+        {"messages": [user("What is the capital of France?")]},
+    ]
+    input_path = tmp_path / "in.jsonl"
+    input_path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "regen.jsonl"
+
+    summary = regenerate.main(["--input", str(input_path), "--out", str(out), "--backend", "local",
+                               "--target", str(target_dir), "--batch-size", "3", "--max-tokens", "6"])
+
+    finished = {row["source"]: row for row in read_rows(out)}
+    failed = {e["source"]: e["reason"] for e in read_rows(tmp_path / "regen.errors.jsonl")}
+    assert summary["ok"] + summary["failed"] == summary["total"] == len(rows)
+    assert len(finished) == summary["ok"] and len(failed) == summary["failed"]
+    outcomes = set()
+    for line, original in enumerate(rows, start=1):
+        source = f"{input_path}:{line}"
+        if source in failed:  # its first answer was empty
+            first_prompt = chat.render_prompt(tokenizer, original["messages"][:1], enable_thinking=False)
+            assert greedy_reference(model, tokenizer, first_prompt, 6)[0] == ""
+            assert failed[source] == "empty_answer"
+            outcomes.add("empty")
+            continue
+        row = finished[source]
+        assert [m for m in row["messages"] if m["role"] == "user"] == \
+            [m for m in original["messages"] if m["role"] == "user"]
+        truncated_any = False
+        for i, message in enumerate(row["messages"]):
+            if message["role"] == "assistant":
+                prompt = chat.render_prompt(tokenizer, row["messages"][:i], enable_thinking=False)
+                expected, truncated = greedy_reference(model, tokenizer, prompt, 6)
+                assert message["content"] == expected
+                truncated_any |= truncated
+                outcomes.add("truncated" if truncated else "stopped")
+        assert row["truncated"] == truncated_any
+    assert outcomes == {"empty", "truncated", "stopped"}
