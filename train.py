@@ -93,16 +93,21 @@ def load_datasets(data_cfg):
     return train.select(train_rows), train.select(eval_rows)
 
 
-def step_generator(seed: int, step: int, rank: int, salt: int = 0) -> torch.Generator:
+def step_generator(seed: int, step: int, rank: int, salt: int = 0, device="cpu") -> torch.Generator:
     """Anchors and noise for (step, rank) come from their own seed: resume replays them exactly."""
-    return torch.Generator().manual_seed(hash((seed, step, rank, salt)) % 2**63)
+    return torch.Generator(device=device).manual_seed(hash((seed, step, rank, salt)) % 2**63)
 
 
-def add_feature_noise(features: torch.Tensor, std: float, generator: torch.Generator) -> torch.Tensor:
+def add_feature_noise(features: torch.Tensor, std: float, num_layers: int,
+                      generator: torch.Generator) -> torch.Tensor:
+    """Gaussian noise with std `std` times each layer's per-token RMS, added in fp32: an absolute std
+    would vanish in bf16 rounding on the large hidden states of real targets."""
     if std <= 0:
         return features
-    noise = torch.randn(features.shape, generator=generator, dtype=torch.float32)
-    return features + (noise * std).to(features.device, features.dtype)
+    per_layer = features.float().unflatten(-1, (num_layers, -1))
+    rms = per_layer.pow(2).mean(-1, keepdim=True).sqrt()
+    noise = torch.randn(per_layer.shape, generator=generator, device=features.device)
+    return (per_layer + noise * (std * rms)).flatten(-2).to(features.dtype)
 
 
 def sync_time(device) -> float:
@@ -111,10 +116,16 @@ def sync_time(device) -> float:
     return time.perf_counter()
 
 
+def comm_device() -> torch.device:
+    """Where collective tensors live: NCCL only moves GPU tensors."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 def all_reduce_sum(metrics: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     names = sorted(metrics)
-    flat = torch.cat([metrics[n].reshape(-1).double() for n in names])
+    flat = torch.cat([metrics[n].reshape(-1).double() for n in names]).to(comm_device())
     dist.all_reduce(flat)
+    flat = flat.cpu()
     out, offset = {}, 0
     for n in names:
         size = metrics[n].numel()
@@ -124,7 +135,7 @@ def all_reduce_sum(metrics: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def any_rank(flag: bool) -> bool:
-    value = torch.tensor([1.0 if flag else 0.0])
+    value = torch.tensor([1.0 if flag else 0.0], device=comm_device())
     dist.all_reduce(value)
     return bool(value.item() > 0)
 
@@ -137,7 +148,8 @@ def micro_step(engine, target, batch, objective, cfg, step, micro, rank, noise, 
     loss_mask = batch["loss_mask"].to(device, non_blocking=True)
     t0 = sync_time(device)
     features = context_features(target, input_ids, engine.module.target_layer_ids)
-    features = add_feature_noise(features, noise, step_generator(cfg.run.seed, step, rank, 1 + micro))
+    features = add_feature_noise(features, noise, len(engine.module.target_layer_ids),
+                                 step_generator(cfg.run.seed, step, rank, 1 + micro, device))
     t1 = sync_time(device)
     loss, metrics = training_step(engine.module, target, features, input_ids, loss_mask, objective,
                                   step_generator(cfg.run.seed, step, rank, -1 - micro), use_flex)
@@ -183,18 +195,25 @@ class StopRequest:
         self.requested = True
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description="Train a DFlash drafter (see the module docstring).")
     parser.add_argument("--cfg", required=True, help="OmegaConf YAML, e.g. configs/v3.yaml")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed
     parser.add_argument("overrides", nargs="*", help="key.sub=value")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     try:
         cfg = load_config(args.cfg, args.overrides)
     except (ConfigError, FileNotFoundError) as error:
         sys.exit(f"config error: {error}")
 
     rank, world_size, device = init_distributed()
+    try:
+        return train(cfg, rank, world_size, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def train(cfg, rank, world_size, device) -> int:
     if device.type == "cpu":
         set_cpu_threads(cfg)
     stop = StopRequest()
@@ -206,7 +225,8 @@ def main():
     objective = ObjectiveConfig(block_size=drafter.block_size, mask_token_id=drafter.mask_token_id,
                                 num_anchors=cfg.objective.num_anchors, gamma=cfg.objective.gamma,
                                 ddtree_budget=cfg.objective.ddtree_budget,
-                                ddtree_blocks=cfg.objective.ddtree_blocks)
+                                ddtree_blocks=cfg.objective.ddtree_blocks,
+                                anchors_per_batch=cfg.objective.anchors_per_batch)
 
     train_set, eval_set = load_datasets(cfg.data)
     sampler = sampler_from_config(np.asarray(train_set["length"]), cfg.data, world_size, rank)
@@ -217,9 +237,9 @@ def main():
     if cfg.train.max_steps:
         total_steps = min(total_steps, cfg.train.max_steps)
 
-    log = RunLogger(cfg, is_main=rank == 0)
+    notes = []
     ds_config = deepspeed_config(cfg.train.ds_config, cfg, world_size, bf16=target.dtype == torch.bfloat16,
-                                 log=log.print)
+                                 log=notes.append)
     if device.type == "cpu" and "optimizer" in ds_config:
         ds_config["optimizer"].setdefault("params", {}).setdefault("torch_adam", True)
     engine, _, _, _ = deepspeed.initialize(
@@ -232,14 +252,13 @@ def main():
              "elapsed_s": 0.0}
     if resume_from is not None:
         state = load_checkpoint(engine, resume_from)
-        log.print(f"resumed from {resume_from} at step {state['step']} "
-                  f"(epoch {state['epoch']}, micro step {state['micro_step_in_epoch']})")
-    if rank == 0 and cfg.wandb.enabled:
-        log.close()
-        log = RunLogger(cfg, is_main=True, resume_id=state["wandb_id"])
-        state["wandb_id"] = log.run_id
-
+        notes.append(f"resumed from {resume_from} at step {state['step']} "
+                     f"(epoch {state['epoch']}, micro step {state['micro_step_in_epoch']})")
+    log = RunLogger(cfg, is_main=rank == 0, resume_id=state["wandb_id"])
+    state["wandb_id"] = log.run_id
     stats = sampler.stats(0)
+    for note in notes:
+        log.print(note)
     log.print(f"run {cfg.run.name}: {world_size} ranks on {device.type}, drafter "
               f"{sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M params, {total_steps} steps "
               f"({steps_per_epoch}/epoch), attention={'flex' if use_flex else 'dense'}")
@@ -253,65 +272,67 @@ def main():
     window = Window(sampler.num_buckets)
     bad_in_a_row, last_saved = 0, state["step"] if resume_from is not None else None
     accum = cfg.optim.grad_accum
-    while state["step"] < total_steps and state["epoch"] < cfg.train.epochs:
-        epoch_len = len(sampler.epoch_plan(state["epoch"]))
-        usable = epoch_len - epoch_len % accum  # every rank plans the same count: all stop together
-        loader = make_loader(train_set, sampler, state["epoch"], state["micro_step_in_epoch"],
-                             cfg.data.num_workers, cfg.data.prefetch_factor, pin_memory=device.type == "cuda")
-        with loader:
-            while state["micro_step_in_epoch"] < usable and state["step"] < total_steps:
-                step, t0 = state["step"], time.perf_counter()
-                noise = noise_std(cfg.noise, step)
-                for micro in range(accum):
-                    t_wait = time.perf_counter()
-                    batch = next(loader)
-                    window.timers["data_wait"] += time.perf_counter() - t_wait
-                    window.queue.append(loader.queue_depth())
-                    metrics = micro_step(engine, target, batch, objective, cfg, step, micro, rank, noise,
-                                         device, use_flex, window.timers)
-                    window.add(metrics, batch["bucket"])
-                    state["micro_step_in_epoch"] += 1
-                t_opt = sync_time(device)
-                engine.step()
-                window.timers["optimizer"] += sync_time(device) - t_opt
-                state["step"] = step = step + 1
-                applied = engine.was_step_applied()
-                bad_in_a_row = 0 if applied else bad_in_a_row + 1
-                window.end_step(applied, engine.get_global_grad_norm(), noise, engine.get_lr()[0],
-                                time.perf_counter() - t0)
-                if not applied:
-                    state["skipped_steps"] += 1
-                    log.print(f"step {step}: non-finite loss or gradient; the step was skipped on all "
-                              f"ranks ({bad_in_a_row} in a row)")
-                    if bad_in_a_row >= cfg.train.max_bad_steps:
-                        log.print(f"stopping: {bad_in_a_row} non-finite steps in a row; the last good "
-                                  f"checkpoint ({last_saved}) is left as it was")
-                        log.close()
-                        sys.exit(1)
-                last = step >= total_steps
-                if step % cfg.train.log_every == 0 or last:
-                    record = window.summary(state, stats, total_steps, len(sampler),
-                                            time.time() - t_start, objective.ddtree_budget)
-                    log.log(record)
-                    log.print(console_line(record))
-                    window = Window(sampler.num_buckets)
-                if eval_sampler is not None and (step % cfg.train.eval_every == 0 or last):
-                    run_eval(engine, target, eval_set, eval_sampler, objective, cfg, rank, device, use_flex,
-                             step, log)
-                if any_rank(stop.requested):
-                    log.print(f"stop requested: saving at step {step} and exiting")
-                    save(step)
-                    log.close()
-                    return
-                if step % cfg.train.save_every == 0:
-                    save(step)
-                    last_saved = step
-        if state["micro_step_in_epoch"] >= usable:
-            state["epoch"], state["micro_step_in_epoch"] = state["epoch"] + 1, 0
-    if last_saved != state["step"]:
-        save(state["step"])
-    log.print(f"done: {state['step']} steps, {state['skipped_steps']} skipped")
-    log.close()
+    try:
+        while state["step"] < total_steps and state["epoch"] < cfg.train.epochs:
+            epoch_len = len(sampler.epoch_plan(state["epoch"]))
+            usable = epoch_len - epoch_len % accum  # every rank plans the same count: all stop together
+            loader = make_loader(train_set, sampler, state["epoch"], state["micro_step_in_epoch"],
+                                 cfg.data.num_workers, cfg.data.prefetch_factor,
+                                 pin_memory=device.type == "cuda")
+            with loader:
+                while state["micro_step_in_epoch"] < usable and state["step"] < total_steps:
+                    step, t0 = state["step"], time.perf_counter()
+                    noise = noise_std(cfg.noise, step)
+                    for micro in range(accum):
+                        t_wait = time.perf_counter()
+                        batch = next(loader)
+                        window.timers["data_wait"] += time.perf_counter() - t_wait
+                        window.queue.append(loader.queue_depth())
+                        metrics = micro_step(engine, target, batch, objective, cfg, step, micro, rank, noise,
+                                             device, use_flex, window.timers)
+                        window.add(metrics, batch["bucket"])
+                        state["micro_step_in_epoch"] += 1
+                    t_opt = sync_time(device)
+                    engine.step()
+                    window.timers["optimizer"] += sync_time(device) - t_opt
+                    state["step"] = step = step + 1
+                    applied = engine.was_step_applied()
+                    bad_in_a_row = 0 if applied else bad_in_a_row + 1
+                    window.end_step(applied, engine.get_global_grad_norm(), noise, engine.get_lr()[0],
+                                    time.perf_counter() - t0)
+                    if not applied:
+                        state["skipped_steps"] += 1
+                        log.print(f"step {step}: non-finite loss or gradient; the step was skipped on all "
+                                  f"ranks ({bad_in_a_row} in a row)")
+                        if bad_in_a_row >= cfg.train.max_bad_steps:
+                            log.print(f"stopping: {bad_in_a_row} non-finite steps in a row; the last good "
+                                      f"checkpoint (step {last_saved}) is left as it was")
+                            return 1
+                    last = step >= total_steps
+                    if step % cfg.train.log_every == 0 or last:
+                        record = window.summary(state, stats, total_steps, len(sampler),
+                                                time.time() - t_start, objective.ddtree_budget)
+                        log.log(record)
+                        log.print(console_line(record))
+                        window = Window(sampler.num_buckets)
+                    if eval_sampler is not None and (step % cfg.train.eval_every == 0 or last):
+                        run_eval(engine, target, eval_set, eval_sampler, objective, cfg, rank, device,
+                                 use_flex, step, log)
+                    if any_rank(stop.requested):
+                        log.print(f"stop requested: saving at step {step} and exiting")
+                        save(step)
+                        return 0
+                    if step % cfg.train.save_every == 0:
+                        save(step)
+                        last_saved = step
+            if state["micro_step_in_epoch"] >= usable:
+                state["epoch"], state["micro_step_in_epoch"] = state["epoch"] + 1, 0
+        if last_saved != state["step"]:
+            save(state["step"])
+        log.print(f"done: {state['step']} steps, {state['skipped_steps']} skipped")
+        return 0
+    finally:
+        log.close()
 
 
 def run_eval(engine, target, eval_set, eval_sampler, objective, cfg, rank, device, use_flex, step, log):
@@ -353,8 +374,8 @@ class Window:
         per_bucket = summed.pop("per_bucket")
         real, computed = summed.pop("real_tokens")[0], summed.pop("computed_tokens")[0]
         m = finalize_metrics(summed)
-        queue_depths = [torch.zeros(1) for _ in range(dist.get_world_size())]
-        dist.all_gather(queue_depths, torch.tensor([float(np.mean(self.queue or [0]))]))
+        queue_depths = [torch.zeros(1, device=comm_device()) for _ in range(dist.get_world_size())]
+        dist.all_gather(queue_depths, torch.tensor([float(np.mean(self.queue or [0]))], device=comm_device()))
         steps, seconds = self.steps, max(self.seconds, 1e-9)
         return {
             "step": state["step"], "epoch": state["epoch"], **m,
@@ -389,4 +410,4 @@ def bucket_table(stats) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

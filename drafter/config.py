@@ -40,7 +40,8 @@ class DrafterConfig:
 
 @dataclass
 class ObjectiveSection:
-    num_anchors: int = 512
+    num_anchors: int = 512           # per sequence
+    anchors_per_batch: Optional[int] = None  # per micro-batch, all sequences together (drafter memory)
     gamma: Optional[float] = None  # null: the paper's value for the block size (16 -> 7)
     ddtree_budget: int = 64
     ddtree_blocks: int = 16
@@ -61,7 +62,8 @@ class OptimConfig:
 
 @dataclass
 class NoiseConfig:
-    """Gaussian noise on the target features; std goes start -> end linearly over warmup_steps."""
+    """Gaussian noise on the target features, std relative to each layer's per-token RMS; the std goes
+    start -> end linearly over warmup_steps."""
     start: float = 0.0
     end: float = 0.0
     warmup_steps: int = 0

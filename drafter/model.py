@@ -92,10 +92,15 @@ class DraftCache:
         return self.keys[layer], self.values[layer]
 
 
+# Uncompiled flex_attention materialises the full score matrix; compiled, it is a fused kernel.
+_compiled_flex_attention = torch.compile(flex_attention, dynamic=True)
+
+
 def attend(q, k, v, mask):
     """q [b, h, Q, d]; k, v [b, hkv, K, d]; mask: None (all visible), bool [b, 1, Q, K], or a BlockMask."""
     if isinstance(mask, BlockMask):
-        return flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+        flex = _compiled_flex_attention if q.is_cuda else flex_attention  # CPU: eager, for tests
+        return flex(q, k, v, block_mask=mask, enable_gqa=True)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 

@@ -35,12 +35,17 @@ def position_weights(block_size: int, gamma: float) -> torch.Tensor:
     return torch.where(k == 0, 0.0, torch.exp(-(k - 1) / gamma))
 
 
-def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator):
+def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator,
+                   anchors_per_batch: int | None = None):
     """Up to `num_anchors` distinct anchors per sequence, sorted: (anchors [b, A], valid [b, A]).
 
     Candidates are positions p with loss_mask[p] and loss_mask[p+1]. A = the largest count drawn in the
     batch; sequences with fewer candidates get `valid=False` filler anchors (position 0).
+    `anchors_per_batch` caps A * b, so a batch of many short sequences costs the drafter no more than
+    one of a few long ones (the sampler's token budget bounds the target, this bounds the drafter).
     """
+    if anchors_per_batch is not None:
+        num_anchors = max(1, min(num_anchors, anchors_per_batch // loss_mask.shape[0]))
     mask = loss_mask.bool()
     candidates = torch.zeros_like(mask)
     candidates[:, :-1] = mask[:, :-1] & mask[:, 1:]
@@ -95,15 +100,18 @@ def dense_block_mask(anchors: torch.Tensor, seq_len: int, block_size: int) -> to
 
 
 def flex_block_mask(anchors: torch.Tensor, seq_len: int, block_size: int):
-    """The same mask as `dense_block_mask`, as a flex_attention BlockMask."""
+    """The same mask as `dense_block_mask`, as a flex_attention BlockMask (compiled on CUDA, so the
+    dense mask is never built; the length is a tensor so a new length does not recompile)."""
     b, num_blocks = anchors.shape
+    ctx_len = torch.tensor(seq_len, device=anchors.device)
 
     def mask_mod(batch, head, q, kv):
         block = q // block_size
-        return torch.where(kv < seq_len, kv < anchors[batch, block], (kv - seq_len) // block_size == block)
+        return torch.where(kv < ctx_len, kv < anchors[batch, block], (kv - ctx_len) // block_size == block)
 
     return create_block_mask(mask_mod, B=b, H=None, Q_LEN=num_blocks * block_size,
-                             KV_LEN=seq_len + num_blocks * block_size, device=anchors.device)
+                             KV_LEN=seq_len + num_blocks * block_size, device=anchors.device,
+                             _compile=anchors.is_cuda)
 
 
 def drafter_hidden(drafter, target, features, blocks: Blocks, use_flex: bool) -> torch.Tensor:
@@ -129,8 +137,9 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, head_weight, labels, row_weights, topk_rows, k: int, chunk_rows: int):
+        need_grad = ctx.needs_input_grad[0]
         total_weight = row_weights.sum().clamp_min(1e-12)
-        grad_hidden = torch.empty_like(hidden)
+        grad_hidden = torch.empty_like(hidden) if need_grad else None
         loss = hidden.new_zeros((), dtype=torch.float32)
         ranks = torch.empty_like(labels)
         topk_index = torch.nonzero(topk_rows).squeeze(1)
@@ -148,10 +157,12 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
             if in_chunk.any():
                 values, ids = (logits[topk_index[in_chunk] - start] - log_z[topk_index[in_chunk] - start]).topk(k)
                 topk_logprobs[in_chunk], topk_ids[in_chunk] = values, ids
-            probs = (logits - log_z).exp_()  # reuse the logits buffer: d CE / d logits = p - onehot
-            probs.scatter_add_(1, labels[rows, None], -torch.ones_like(label_logit))
-            grad_hidden[rows] = (probs * (w / total_weight)).to(head_weight.dtype) @ head_weight
-        ctx.save_for_backward(grad_hidden)
+            if need_grad:
+                probs = logits.sub_(log_z).exp_()  # in the logits buffer: d CE / d logits = p - onehot
+                probs.scatter_add_(1, labels[rows, None], -torch.ones_like(label_logit))
+                grad_hidden[rows] = (probs.mul_(w / total_weight)).to(head_weight.dtype) @ head_weight
+        if need_grad:
+            ctx.save_for_backward(grad_hidden)
         ctx.mark_non_differentiable(ranks, topk_logprobs, topk_ids)
         return loss / total_weight, ranks, topk_logprobs, topk_ids
 
@@ -180,6 +191,7 @@ class ObjectiveConfig:
     gamma: float | None = None  # None: the paper's value for the block size
     ddtree_budget: int = 64     # budget B of the ddtree_accept@B metric
     ddtree_blocks: int = 16     # blocks per step sampled for ddtree_accept@B
+    anchors_per_batch: int | None = None  # cap on blocks per micro-batch (all sequences together)
     chunk_bytes: int = 256 * 2**20
 
 
@@ -188,7 +200,7 @@ def training_step(drafter, target, features, input_ids, loss_mask, cfg: Objectiv
     """One training forward: (loss, metrics). `metrics` maps names to [sum, count] tensors so that
     ranks and micro-batches can be summed before dividing (see `finalize_metrics`)."""
     gamma = resolve_gamma(cfg.gamma, cfg.block_size)
-    anchors, valid = sample_anchors(loss_mask, cfg.num_anchors, generator)
+    anchors, valid = sample_anchors(loss_mask, cfg.num_anchors, generator, cfg.anchors_per_batch)
     blocks = build_blocks(input_ids, loss_mask, anchors, valid, cfg.block_size, cfg.mask_token_id, gamma)
     hidden = drafter_hidden(drafter, target, features, blocks, use_flex)
 
