@@ -19,6 +19,7 @@ from collections import defaultdict
 import datasets
 import deepspeed
 import numpy as np
+import pyarrow.compute as pc
 import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer
@@ -84,11 +85,35 @@ def build_drafter(cfg, target, tokenizer, dtype):
     return DFlashDraftModel(config).to(dtype)
 
 
-def load_datasets(data_cfg):
+def load_prepared(path: str, vocab_size: int) -> datasets.Dataset:
+    """A data/prepare.py output, checked up front (columns, lengths, token ids) so that bad data stops
+    the run at start-up with the row named, not hours in."""
+    dataset = datasets.load_from_disk(path)
+    missing = {"input_ids", "loss_mask", "length"} - set(dataset.column_names)
+    if missing:
+        raise ValueError(f"{path}: missing columns {sorted(missing)} (make it with data/prepare.py)")
+    table = dataset.data.table
+    ids_len = pc.list_value_length(table.column("input_ids")).to_numpy(zero_copy_only=False)
+    mask_len = pc.list_value_length(table.column("loss_mask")).to_numpy(zero_copy_only=False)
+    length = table.column("length").to_numpy()
+    for what, bad in (("length column != len(input_ids)", length != ids_len),
+                      ("len(loss_mask) != len(input_ids)", mask_len != ids_len)):
+        if bad.any():
+            raise ValueError(f"{path}: row {int(np.flatnonzero(bad)[0])}: {what} ({int(bad.sum())} rows)")
+    flat_ids = pc.list_flatten(table.column("input_ids")).to_numpy(zero_copy_only=False)
+    bad = (flat_ids < 0) | (flat_ids >= vocab_size)
+    if bad.any():
+        rows = pc.list_parent_indices(table.column("input_ids")).to_numpy(zero_copy_only=False)[bad]
+        raise ValueError(f"{path}: row {int(rows[0])}: token id {int(flat_ids[bad][0])} outside the target "
+                         f"vocabulary [0, {vocab_size}) ({len(np.unique(rows))} rows)")
+    return dataset
+
+
+def load_datasets(data_cfg, vocab_size: int):
     """(train, eval) prepared datasets with input_ids / loss_mask / length columns."""
-    train = datasets.load_from_disk(data_cfg.path)
+    train = load_prepared(data_cfg.path, vocab_size)
     if data_cfg.eval_path:
-        return train, datasets.load_from_disk(data_cfg.eval_path)
+        return train, load_prepared(data_cfg.eval_path, vocab_size)
     train_rows, eval_rows = split_holdout(len(train), data_cfg.eval_fraction, data_cfg.seed)
     return train.select(train_rows), train.select(eval_rows)
 
@@ -228,11 +253,14 @@ def train(cfg, rank, world_size, device) -> int:
                                 ddtree_blocks=cfg.objective.ddtree_blocks,
                                 anchors_per_batch=cfg.objective.anchors_per_batch)
 
-    train_set, eval_set = load_datasets(cfg.data)
+    train_set, eval_set = load_datasets(cfg.data, target.config.vocab_size)
     sampler = sampler_from_config(np.asarray(train_set["length"]), cfg.data, world_size, rank)
     eval_sampler = sampler_from_config(np.asarray(eval_set["length"]), cfg.data, world_size, rank) \
         if len(eval_set) >= world_size else None
     steps_per_epoch = len(sampler) // cfg.optim.grad_accum
+    if steps_per_epoch == 0:
+        raise ValueError(f"{cfg.data.path}: {len(train_set)} samples make no optimizer step per epoch at "
+                         f"{world_size} ranks x grad_accum {cfg.optim.grad_accum}: {sampler.stats(0)}")
     total_steps = cfg.train.epochs * steps_per_epoch
     if cfg.train.max_steps:
         total_steps = min(total_steps, cfg.train.max_steps)

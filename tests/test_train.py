@@ -265,3 +265,19 @@ def test_nonfinite_steps_are_skipped_and_too_many_in_a_row_stop_the_run(tmp_path
     assert not (out2 / "checkpoints" / "step_8").exists()
     good = load_file(str(out2 / "checkpoints" / "step_4" / "drafter" / "model.safetensors"))
     assert all(torch.isfinite(v).all() for v in good.values())
+
+
+def test_bad_prepared_data_is_rejected_up_front_naming_the_row(tmp_path):
+    from train import load_prepared
+    rows = {"input_ids": [[1, 2, 3], [4, 5], [6, 7]], "loss_mask": [[0, 1, 1], [1, 1], [1, 1]], "length": [3, 2, 2]}
+    cases = {
+        "length column": {**rows, "length": [3, 3, 2]},
+        "len\\(loss_mask\\)": {**rows, "loss_mask": [[0, 1, 1], [1, 1], [1]]},
+        "token id 300 outside": {**rows, "input_ids": [[1, 2, 3], [4, 5], [6, 300]]},
+    }
+    for i, (message, columns) in enumerate(cases.items()):
+        datasets.Dataset.from_dict(columns).save_to_disk(str(tmp_path / str(i)))
+        with pytest.raises(ValueError, match=f"row {1 if i == 0 else 2}: {message}"):
+            load_prepared(str(tmp_path / str(i)), vocab_size=256)
+    datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "good"))
+    assert len(load_prepared(str(tmp_path / "good"), vocab_size=256)) == 3
