@@ -28,7 +28,7 @@ from drafter.checkpoint import find_resume_checkpoint, load_checkpoint, save_che
 from drafter.config import ConfigError, deepspeed_config, load_config, lr_factor, noise_std
 from drafter.model import DFlashDraftModel, drafter_config, resolve_mask_token_id
 from drafter.objective import ObjectiveConfig, finalize_metrics, training_step
-from drafter.sampler import make_loader, sampler_from_config, split_holdout
+from drafter.sampler import BucketSampler, make_loader, sampler_from_config, split_holdout
 from drafter.target import context_features, load_target, random_qwen3
 from drafter.tracking import RunLogger, console_line
 
@@ -255,8 +255,9 @@ def train(cfg, rank, world_size, device) -> int:
 
     train_set, eval_set = load_datasets(cfg.data, target.config.vocab_size)
     sampler = sampler_from_config(np.asarray(train_set["length"]), cfg.data, world_size, rank)
-    eval_sampler = sampler_from_config(np.asarray(eval_set["length"]), cfg.data, world_size, rank) \
-        if len(eval_set) >= world_size else None
+    # one bucket for the held-out split: small splits would lose most batches to per-bucket remainders
+    eval_sampler = BucketSampler(np.asarray(eval_set["length"]), [cfg.data.max_length], cfg.data.tokens_per_batch,
+                                 world_size, rank, cfg.data.seed) if len(eval_set) >= world_size else None
     steps_per_epoch = len(sampler) // cfg.optim.grad_accum
     if steps_per_epoch == 0:
         raise ValueError(f"{cfg.data.path}: {len(train_set)} samples make no optimizer step per epoch at "
