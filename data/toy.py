@@ -1,0 +1,480 @@
+"""Build the toy world: a small real Qwen3 target and the data a drafter needs, offline, on a CPU.
+
+The corpus is the Python standard library's own source. Each file is assigned by a hash of its path to
+one of three disjoint sets: the target trains on "train" files, the chat prompts whose responses the
+target regenerates come from "prompt" files, and the held-out bench prompts from "bench" files.
+"""
+
+import argparse
+import ast
+import hashlib
+import json
+import math
+import os
+import platform
+import random
+import shutil
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config,
+                          Qwen3ForCausalLM)
+
+EOS_TOKEN = "<|im_end|>"
+PAD_TOKEN = "<|endoftext|>"
+MASK_TOKEN = "<|mask|>"
+SPECIAL_TOKENS = [PAD_TOKEN, "<|im_start|>", EOS_TOKEN, MASK_TOKEN]
+# Atomic but not special (as in Qwen3): they survive decode(skip_special_tokens=True).
+THINK_TOKENS = ["<think>", "</think>"]
+
+# GPT-2's split, except that a run of newlines (with the spaces before it) is a piece of its own:
+# indentation never merges with the line break before it, so a prompt that ends with "\n" (as the
+# chat template's headers do) ends on the same token boundary as the training text.
+PRETOKENIZE_PATTERN = (r"'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+"
+                       r"|\s*[\r\n]+|[^\S\r\n]+(?!\S)|[^\S\r\n]+")
+
+# Qwen3's conventions: an assistant turn after the last user turn opens with a think block (empty
+# when its content carries no `<think>...</think>` reasoning) and earlier assistant turns drop their
+# reasoning; the generation prompt gets the empty think block only with enable_thinking=False.
+# So with thinking off, a rendered conversation starts with the rendered prompt of its last answer.
+CHAT_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant'] -%}"
+    "{{- raise_exception('unknown role: ' + message['role']) -}}"
+    "{%- elif message['role'] == 'system' and not loop.first -%}"
+    "{{- raise_exception('a system message must come first') -}}"
+    "{%- elif message['role'] == 'assistant' -%}"
+    "{%- set answer = message['content'] -%}"
+    "{%- set reasoning = '' -%}"
+    "{%- if '</think>' in answer -%}"
+    "{%- set reasoning = answer.split('</think>')[0].split('<think>')[-1].strip('\\n') -%}"
+    "{%- set answer = answer.split('</think>')[-1].lstrip('\\n') -%}"
+    "{%- endif -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if loop.index0 > ns.last_user -%}"
+    "{{- '<think>\\n' + reasoning + '\\n</think>\\n\\n' -}}"
+    "{%- endif -%}"
+    "{{- answer + '<|im_end|>\\n' -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}"
+    "{{- '<think>\\n\\n</think>\\n\\n' -}}"
+    "{%- endif -%}"
+    "{%- endif -%}"
+)
+
+# The toy target is a non-thinking model: its chats, and every prompt rendered for it, use thinking off.
+ENABLE_THINKING = False
+INSTRUCTION = "Complete this function:\n"
+
+# Path parts that take a file out of the corpus: tests, the IDE, 2to3, installed packages, and
+# files that are data rather than code (codec tables, pydoc's text dump, the build's sysconfig).
+EXCLUDED_PARTS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "__pycache__",
+                  "encodings", "pydoc_data"}
+EXCLUDED_NAME_PREFIXES = ("_sysconfigdata",)
+SPLIT_PERCENT = {"train": 70, "prompt": 20, "bench": 10}
+
+
+def stdlib_root() -> Path:
+    """The directory holding the running interpreter's standard library source."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def list_corpus_files(root: Path) -> list[str]:
+    """Sorted posix paths, relative to root, of the standard library's non-test Python files."""
+    files = []
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root)
+        if EXCLUDED_PARTS.intersection(rel.parts) or rel.name.startswith(EXCLUDED_NAME_PREFIXES):
+            continue
+        files.append(rel.as_posix())
+    return sorted(files)
+
+
+def split_of(rel_path: str) -> str:
+    """The set ("train", "prompt" or "bench") a file belongs to, fixed by a hash of its path."""
+    bucket = int.from_bytes(hashlib.sha256(rel_path.encode()).digest()[:8], "big") % 100
+    for name, percent in SPLIT_PERCENT.items():
+        if bucket < percent:
+            return name
+        bucket -= percent
+    raise AssertionError("SPLIT_PERCENT must sum to 100")
+
+
+def split_corpus(files: list[str]) -> dict[str, list[str]]:
+    """Group files by split_of, keeping each group in the given (sorted) order."""
+    groups = {name: [] for name in SPLIT_PERCENT}
+    for rel_path in files:
+        groups[split_of(rel_path)].append(rel_path)
+    return groups
+
+
+def build_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer on texts and wrap it with the chat template and special tokens.
+
+    len(tokenizer) == vocab_size, the think tokens included. Every byte is in the base alphabet,
+    so any string round-trips through encode and decode.
+    """
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    bpe.decoder = decoders.ByteLevel()
+    # Offsets keep a token's leading space, as Qwen's tokenizer does (loss masks map spans by them).
+    bpe.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(THINK_TOKENS),
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(texts, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        mask_token=MASK_TOKEN,
+        additional_special_tokens=["<|im_start|>"],
+    )
+    tokenizer.add_tokens(THINK_TOKENS)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def function_examples(source: str, context_lines: int, max_prompt_chars: int,
+                      max_body_chars: int) -> list[tuple[str, str]]:
+    """(head, body) pairs, one per function of a module whose pieces fit the size limits.
+
+    head: up to context_lines lines before the function, then its decorators and signature;
+    body: the rest of the function. Functions written on one line are skipped.
+    """
+    lines = source.splitlines(keepends=True)
+    examples = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        first_line = min([node.lineno] + [d.lineno for d in node.decorator_list]) - 1
+        body_line = node.body[0].lineno - 1
+        if body_line < node.lineno:
+            continue
+        head = "".join(lines[max(0, first_line - context_lines):body_line])
+        body = "".join(lines[body_line:node.end_lineno])
+        if len(head) <= max_prompt_chars and len(body) <= max_body_chars:
+            examples.append((head, body))
+    return examples
+
+
+def completion_messages(head: str) -> list[dict]:
+    """The chat prompt asking the target to write the body of the function that head opens."""
+    return [{"role": "user", "content": INSTRUCTION + head}]
+
+
+def pack_documents(tokenizer, documents: list[str], seq_len: int) -> torch.Tensor:
+    """Tokenise documents, join them with the pad token as separator, cut into [n, seq_len] rows.
+
+    The tail that does not fill a whole row is dropped.
+    """
+    stream = []
+    for ids in tokenizer(documents, add_special_tokens=False)["input_ids"]:
+        stream.extend(ids)
+        stream.append(tokenizer.pad_token_id)
+    n_rows = len(stream) // seq_len
+    return torch.tensor(stream[: n_rows * seq_len], dtype=torch.long).view(n_rows, seq_len)
+
+
+def training_documents(tokenizer, sources: list[str], example_limits: dict) -> list[str]:
+    """Each source file as raw text, plus each of its functions as a rendered completion chat."""
+    documents = list(sources)
+    for source in sources:
+        for head, body in function_examples(source, **example_limits):
+            messages = completion_messages(head) + [{"role": "assistant", "content": body}]
+            documents.append(tokenizer.apply_chat_template(
+                messages, tokenize=False, enable_thinking=ENABLE_THINKING))
+    return documents
+
+
+def lr_at(step: int, total_steps: int, peak_lr: float, warmup_steps: int) -> float:
+    """Linear warmup to peak_lr, then cosine decay to a tenth of it at total_steps."""
+    if step < warmup_steps:
+        return peak_lr * (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return peak_lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def train_target(model, rows: torch.Tensor, steps: int, batch_size: int, peak_lr: float,
+                 seed: int, log_every: int = 0) -> list[float]:
+    """Train a causal LM on rows [n, T] for a fixed number of steps; return the per-step losses.
+
+    Batches walk a seeded permutation of the rows, reshuffled at each pass.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=peak_lr, betas=(0.9, 0.95),
+                                  weight_decay=0.1)
+    warmup_steps = max(1, steps // 20)
+    order = torch.empty(0, dtype=torch.long)
+    losses = []
+    model.train()
+    start = time.perf_counter()
+    for step in range(steps):
+        if len(order) < batch_size:
+            order = torch.cat([order, torch.randperm(len(rows), generator=generator)])
+        batch, order = rows[order[:batch_size]], order[batch_size:]
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, steps, peak_lr, warmup_steps)
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if log_every and (step + 1) % log_every == 0:
+            elapsed = time.perf_counter() - start
+            print(f"  step {step + 1}/{steps} loss {loss.item():.3f} "
+                  f"{(step + 1) * batch.numel() / elapsed:.0f} tok/s", flush=True)
+    model.eval()
+    return losses
+
+
+@torch.no_grad()
+def mean_loss(model, rows: torch.Tensor, batch_size: int) -> float:
+    """Mean next-token cross entropy of a causal LM over rows [n, T]."""
+    total = 0.0
+    for start in range(0, len(rows), batch_size):
+        batch = rows[start:start + batch_size]
+        total += model(input_ids=batch, labels=batch).loss.item() * len(batch)
+    return total / len(rows)
+
+
+@torch.no_grad()
+def greedy_continuations(model, tokenizer, prompts: list[str], max_new_tokens: int,
+                         batch_size: int) -> list[list[int]]:
+    """Greedy new token ids per rendered prompt, cut after the end-of-turn token if it comes."""
+    continuations = []
+    for start in range(0, len(prompts), batch_size):
+        batch = tokenizer(prompts[start:start + batch_size], add_special_tokens=False,
+                          padding=True, padding_side="left", return_tensors="pt")
+        output = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
+                                eos_token_id=tokenizer.eos_token_id,
+                                pad_token_id=tokenizer.pad_token_id)
+        for ids in output[:, batch["input_ids"].shape[1]:].tolist():
+            end = ids.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in ids else len(ids)
+            continuations.append(ids[:end])
+    return continuations
+
+
+def distinct_ngram_share(sequences: list[list[int]], n: int = 4) -> float:
+    """Mean over sequences of (distinct n-grams / n-grams): 1.0 never repeats, loops score low.
+
+    Sequences shorter than n are skipped.
+    """
+    shares = []
+    for ids in sequences:
+        ngrams = [tuple(ids[i:i + n]) for i in range(len(ids) - n + 1)]
+        if ngrams:
+            shares.append(len(set(ngrams)) / len(ngrams))
+    if not shares:
+        raise ValueError(f"no sequence has {n} tokens")
+    return sum(shares) / len(shares)
+
+
+# ---------------------------------------------------------------------------------------------
+# The build
+# ---------------------------------------------------------------------------------------------
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SEED = 0
+TORCH_THREADS = 2
+VOCAB_SIZE = 2048
+EXAMPLE_LIMITS = {"context_lines": 4, "max_prompt_chars": 300, "max_body_chars": 600}
+# Measured on this 2-core machine (torch 2.13 CPU, 2 threads, idle): 186 ms a step, 11K tokens/s,
+# so 1400 steps take about 4.5 minutes. At a fixed time budget, many small steps of a small model
+# beat fewer larger ones here (see the README's toy section).
+TARGET_CONFIG = {"hidden_size": 96, "num_hidden_layers": 6, "num_attention_heads": 3,
+                 "num_key_value_heads": 1, "head_dim": 32, "intermediate_size": 288}
+SEQ_LEN = 256
+BATCH_SIZE = 8
+TRAIN_STEPS = 1400
+PEAK_LR = 4e-3
+HELDOUT_ROWS = 64
+NUM_PROMPTS = 2000
+MAX_NEW_TOKENS = 128
+REGENERATE_BATCH_SIZE = 64
+NUM_BENCH = 48
+REPORT_NEW_TOKENS = 64
+
+
+def target_config(tokenizer) -> Qwen3Config:
+    """The toy target's architecture (Qwen3, tied embeddings) for this tokenizer."""
+    return Qwen3Config(vocab_size=len(tokenizer), max_position_embeddings=SEQ_LEN,
+                       tie_word_embeddings=True, bos_token_id=None,
+                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                       **TARGET_CONFIG)
+
+
+def read_texts(root: Path, rel_paths: list[str]) -> list[str]:
+    return [(root / rel_path).read_text(encoding="utf-8") for rel_path in rel_paths]
+
+
+def completion_heads(texts: list[str]) -> list[str]:
+    return [head for text in texts for head, _ in function_examples(text, **EXAMPLE_LIMITS)]
+
+
+def sample_in_order(items: list, count: int, seed: int) -> list:
+    """At most count items drawn at random (seeded), kept in their original order."""
+    if len(items) <= count:
+        return list(items)
+    return [items[i] for i in sorted(random.Random(seed).sample(range(len(items)), count))]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows),
+                    encoding="utf-8")
+
+
+def step_corpus(out: Path) -> dict:
+    root = stdlib_root()
+    corpus = {"stdlib": str(root), "python": platform.python_version(),
+              "splits": split_corpus(list_corpus_files(root))}
+    (out / "corpus.json").write_text(json.dumps(corpus, indent=1) + "\n")
+    return corpus
+
+
+def step_target(out: Path, corpus: dict) -> None:
+    """Train the tokenizer and the target on the train files; save both to out/target."""
+    root = Path(corpus["stdlib"])
+    train_texts = read_texts(root, corpus["splits"]["train"])
+    tokenizer = build_tokenizer(train_texts, VOCAB_SIZE)
+    rows = pack_documents(tokenizer, training_documents(tokenizer, train_texts, EXAMPLE_LIMITS), SEQ_LEN)
+    torch.manual_seed(SEED)
+    model = Qwen3ForCausalLM(target_config(tokenizer))
+    parameters = sum(p.numel() for p in model.parameters())
+    print(f"target: {parameters / 1e6:.2f}M parameters, {TRAIN_STEPS} steps of {BATCH_SIZE}x{SEQ_LEN} "
+          f"tokens from {rows.numel()} packed training tokens", flush=True)
+    start = time.perf_counter()
+    losses = train_target(model, rows, TRAIN_STEPS, BATCH_SIZE, PEAK_LR, SEED,
+                          log_every=max(1, TRAIN_STEPS // 10))
+    seconds = time.perf_counter() - start
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    tmp = out / "target.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    trained = TRAIN_STEPS * BATCH_SIZE * SEQ_LEN
+    stats = {"parameters": parameters, "steps": TRAIN_STEPS, "tokens_trained": trained,
+             "tokens_available": rows.numel(), "train_seconds": round(seconds, 1),
+             "tokens_per_second": round(trained / seconds),
+             "final_train_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4)}
+    (tmp / "training.json").write_text(json.dumps(stats, indent=1) + "\n")
+    tmp.rename(out / "target")
+
+
+def step_prompts(out: Path, corpus: dict) -> None:
+    heads = completion_heads(read_texts(Path(corpus["stdlib"]), corpus["splits"]["prompt"]))
+    rows = [{"messages": completion_messages(head)} for head in sample_in_order(heads, NUM_PROMPTS, SEED)]
+    write_jsonl(out / "prompts.jsonl", rows)
+
+
+def step_bench(out: Path, corpus: dict) -> None:
+    heads = completion_heads(read_texts(Path(corpus["stdlib"]), corpus["splits"]["bench"]))
+    rows = [{"prompt": completion_messages(head)[0]["content"]}
+            for head in sample_in_order(heads, NUM_BENCH, SEED)]
+    write_jsonl(out / "bench.jsonl", rows)
+
+
+def run_cli(script: str, args: list[str]) -> None:
+    """Run one of the repo's data CLIs as a user would, with the build's thread count."""
+    env = os.environ | {"OMP_NUM_THREADS": str(TORCH_THREADS)}
+    subprocess.run([sys.executable, str(REPO_ROOT / "data" / script), *args], check=True, env=env)
+
+
+def step_regenerate(out: Path) -> None:
+    run_cli("regenerate.py", ["--backend", "local", "--target", str(out / "target"),
+                              "--input", str(out / "prompts.jsonl"),
+                              "--out", str(out / "regenerated.jsonl"), "--no-thinking",
+                              "--max-tokens", str(MAX_NEW_TOKENS),
+                              "--batch-size", str(REGENERATE_BATCH_SIZE)])
+
+
+def step_prepare(out: Path) -> None:
+    run_cli("prepare.py", ["--input", str(out / "regenerated.jsonl"), "--target", str(out / "target"),
+                           "--out", str(out / "train_data"), "--no-thinking", "--num-proc", "1",
+                           "--cache-dir", str(out / "datasets_cache")])
+
+
+def step_report(out: Path, corpus: dict) -> dict:
+    """Held-out loss on the bench files' raw text and the diversity of greedy bench answers."""
+    target_dir = out / "target"
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    model = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    heldout_texts = read_texts(Path(corpus["stdlib"]), corpus["splits"]["bench"])
+    heldout = pack_documents(tokenizer, heldout_texts, SEQ_LEN)[:HELDOUT_ROWS]
+    bench = [json.loads(line)["prompt"] for line in (out / "bench.jsonl").read_text().splitlines()]
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True, enable_thinking=ENABLE_THINKING)
+               for text in bench]
+    continuations = greedy_continuations(model, tokenizer, prompts, REPORT_NEW_TOKENS, len(prompts))
+    report = {
+        "target": json.loads((target_dir / "training.json").read_text()),
+        "heldout_loss": round(mean_loss(model, heldout, BATCH_SIZE), 4),
+        "heldout_tokens": heldout.numel(),
+        "distinct_4gram_share": round(distinct_ngram_share(continuations, 4), 4),
+        "bench_prompts": len(bench),
+        "samples": [{"prompt": text, "continuation": tokenizer.decode(ids)}
+                    for text, ids in zip(bench[:3], continuations[:3])],
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    return report
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="artifacts/toy", help="output directory")
+    parser.add_argument("--force", action="store_true", help="rebuild every step from scratch")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    out = Path(args.out)
+    if args.force:
+        shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(TORCH_THREADS)
+    corpus_path = out / "corpus.json"
+    corpus = json.loads(corpus_path.read_text()) if corpus_path.exists() else step_corpus(out)
+    steps = [  # (name, what marks it done, how to do it); each is skipped when its marker exists
+        ("target", out / "target", lambda: step_target(out, corpus)),
+        ("prompts", out / "prompts.jsonl", lambda: step_prompts(out, corpus)),
+        ("bench", out / "bench.jsonl", lambda: step_bench(out, corpus)),
+        ("regenerate", out / "regenerated.summary.json", lambda: step_regenerate(out)),
+        ("prepare", out / "train_data", lambda: step_prepare(out)),
+    ]
+    for name, marker, run in steps:
+        if marker.exists():
+            print(f"[{name}] reusing {marker}", flush=True)
+            continue
+        start = time.perf_counter()
+        run()
+        print(f"[{name}] done in {time.perf_counter() - start:.1f} s", flush=True)
+    report = step_report(out, corpus)
+    print(json.dumps({key: report[key] for key in ("target", "heldout_loss", "distinct_4gram_share")}))
+    return report
+
+
+if __name__ == "__main__":
+    main()
