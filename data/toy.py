@@ -1,8 +1,22 @@
 """Build the toy world: a small real Qwen3 target and the data a drafter needs, offline, on a CPU.
 
+    python data/toy.py [--out artifacts/toy] [--force] [--threads 2]
+
 The corpus is the Python standard library's own source. Each file is assigned by a hash of its path to
 one of three disjoint sets: the target trains on "train" files, the chat prompts whose responses the
-target regenerates come from "prompt" files, and the held-out bench prompts from "bench" files.
+target regenerates come from "prompt" files, and the held-out bench prompts from "bench" files. The
+chat task: the user gives the lines before a function and its signature ("Complete this function:"),
+the assistant writes the body. The target is a non-thinking model (every prompt uses thinking off).
+
+Output (each step is skipped when its output exists; --force rebuilds everything):
+  corpus.json          the file lists of the three sets
+  target/              tokenizer + Qwen3ForCausalLM (AutoTokenizer / AutoModelForCausalLM load it),
+                       target/training.json: size, tokens, speed, final training loss
+  prompts.jsonl        {"messages": [user turn]} chats from the prompt files
+  bench.jsonl          {"prompt": user text} held-out prompts from the bench files
+  regenerated.jsonl    the target's own answers (data/regenerate.py, local backend, greedy)
+  train_data/          data/prepare.py's tokenised drafter training set
+  report.json          held-out loss, distinct 4-gram share of greedy bench answers, samples
 """
 
 import argparse
@@ -297,12 +311,11 @@ def distinct_ngram_share(sequences: list[list[int]], n: int = 4) -> float:
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SEED = 0
-TORCH_THREADS = 2
 VOCAB_SIZE = 2048
 EXAMPLE_LIMITS = {"context_lines": 4, "max_prompt_chars": 300, "max_body_chars": 600}
-# Measured on this 2-core machine (torch 2.13 CPU, 2 threads, idle): 186 ms a step, 11K tokens/s,
-# so 1400 steps take about 4.5 minutes. At a fixed time budget, many small steps of a small model
-# beat fewer larger ones here (see the README's toy section).
+# On an idle 2-core machine (torch 2.13 CPU, 2 threads) a step takes 175 ms (11.7K tokens/s), so
+# training takes about 4 minutes. For a fixed time, many small steps of a small model gave a lower
+# held-out loss here than fewer, larger steps or a wider model.
 TARGET_CONFIG = {"hidden_size": 96, "num_hidden_layers": 6, "num_attention_heads": 3,
                  "num_key_value_heads": 1, "head_dim": 32, "intermediate_size": 288}
 SEQ_LEN = 256
@@ -345,20 +358,25 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
                     encoding="utf-8")
 
 
-def step_corpus(out: Path) -> dict:
+def step_corpus(out: Path) -> None:
     root = stdlib_root()
     corpus = {"stdlib": str(root), "python": platform.python_version(),
               "splits": split_corpus(list_corpus_files(root))}
     (out / "corpus.json").write_text(json.dumps(corpus, indent=1) + "\n")
-    return corpus
 
 
-def step_target(out: Path, corpus: dict) -> None:
+def split_texts(out: Path, split: str) -> list[str]:
+    """The texts of one set of the corpus recorded in out/corpus.json."""
+    corpus = json.loads((out / "corpus.json").read_text())
+    return read_texts(Path(corpus["stdlib"]), corpus["splits"][split])
+
+
+def step_target(out: Path) -> None:
     """Train the tokenizer and the target on the train files; save both to out/target."""
-    root = Path(corpus["stdlib"])
-    train_texts = read_texts(root, corpus["splits"]["train"])
+    train_texts = split_texts(out, "train")
     tokenizer = build_tokenizer(train_texts, VOCAB_SIZE)
-    rows = pack_documents(tokenizer, training_documents(tokenizer, train_texts, EXAMPLE_LIMITS), SEQ_LEN)
+    documents = training_documents(tokenizer, train_texts, EXAMPLE_LIMITS)
+    rows = pack_documents(tokenizer, documents, SEQ_LEN)
     torch.manual_seed(SEED)
     model = Qwen3ForCausalLM(target_config(tokenizer))
     parameters = sum(p.numel() for p in model.parameters())
@@ -383,14 +401,15 @@ def step_target(out: Path, corpus: dict) -> None:
     tmp.rename(out / "target")
 
 
-def step_prompts(out: Path, corpus: dict) -> None:
-    heads = completion_heads(read_texts(Path(corpus["stdlib"]), corpus["splits"]["prompt"]))
-    rows = [{"messages": completion_messages(head)} for head in sample_in_order(heads, NUM_PROMPTS, SEED)]
+def step_prompts(out: Path) -> None:
+    heads = completion_heads(split_texts(out, "prompt"))
+    rows = [{"messages": completion_messages(head)}
+            for head in sample_in_order(heads, NUM_PROMPTS, SEED)]
     write_jsonl(out / "prompts.jsonl", rows)
 
 
-def step_bench(out: Path, corpus: dict) -> None:
-    heads = completion_heads(read_texts(Path(corpus["stdlib"]), corpus["splits"]["bench"]))
+def step_bench(out: Path) -> None:
+    heads = completion_heads(split_texts(out, "bench"))
     rows = [{"prompt": completion_messages(head)[0]["content"]}
             for head in sample_in_order(heads, NUM_BENCH, SEED)]
     write_jsonl(out / "bench.jsonl", rows)
@@ -398,7 +417,7 @@ def step_bench(out: Path, corpus: dict) -> None:
 
 def run_cli(script: str, args: list[str]) -> None:
     """Run one of the repo's data CLIs as a user would, with the build's thread count."""
-    env = os.environ | {"OMP_NUM_THREADS": str(TORCH_THREADS)}
+    env = os.environ | {"OMP_NUM_THREADS": str(torch.get_num_threads())}
     subprocess.run([sys.executable, str(REPO_ROOT / "data" / script), *args], check=True, env=env)
 
 
@@ -408,6 +427,13 @@ def step_regenerate(out: Path) -> None:
                               "--out", str(out / "regenerated.jsonl"), "--no-thinking",
                               "--max-tokens", str(MAX_NEW_TOKENS),
                               "--batch-size", str(REGENERATE_BATCH_SIZE)])
+    summary_path = out / "regenerated.summary.json"
+    summary = json.loads(summary_path.read_text())
+    if summary["ok"] == 0:
+        summary_path.unlink()  # not done: a rerun tries again
+        raise SystemExit(f"{out / 'regenerated.jsonl'}: the target answered none of the "
+                         f"{summary['total']} prompts (failures: {summary['failures']}); "
+                         "is it trained? (--force rebuilds it)")
 
 
 def step_prepare(out: Path) -> None:
@@ -416,13 +442,12 @@ def step_prepare(out: Path) -> None:
                            "--cache-dir", str(out / "datasets_cache")])
 
 
-def step_report(out: Path, corpus: dict) -> dict:
+def step_report(out: Path) -> dict:
     """Held-out loss on the bench files' raw text and the diversity of greedy bench answers."""
     target_dir = out / "target"
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     model = AutoModelForCausalLM.from_pretrained(target_dir).eval()
-    heldout_texts = read_texts(Path(corpus["stdlib"]), corpus["splits"]["bench"])
-    heldout = pack_documents(tokenizer, heldout_texts, SEQ_LEN)[:HELDOUT_ROWS]
+    heldout = pack_documents(tokenizer, split_texts(out, "bench"), SEQ_LEN)[:HELDOUT_ROWS]
     bench = [json.loads(line)["prompt"] for line in (out / "bench.jsonl").read_text().splitlines()]
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                              add_generation_prompt=True, enable_thinking=ENABLE_THINKING)
@@ -445,6 +470,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="artifacts/toy", help="output directory")
     parser.add_argument("--force", action="store_true", help="rebuild every step from scratch")
+    parser.add_argument("--threads", type=int, default=2,
+                        help="torch threads (1 is steadier on a machine busy with other work)")
     return parser.parse_args(argv)
 
 
@@ -454,24 +481,26 @@ def main(argv=None) -> dict:
     if args.force:
         shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(TORCH_THREADS)
-    corpus_path = out / "corpus.json"
-    corpus = json.loads(corpus_path.read_text()) if corpus_path.exists() else step_corpus(out)
-    steps = [  # (name, what marks it done, how to do it); each is skipped when its marker exists
-        ("target", out / "target", lambda: step_target(out, corpus)),
-        ("prompts", out / "prompts.jsonl", lambda: step_prompts(out, corpus)),
-        ("bench", out / "bench.jsonl", lambda: step_bench(out, corpus)),
-        ("regenerate", out / "regenerated.summary.json", lambda: step_regenerate(out)),
-        ("prepare", out / "train_data", lambda: step_prepare(out)),
+    torch.set_num_threads(args.threads)
+    steps = [  # (step, the output that marks it done: the step is skipped when it exists)
+        (step_corpus, "corpus.json"),
+        (step_target, "target"),
+        (step_prompts, "prompts.jsonl"),
+        (step_bench, "bench.jsonl"),
+        (step_regenerate, "regenerated.summary.json"),  # written last, after every row
+        (step_prepare, "train_data"),
     ]
-    for name, marker, run in steps:
-        if marker.exists():
-            print(f"[{name}] reusing {marker}", flush=True)
+    for step, marker in steps:
+        name = step.__name__.removeprefix("step_")
+        if (out / marker).exists():
+            print(f"[{name}] reusing {out / marker}", flush=True)
             continue
         start = time.perf_counter()
-        run()
+        step(out)
         print(f"[{name}] done in {time.perf_counter() - start:.1f} s", flush=True)
-    report = step_report(out, corpus)
+    start = time.perf_counter()
+    report = step_report(out)
+    print(f"[report] done in {time.perf_counter() - start:.1f} s", flush=True)
     print(json.dumps({key: report[key] for key in ("target", "heldout_loss", "distinct_4gram_share")}))
     return report
 

@@ -96,7 +96,8 @@ def test_reasoning_is_kept_for_the_last_answer_only(saved_tokenizer):
 
 
 def test_loss_mask_of_a_toy_conversation_covers_the_answer(saved_tokenizer):
-    ids, mask = chat.tokenize_conversation(saved_tokenizer, [SYSTEM, USER, ANSWER], enable_thinking=False)
+    ids, mask = chat.tokenize_conversation(saved_tokenizer, [SYSTEM, USER, ANSWER],
+                                           enable_thinking=False)
     supervised = saved_tokenizer.decode([i for i, bit in zip(ids, mask) if bit])
     assert supervised.endswith("return 1\n<|im_end|>")
     assert "<think>" not in supervised and "Be brief" not in supervised
@@ -179,8 +180,9 @@ def test_prompt_and_bench_files_are_read_by_the_pipeline(tmp_path):
     root.mkdir()
     (root / "m.py").write_text(SOURCE)
     corpus = {"stdlib": str(root), "splits": {"prompt": ["m.py"], "bench": ["m.py"]}}
-    toy.step_prompts(tmp_path, corpus)
-    toy.step_bench(tmp_path, corpus)
+    (tmp_path / "corpus.json").write_text(json.dumps(corpus))
+    toy.step_prompts(tmp_path)
+    toy.step_bench(tmp_path)
     rows = [json.loads(line) for line in (tmp_path / "prompts.jsonl").read_text().splitlines()]
     assert len(rows) == 3
     for row in rows:
@@ -246,6 +248,7 @@ def test_greedy_continuations_do_not_depend_on_batch_padding(tokenizer):
 def test_distinct_ngram_share_scores_loops_low():
     assert toy.distinct_ngram_share([[1, 2, 3, 4, 5, 6]], n=4) == 1.0
     assert toy.distinct_ngram_share([[1, 2, 1, 2, 1, 2]], n=2) == pytest.approx(2 / 5)
-    assert toy.distinct_ngram_share([[7, 7, 7, 7, 7], [1, 2, 3], [1, 2, 3, 4]], n=4) == pytest.approx(0.75)
+    mixed = [[7, 7, 7, 7, 7], [1, 2, 3], [1, 2, 3, 4]]  # (1/2 + 1) / 2, the short one skipped
+    assert toy.distinct_ngram_share(mixed, n=4) == pytest.approx(0.75)
     with pytest.raises(ValueError):
         toy.distinct_ngram_share([[1, 2]], n=4)
