@@ -259,7 +259,7 @@ def test_local_backend_matches_unbatched_greedy_decoding(tmp_path):
     # Tie the end-of-turn logit to another token's so that, with this seed, some answers stop,
     # some hit --max-tokens and some are empty (every outcome is checked below).
     with torch.no_grad():
-        model.lm_head.weight[tokenizer.eos_token_id] = 2.5 * model.lm_head.weight[110]
+        model.lm_head.weight[tokenizer.eos_token_id] = 3.0 * model.lm_head.weight[183]
     model.save_pretrained(target_dir)
     rows = [
         {"messages": [user("Hi")]},
