@@ -133,9 +133,14 @@ def build(args: argparse.Namespace) -> tuple[datasets.Dataset, dict]:
     """The tokenised dataset (every row, dropped ones with their reason) and the settings used."""
     num_proc = args.num_proc if args.num_proc > 1 else None
     rows_fingerprint = digest(chat.input_signature(args.input), code_digest())
-    raw = datasets.Dataset.from_generator(
-        conversation_rows, gen_kwargs={"inputs": args.input}, features=RAW_FEATURES,
-        cache_dir=args.cache_dir, fingerprint=rows_fingerprint)
+    try:
+        raw = datasets.Dataset.from_generator(
+            conversation_rows, gen_kwargs={"inputs": args.input}, features=RAW_FEATURES,
+            cache_dir=args.cache_dir, fingerprint=rows_fingerprint)
+    except ValueError as error:  # datasets' words for a generator that yielded nothing
+        if "corresponds to no data" not in str(error):
+            raise
+        sys.exit(f"no rows to prepare in {', '.join(args.input)}: the input is empty")
     settings = {"target": args.target, "enable_thinking": args.thinking,
                 "system_prompt": args.system_prompt, "max_length": args.max_length,
                 "truncate": args.truncate, "last_turn_only": args.last_turn_only}

@@ -259,6 +259,10 @@ def test_missing_or_unreadable_files_are_named(target, tmp_path):
     broken.write_bytes(b"not parquet")
     with pytest.raises(ValueError, match="broken.parquet"):
         list(chat.read_rows([str(broken)]))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(SystemExit, match="no rows to prepare in .*empty.jsonl"):
+        run(target, tmp_path, [str(empty)])
 
 
 def test_longest_run():
