@@ -28,7 +28,7 @@ from drafter.checkpoint import find_resume_checkpoint, load_checkpoint, save_che
 from drafter.config import ConfigError, deepspeed_config, load_config, lr_factor, noise_std
 from drafter.model import DFlashDraftModel, drafter_config, resolve_mask_token_id
 from drafter.objective import ObjectiveConfig, finalize_metrics, training_step
-from drafter.sampler import BucketSampler, make_loader, sampler_from_config, split_holdout
+from drafter.sampler import BucketSampler, bucket_table, make_loader, sampler_from_config, split_holdout
 from drafter.target import context_features, load_target, random_qwen3
 from drafter.tracking import RunLogger, console_line
 
@@ -291,7 +291,7 @@ def train(cfg, rank, world_size, device) -> int:
     log.print(f"run {cfg.run.name}: {world_size} ranks on {device.type}, drafter "
               f"{sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M params, {total_steps} steps "
               f"({steps_per_epoch}/epoch), attention={'flex' if use_flex else 'dense'}")
-    log.print(bucket_table(stats))
+    log.print(bucket_summary(stats))
 
     def save(step):
         elapsed = state["elapsed_s"] + time.time() - t_start
@@ -428,14 +428,11 @@ class Window:
         }
 
 
-def bucket_table(stats) -> str:
-    lines = [f"{'bucket':>6} {'range':>13} {'samples':>9} {'batches':>8} {'% batches':>9} {'tokens':>12}"]
-    for i, b in enumerate(stats["buckets"]):
-        lines.append(f"{i:>6} {b['lo']:>6}-{b['hi']:<6} {b['samples']:>9} {b['batches']:>8} "
-                     f"{b['batch_pct']:>8.1f}% {b['tokens']:>12}")
-    lines.append(f"padding efficiency {stats['pad_efficiency']:.3f}, longest same-bucket run "
-                 f"{stats['max_same_bucket_run']}, {stats['dropped_samples']} samples dropped to even out ranks")
-    return "\n".join(lines)
+def bucket_summary(stats) -> str:
+    return "\n".join([*bucket_table(stats),
+                      f"padding efficiency {stats['pad_efficiency']:.3f}, longest same-bucket run "
+                      f"{stats['max_same_bucket_run']}, {stats['dropped_samples']} samples dropped to even "
+                      f"out ranks"])
 
 
 if __name__ == "__main__":

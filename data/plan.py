@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 from omegaconf import OmegaConf
 
-from drafter.sampler import BucketSampler, sampler_from_config, split_holdout
+from drafter.sampler import BucketSampler, bucket_table, sampler_from_config, split_holdout
 
 SHADES = " .:-=+*#%@"  # share of a column's steps in a bucket, from none to all
 
@@ -70,12 +70,8 @@ def format_report(stats: dict, sampler: BucketSampler, step_buckets: np.ndarray,
         f"{stats['samples']:,} samples ({held_out:,} held out for eval), world size {stats['world_size']}, "
         f"{stats['tokens_per_batch']:,} tokens per batch per rank (padding counted), epoch {stats['epoch']}",
         "",
-        f"{'bucket':>6} {'range':>13} {'samples':>11} {'batches':>9} {'% batches':>9} {'tokens':>15} {'pad eff':>7}",
+        *bucket_table(stats),
     ]
-    for bucket, row in enumerate(stats["buckets"]):
-        efficiency = row["tokens"] / row["computed_tokens"] if row["computed_tokens"] else 1.0
-        lines.append(f"{bucket:>6} {row['lo']:>6}-{row['hi']:<6} {row['samples']:>11,} {row['batches']:>9,} "
-                     f"{row['batch_pct']:>8.1f}% {row['tokens']:>15,} {efficiency:>7.3f}")
     lines += [
         "",
         f"steps per epoch        {stats['num_steps']:,} (one batch per rank each, every rank in the same bucket)",

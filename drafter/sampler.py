@@ -348,6 +348,17 @@ class BucketSampler:
         }
 
 
+def bucket_table(stats: dict) -> list[str]:
+    """The bucket table of `BucketSampler.stats()`: range, samples, batches, % of batches, tokens and
+    padding efficiency per bucket (data/plan.py and train.py print it)."""
+    lines = [f"{'bucket':>6} {'range':>13} {'samples':>11} {'batches':>9} {'% batches':>9} {'tokens':>15} {'pad eff':>7}"]
+    for bucket, row in enumerate(stats["buckets"]):
+        efficiency = row["tokens"] / row["computed_tokens"] if row["computed_tokens"] else 1.0
+        lines.append(f"{bucket:>6} {row['lo']:>6}-{row['hi']:<6} {row['samples']:>11,} {row['batches']:>9,} "
+                     f"{row['batch_pct']:>8.1f}% {row['tokens']:>15,} {efficiency:>7.3f}")
+    return lines
+
+
 def split_holdout(num_samples: int, eval_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """(train, eval) row indices, each sorted: a seeded random eval_fraction of the rows held out."""
     if not 0.0 <= eval_fraction < 1.0:
