@@ -10,9 +10,10 @@ Local JSONL: one object per line with one of
     {"turns": [str, ...]}                 user turns, multi-turn
     {"messages": [{"role", "content"}]}   OpenAI style, ending with the user turn to answer
 """
-import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from drafter.chat import read_jsonl
 
 REASON_BOXED = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 CODE_TASK = "Write a solution to the following problem and make sure that it passes the tests:\n"
@@ -63,18 +64,16 @@ def load_hub(name: str) -> list[Prompt]:
     return [Prompt(f"{name}:{i}", [], turns_of(row)) for i, row in enumerate(rows)]
 
 
+_UNREADABLE = {"malformed_json": "not valid JSON", "encoding": "not valid UTF-8"}
+
+
 def load_jsonl(path: Path) -> list[Prompt]:
     """Prompts of a local JSONL file; a bad line raises ValueError naming the file, line and reason."""
     prompts = []
-    with open(path, encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            source = f"{path}:{number}"
-            try:
-                prompts.append(parse_prompt(json.loads(line), source))
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{source}: not valid JSON ({error.msg})") from None
+    for row in read_jsonl(Path(path)):
+        if row.reason:
+            raise ValueError(f"{row.source}: {_UNREADABLE[row.reason]}")
+        prompts.append(parse_prompt(row.value, row.source))
     if not prompts:
         raise ValueError(f"{path}: no prompts")
     return prompts
