@@ -268,7 +268,7 @@ def test_nonfinite_steps_are_skipped_and_too_many_in_a_row_stop_the_run(tmp_path
 
 
 def test_bad_prepared_data_is_rejected_up_front_naming_the_row(tmp_path):
-    from train import load_prepared
+    from drafter.data import load_prepared
     rows = {"input_ids": [[1, 2, 3], [4, 5], [6, 7]], "loss_mask": [[0, 1, 1], [1, 1], [1, 1]], "length": [3, 2, 2]}
     cases = {
         "length column": {**rows, "length": [3, 3, 2]},
