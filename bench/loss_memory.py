@@ -27,7 +27,7 @@ def make_inputs(args, device):
     hidden = (torch.randn(rows, args.hidden, generator=gen) / args.hidden ** 0.5).to(device)
     head = torch.randn(args.vocab, args.hidden, generator=gen).to(device)
     labels = torch.randint(0, args.vocab, (rows,), generator=gen).to(device)
-    weights = position_weights(args.block, 7.0).repeat(args.anchors).to(device)
+    weights = position_weights(args.block, 7.0, device).repeat(args.anchors)
     return hidden.requires_grad_(True), head, labels, weights
 
 
@@ -48,9 +48,7 @@ def run_variant(args, out: Path):
     if args.variant == "naive":
         loss = dense_lm_head_loss(hidden, head, labels, weights)
     else:
-        none = torch.zeros(len(labels), dtype=torch.bool, device=device)
-        loss = ChunkedLMHeadLoss.apply(hidden, head, labels, weights, none, 1,
-                                       chunk_rows_for(args.vocab))[0]
+        loss = ChunkedLMHeadLoss.apply(hidden, head, labels, weights, chunk_rows_for(args.vocab))[0]
     loss.backward()
     if device.type == "cuda":
         torch.cuda.synchronize()

@@ -45,7 +45,8 @@ class ObjectiveSection:
     gamma: Optional[float] = None  # null: the paper's value for the block size (16 -> 7)
     ddtree_budget: int = 64
     ddtree_blocks: int = 16
-    attention: str = "auto"        # auto (flex on GPU, dense SDPA on CPU) | flex | dense
+    attention: str = "auto"        # auto (flex_compiled on CUDA, dense elsewhere) | flex_compiled | flex | dense
+                                   # (objective.attention_kernel; flex: eager, materialises the scores)
 
 
 @dataclass

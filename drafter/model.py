@@ -12,7 +12,11 @@ sequence, a block mask) and inference (one block, ctx = new context positions ap
 `DraftCache`, no mask). Weight names and config follow the public `dflash` format, so
 `save_pretrained` output loads in `dflash.model.DFlashDraftModel`, SGLang and vLLM.
 """
+import functools
+from dataclasses import dataclass
+
 import torch
+import torch.fx.experimental._config as symbolic_shapes_config
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -92,15 +96,41 @@ class DraftCache:
         return self.keys[layer], self.values[layer]
 
 
-# Uncompiled flex_attention materialises the full score matrix; compiled, it is a fused kernel.
-_compiled_flex_attention = torch.compile(flex_attention, dynamic=True)
+@dataclass(frozen=True)
+class FlexMask:
+    """A flex_attention BlockMask and the kernel that runs it: compiled (a fused kernel; the GPU path)
+    or eager (materialises the full score matrix; CPU tests and debugging)."""
+    block_mask: BlockMask
+    compiled: bool
+
+
+def compile_dynamic(fn):
+    """torch.compile(fn) with every size symbolic from the first call, so that a new padded length
+    or anchor count reuses the compiled code. Duck sizing is off: with it a first batch whose size
+    equals a head count shares that constant's symbol and is compiled in as a constant."""
+    compiled = torch.compile(fn, dynamic=True)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with symbolic_shapes_config.patch(use_duck_shape=False):
+            return compiled(*args, **kwargs)
+
+    return call
+
+
+def compiled_graph_count() -> int:
+    """Graphs torch.compile has compiled in this process so far, all functions together."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+_compiled_flex_attention = compile_dynamic(flex_attention)
 
 
 def attend(q, k, v, mask):
-    """q [b, h, Q, d]; k, v [b, hkv, K, d]; mask: None (all visible), bool [b, 1, Q, K], or a BlockMask."""
-    if isinstance(mask, BlockMask):
-        flex = _compiled_flex_attention if q.is_cuda else flex_attention  # CPU: eager, for tests
-        return flex(q, k, v, block_mask=mask, enable_gqa=True)
+    """q [b, h, Q, d]; k, v [b, hkv, K, d]; mask: None (all visible), bool [b, 1, Q, K], or a FlexMask."""
+    if isinstance(mask, FlexMask):
+        flex = _compiled_flex_attention if mask.compiled else flex_attention
+        return flex(q, k, v, block_mask=mask.block_mask, enable_gqa=True)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 

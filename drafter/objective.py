@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import create_block_mask
+from torch.nn.attention.flex_attention import _DEFAULT_SPARSE_BLOCK_SIZE, create_block_mask
 
 from drafter.ddtree import build_tree_from_logprobs, teacher_forced_accept
+from drafter.model import FlexMask, compile_dynamic
 
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # DFlash paper, by block size
 
@@ -29,9 +30,9 @@ def resolve_gamma(gamma: float | None, block_size: int) -> float:
     return DEFAULT_GAMMA[block_size]
 
 
-def position_weights(block_size: int, gamma: float) -> torch.Tensor:
+def position_weights(block_size: int, gamma: float, device: torch.device | str = "cpu") -> torch.Tensor:
     """w [B]: 0 at slot 0 (the anchor), exp(-(k-1)/gamma) at slot k >= 1."""
-    k = torch.arange(block_size, dtype=torch.float32)
+    k = torch.arange(block_size, dtype=torch.float32, device=device)
     return torch.where(k == 0, 0.0, torch.exp(-(k - 1) / gamma))
 
 
@@ -43,14 +44,16 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.G
     batch; sequences with fewer candidates get `valid=False` filler anchors (position 0).
     `anchors_per_batch` caps A * b, so a batch of many short sequences costs the drafter no more than
     one of a few long ones (the sampler's token budget bounds the target, this bounds the drafter).
+    A is read on the host: the one host synchronisation of a training step (the drafter's input
+    shape depends on the data); the random scores come from `generator`'s device without a wait.
     """
     if anchors_per_batch is not None:
         num_anchors = max(1, min(num_anchors, anchors_per_batch // loss_mask.shape[0]))
     mask = loss_mask.bool()
     candidates = torch.zeros_like(mask)
     candidates[:, :-1] = mask[:, :-1] & mask[:, 1:]
-    scores = torch.rand(mask.shape, generator=generator, device=generator.device).to(mask.device)
-    scores = scores.masked_fill(~candidates, -1.0)
+    scores = torch.rand(mask.shape, generator=generator, device=generator.device)
+    scores = scores.to(mask.device, non_blocking=True).masked_fill(~candidates, -1.0)
     count = min(num_anchors, int(candidates.sum(1).max()))
     count = max(count, 1)
     top_scores, anchors = scores.topk(count, dim=1)
@@ -84,7 +87,7 @@ def build_blocks(input_ids, loss_mask, anchors, valid, block_size: int, mask_tok
     supervised = loss_mask.bool().gather(1, gather_at).view(positions.shape) & inside
     supervised[..., 0] = True  # the anchor itself is supervised by construction
     supervised = supervised.long().cumprod(-1).bool() & valid[..., None]
-    weights = position_weights(block_size, gamma).to(anchors.device) * supervised
+    weights = position_weights(block_size, gamma, anchors.device) * supervised
     ids = torch.full_like(labels, mask_token_id)
     ids[..., 0] = labels[..., 0]
     return Blocks(anchors, valid, ids, positions, labels, weights)
@@ -99,52 +102,84 @@ def dense_block_mask(anchors: torch.Tensor, seq_len: int, block_size: int) -> to
     return torch.cat([ctx_visible, own_block.expand(b, -1, -1)], dim=2)[:, None]
 
 
-def flex_block_mask(anchors: torch.Tensor, seq_len: int, block_size: int):
-    """The same mask as `dense_block_mask`, as a flex_attention BlockMask (compiled on CUDA, so the
-    dense mask is never built; the length is a tensor so a new length does not recompile)."""
+ATTENTION_KERNELS = ("dense", "flex", "flex_compiled")
+
+
+def attention_kernel(setting: str, device: torch.device | str) -> str:
+    """The kernel `objective.attention` selects on `device`: "auto" is flex_compiled on CUDA and dense
+    elsewhere. dense: SDPA under a materialised bool mask; flex: eager flex_attention (materialises
+    the scores: tests, debugging); flex_compiled: compiled block mask and fused flex kernel."""
+    if setting == "auto":
+        return "flex_compiled" if torch.device(device).type == "cuda" else "dense"
+    if setting not in ATTENTION_KERNELS:
+        raise ValueError(f"objective.attention={setting!r}: expected auto or one of {', '.join(ATTENTION_KERNELS)}")
+    return setting
+
+
+_compiled_create_block_mask = compile_dynamic(create_block_mask)
+
+
+def flex_block_mask(anchors: torch.Tensor, seq_len: int, block_size: int, compiled: bool) -> FlexMask:
+    """The same mask as `dense_block_mask`, for flex_attention. Compiled, the dense mask is never
+    built; the context length is a tensor and the anchors a closure tensor, so new lengths and
+    anchor counts are symbolic sizes, not constants baked into the compiled graph."""
     b, num_blocks = anchors.shape
-    ctx_len = torch.tensor(seq_len, device=anchors.device)
+    ctx_len = torch.full((), seq_len, device=anchors.device)
 
     def mask_mod(batch, head, q, kv):
         block = q // block_size
         return torch.where(kv < ctx_len, kv < anchors[batch, block], (kv - ctx_len) // block_size == block)
 
-    return create_block_mask(mask_mod, B=b, H=None, Q_LEN=num_blocks * block_size,
-                             KV_LEN=seq_len + num_blocks * block_size, device=anchors.device,
-                             _compile=anchors.is_cuda)
+    make = _compiled_create_block_mask if compiled else create_block_mask
+    block_mask = make(mask_mod, B=b, H=None, Q_LEN=num_blocks * block_size,
+                      KV_LEN=seq_len + num_blocks * block_size, device=anchors.device)
+    return FlexMask(block_mask, compiled)
 
 
-def drafter_hidden(drafter, target, features, blocks: Blocks, use_flex: bool) -> torch.Tensor:
-    """The drafter's final-normed states for every block slot: [b, A, B, H]."""
+def drafter_hidden(drafter, target, features, blocks: Blocks, attention: str) -> torch.Tensor:
+    """The drafter's final-normed states for every block slot: [b, A, B, H]; `attention` is one of
+    ATTENTION_KERNELS (see `attention_kernel`).
+
+    Compiled flex works on tiles of 128 queries and keys, and torch.compile specialises a size of 1:
+    one query tile, one key tile, one anchor or one sequence would each compile once more. So the
+    compiled path pads the blocks with filler blocks (anchor 0, outputs dropped) to more than one
+    tile: batches of two or more sequences compile once for all lengths and anchor counts, and
+    batches of one sequence once more.
+    """
     b, T, _ = features.shape
     num_blocks, block_size = blocks.ids.shape[1:]
+    anchors, ids, positions = blocks.anchors, blocks.ids, blocks.positions
+    if attention == "flex_compiled":
+        filler = max(0, _DEFAULT_SPARSE_BLOCK_SIZE // block_size + 1 - num_blocks)
+        anchors, ids, positions = (F.pad(x, (0, 0) * (x.dim() - 2) + (0, filler)) for x in (anchors, ids, positions))
     ctx = drafter.fuse(features)
-    block_embeds = target.get_input_embeddings()(blocks.ids.view(b, -1)).to(ctx.dtype)
+    block_embeds = target.get_input_embeddings()(ids.view(b, -1)).to(ctx.dtype)
     ctx_positions = torch.arange(T, device=features.device)[None].expand(b, -1)
-    make_mask = flex_block_mask if use_flex else dense_block_mask
-    mask = make_mask(blocks.anchors, T, block_size)
-    hidden = drafter(block_embeds, blocks.positions.view(b, -1), ctx, ctx_positions, mask)
-    return hidden.view(b, num_blocks, block_size, -1)
+    if attention == "dense":
+        mask = dense_block_mask(anchors, T, block_size)
+    elif attention in ATTENTION_KERNELS:
+        mask = flex_block_mask(anchors, T, block_size, compiled=attention == "flex_compiled")
+    else:
+        raise ValueError(f"attention {attention!r} not in {ATTENTION_KERNELS}")
+    hidden = drafter(block_embeds, positions.view(b, -1), ctx, ctx_positions, mask)
+    return hidden.view(b, -1, block_size, hidden.shape[-1])[:, :num_blocks]
 
 
 class ChunkedLMHeadLoss(torch.autograd.Function):
     """sum_r w_r CE_r / sum_r w_r through a frozen LM head, one row chunk at a time.
 
     The gradient w.r.t. the hidden states is computed in the forward pass, chunk by chunk, so at most
-    one chunk of fp32 logits is alive. Also returns each row's label rank (0 = top-1) and, for rows
-    in `topk_rows`, the top-k log-probabilities and token ids (the DDTree metric's input).
+    one chunk of fp32 logits is alive. Also returns each row's label rank (0 = top-1). The chunks are
+    fixed by the shapes alone: no host synchronisation.
     """
 
     @staticmethod
-    def forward(ctx, hidden, head_weight, labels, row_weights, topk_rows, k: int, chunk_rows: int):
+    def forward(ctx, hidden, head_weight, labels, row_weights, chunk_rows: int):
         need_grad = ctx.needs_input_grad[0]
         total_weight = row_weights.sum().clamp_min(1e-12)
         grad_hidden = torch.empty_like(hidden) if need_grad else None
         loss = hidden.new_zeros((), dtype=torch.float32)
         ranks = torch.empty_like(labels)
-        topk_index = torch.nonzero(topk_rows).squeeze(1)
-        topk_logprobs = hidden.new_empty((len(topk_index), k), dtype=torch.float32)
-        topk_ids = labels.new_empty((len(topk_index), k))
         for start in range(0, hidden.shape[0], chunk_rows):
             rows = slice(start, start + chunk_rows)
             logits = (hidden[rows] @ head_weight.T).float()
@@ -153,23 +188,33 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
             w = row_weights[rows, None].float()
             loss += ((log_z - label_logit) * w).sum()
             ranks[rows] = (logits > label_logit).sum(-1)
-            in_chunk = (topk_index >= start) & (topk_index < start + chunk_rows)
-            if in_chunk.any():
-                values, ids = (logits[topk_index[in_chunk] - start] - log_z[topk_index[in_chunk] - start]).topk(k)
-                topk_logprobs[in_chunk], topk_ids[in_chunk] = values, ids
             if need_grad:
                 probs = logits.sub_(log_z).exp_()  # in the logits buffer: d CE / d logits = p - onehot
                 probs.scatter_add_(1, labels[rows, None], -torch.ones_like(label_logit))
                 grad_hidden[rows] = (probs.mul_(w / total_weight)).to(head_weight.dtype) @ head_weight
         if need_grad:
             ctx.save_for_backward(grad_hidden)
-        ctx.mark_non_differentiable(ranks, topk_logprobs, topk_ids)
-        return loss / total_weight, ranks, topk_logprobs, topk_ids
+        ctx.mark_non_differentiable(ranks)
+        return loss / total_weight, ranks
 
     @staticmethod
     def backward(ctx, grad_loss, *unused):
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None, None, None
+        return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None
+
+
+@torch.no_grad()
+def top_logprobs(hidden, head_weight, k: int, chunk_rows: int):
+    """(log-probabilities, token ids) [rows, k] of each row's k most likely tokens under the frozen
+    LM head, `chunk_rows` rows of fp32 logits at a time."""
+    values = hidden.new_empty((hidden.shape[0], k), dtype=torch.float32)
+    ids = torch.empty((hidden.shape[0], k), dtype=torch.long, device=hidden.device)
+    for start in range(0, hidden.shape[0], chunk_rows):
+        rows = slice(start, start + chunk_rows)
+        logits = (hidden[rows] @ head_weight.T).float()
+        top = logits.topk(k, dim=-1)
+        values[rows], ids[rows] = top.values - logits.logsumexp(-1, keepdim=True), top.indices
+    return values, ids
 
 
 def dense_lm_head_loss(hidden, head_weight, labels, row_weights):
@@ -196,43 +241,46 @@ class ObjectiveConfig:
 
 
 def training_step(drafter, target, features, input_ids, loss_mask, cfg: ObjectiveConfig,
-                  generator: torch.Generator, use_flex: bool):
+                  generator: torch.Generator, attention: str):
     """One training forward: (loss, metrics). `metrics` maps names to [sum, count] tensors so that
-    ranks and micro-batches can be summed before dividing (see `finalize_metrics`)."""
+    ranks and micro-batches can be summed before dividing (see `finalize_metrics`). `attention`: one
+    of ATTENTION_KERNELS (`attention_kernel` turns the config value into it)."""
     gamma = resolve_gamma(cfg.gamma, cfg.block_size)
     anchors, valid = sample_anchors(loss_mask, cfg.num_anchors, generator, cfg.anchors_per_batch)
     blocks = build_blocks(input_ids, loss_mask, anchors, valid, cfg.block_size, cfg.mask_token_id, gamma)
-    hidden = drafter_hidden(drafter, target, features, blocks, use_flex)
+    hidden = drafter_hidden(drafter, target, features, blocks, attention)
 
-    rows = blocks.weights.view(-1) > 0
-    row_index = torch.nonzero(rows).squeeze(1)
-    sampled = sample_complete_blocks(blocks, cfg.ddtree_blocks, generator)
-    topk_rows = torch.zeros_like(blocks.weights, dtype=torch.bool)
-    topk_rows.view(-1, cfg.block_size)[sampled, 1:] = True
+    # Every slot after the anchor is a row (unsupervised ones weigh 0): static shapes, no host sync.
+    b, num_blocks, block_size, width = hidden.shape
     head = target.get_output_embeddings().weight
-    k = min(cfg.ddtree_budget, head.shape[0])
-    loss, ranks, topk_logprobs, topk_ids = ChunkedLMHeadLoss.apply(
-        hidden.reshape(-1, hidden.shape[-1])[row_index], head, blocks.labels.view(-1)[row_index],
-        blocks.weights.view(-1)[row_index], topk_rows.view(-1)[row_index], k,
-        chunk_rows_for(head.shape[0], cfg.chunk_bytes))
+    chunk_rows = chunk_rows_for(head.shape[0], cfg.chunk_bytes)
+    loss, ranks = ChunkedLMHeadLoss.apply(
+        hidden[:, :, 1:].reshape(-1, width), head, blocks.labels[..., 1:].reshape(-1),
+        blocks.weights[..., 1:].reshape(-1), chunk_rows)
 
     label_rank = torch.full_like(blocks.labels, torch.iinfo(torch.long).max)
-    label_rank.view(-1)[row_index] = ranks
+    label_rank[..., 1:] = ranks.view(b, num_blocks, block_size - 1)
     metrics = rank_metrics(label_rank, blocks)
+    sampled, sampled_valid = sample_complete_blocks(blocks, cfg.ddtree_blocks, generator)
+    k = min(cfg.ddtree_budget, head.shape[0])
+    topk_logprobs, topk_ids = top_logprobs(
+        hidden.detach().reshape(-1, block_size, width)[sampled, 1:].reshape(-1, width), head, k, chunk_rows)
     metrics[f"ddtree_accept@{cfg.ddtree_budget}"] = ddtree_accept_metric(
-        topk_logprobs.view(len(sampled), cfg.block_size - 1, k),
-        topk_ids.view(len(sampled), cfg.block_size - 1, k),
-        blocks.labels.view(-1, cfg.block_size)[sampled, 1:], cfg.ddtree_budget)
+        topk_logprobs.view(len(sampled), block_size - 1, k), topk_ids.view(len(sampled), block_size - 1, k),
+        blocks.labels.view(-1, block_size)[sampled, 1:], cfg.ddtree_budget, sampled_valid)
     metrics["loss"] = torch.stack([loss.detach(), loss.new_ones(())])
     return loss, metrics
 
 
-def sample_complete_blocks(blocks: Blocks, count: int, generator: torch.Generator) -> torch.Tensor:
-    """Flat indices of up to `count` blocks whose slots 1..B-1 are all supervised."""
+def sample_complete_blocks(blocks: Blocks, count: int, generator: torch.Generator):
+    """(index [n], valid [n]), n = min(count, number of blocks): flat indices of distinct blocks drawn
+    uniformly from those whose slots 1..B-1 are all supervised; `valid` is False where fewer than n
+    such blocks exist (those indices are other blocks). Static shapes: no host sync."""
     complete = (blocks.weights[..., 1:] > 0).all(-1).view(-1)
-    index = torch.nonzero(complete).squeeze(1)
-    order = torch.randperm(len(index), generator=generator, device=generator.device).to(index.device)
-    return index[order[:count]].sort().values
+    scores = torch.rand(complete.shape, generator=generator, device=generator.device)
+    scores = scores.to(complete.device, non_blocking=True).masked_fill(~complete, -1.0)
+    top_scores, index = scores.topk(min(count, len(complete)))
+    return index, top_scores >= 0
 
 
 def _mean(values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
@@ -264,18 +312,20 @@ def rank_metrics(label_rank: torch.Tensor, blocks: Blocks) -> dict[str, torch.Te
     return metrics
 
 
-def ddtree_accept_metric(topk_logprobs, topk_ids, labels, budget: int) -> torch.Tensor:
+def ddtree_accept_metric(topk_logprobs, topk_ids, labels, budget: int,
+                         valid: torch.Tensor | None = None) -> torch.Tensor:
     """ddtree_accept@B: exact teacher-forced DDTree acceptance at budget B, as [sum, count].
 
     For each sampled complete block, build the best-first tree of B nodes from the block's per-position
     marginals (top-k per position suffices: no depth holds more than B nodes) and walk it along the
     labels; the value is the tokens that verify would commit (accepted depth + 1 bonus). It estimates
-    DDTree tau at budget B when the drafter's context is the target's own text.
+    DDTree tau at budget B when the drafter's context is the target's own text. Blocks where `valid`
+    [blocks] is False count for nothing.
     """
     if labels.shape[0] == 0:
         return topk_logprobs.new_zeros(2)
     committed = teacher_forced_accept(build_tree_from_logprobs(topk_logprobs, topk_ids, budget), labels)
-    return torch.stack([committed.sum().float(), committed.new_tensor(len(committed)).float()])
+    return _mean(committed, torch.ones_like(committed, dtype=torch.bool) if valid is None else valid)
 
 
 def finalize_metrics(summed: dict[str, torch.Tensor]) -> dict[str, float | list[float]]:

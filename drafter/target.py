@@ -60,8 +60,9 @@ def context_features(target: nn.Module, input_ids: torch.Tensor, layer_ids: list
     body = target.get_decoder()
     hidden = body.embed_tokens(input_ids)
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand_as(input_ids)
+    # no position_ids: every row is one sequence at 0..T-1, and looking for packed ones reads the device
     mask = create_causal_mask(config=body.config, inputs_embeds=hidden, attention_mask=None,
-                              past_key_values=None, position_ids=positions)
+                              past_key_values=None)
     rope = body.rotary_emb(hidden, positions)
     wanted = set(layer_ids)
     captured = {}

@@ -1,13 +1,20 @@
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from conftest import MASK_ID, make_drafter
-from drafter.model import DraftCache
-from drafter.objective import (ChunkedLMHeadLoss, ObjectiveConfig, build_blocks, dense_block_mask,
-                               dense_lm_head_loss, drafter_hidden, finalize_metrics, position_weights,
-                               rank_metrics, resolve_gamma, sample_anchors, training_step)
+from drafter import ddtree, model, objective
+from drafter.ddtree import build_tree, teacher_forced_accept
+from drafter.host_sync import HostSyncCounter
+from drafter.model import DraftCache, compiled_graph_count
+from drafter.objective import (ATTENTION_KERNELS, ChunkedLMHeadLoss, ObjectiveConfig, attention_kernel,
+                               build_blocks, dense_block_mask, dense_lm_head_loss, ddtree_accept_metric,
+                               drafter_hidden, finalize_metrics, position_weights, rank_metrics,
+                               resolve_gamma, sample_anchors, sample_complete_blocks, top_logprobs,
+                               training_step)
+from drafter.sampler import BucketSampler, collate, make_buckets
 from drafter.target import context_features
 
 B = 8
@@ -24,20 +31,20 @@ def padded_batch(lengths, seed=0, vocab=250):
     return ids, loss_mask
 
 
-def training_logits(drafter, target, features, blocks, use_flex):
-    hidden = drafter_hidden(drafter, target, features, blocks, use_flex)
+def training_logits(drafter, target, features, blocks, attention):
+    hidden = drafter_hidden(drafter, target, features, blocks, attention)
     return target.lm_head(hidden)
 
 
-@pytest.mark.parametrize("use_flex", [False, True], ids=["dense", "flex"])
-def test_training_logits_equal_inference_logits(drafter, target, use_flex):
+@pytest.mark.parametrize("attention", ["dense", "flex"])
+def test_training_logits_equal_inference_logits(drafter, target, attention):
     """DESIGN.md contract 2 on a padded batch of sequences of different lengths, several anchors each."""
     ids, loss_mask = padded_batch([29, 40, 17])
     features = context_features(target, ids, drafter.target_layer_ids)
     anchors, valid = sample_anchors(loss_mask, 5, torch.Generator().manual_seed(3))
     blocks = build_blocks(ids, loss_mask, anchors, valid, B, MASK_ID, gamma=7.0)
     with torch.no_grad():
-        train = training_logits(drafter, target, features, blocks, use_flex)
+        train = training_logits(drafter, target, features, blocks, attention)
     checked = 0
     for i in range(ids.shape[0]):
         for a in range(anchors.shape[1]):
@@ -51,18 +58,18 @@ def test_training_logits_equal_inference_logits(drafter, target, use_flex):
     assert checked >= 12  # every sequence contributed anchors, including the short one
 
 
-@pytest.mark.parametrize("use_flex", [False, True], ids=["dense", "flex"])
-def test_features_at_or_after_anchor_have_no_influence(drafter, target, use_flex):
+@pytest.mark.parametrize("attention", ["dense", "flex"])
+def test_features_at_or_after_anchor_have_no_influence(drafter, target, attention):
     ids, loss_mask = padded_batch([33, 26], seed=1)
     features = context_features(target, ids, drafter.target_layer_ids)
     anchors, valid = sample_anchors(loss_mask, 4, torch.Generator().manual_seed(0))
     blocks = build_blocks(ids, loss_mask, anchors, valid, B, MASK_ID, gamma=7.0)
     with torch.no_grad():
-        base = training_logits(drafter, target, features, blocks, use_flex)
+        base = training_logits(drafter, target, features, blocks, attention)
         p = int(anchors[0, 1])
         perturbed = features.clone()
         perturbed[0, p:] += 5 * torch.randn_like(perturbed[0, p:])
-        moved = training_logits(drafter, target, perturbed, blocks, use_flex)
+        moved = training_logits(drafter, target, perturbed, blocks, attention)
     torch.testing.assert_close(moved[0, :2], base[0, :2], rtol=0, atol=1e-5)  # anchors <= p
     assert (moved[0, 2:] - base[0, 2:]).abs().max() > 1e-3  # later anchors do see position p
     torch.testing.assert_close(moved[1], base[1], rtol=0, atol=0)  # other sequences untouched
@@ -74,8 +81,8 @@ def test_flex_and_dense_paths_agree(drafter, target):
     anchors, valid = sample_anchors(loss_mask, 6, torch.Generator().manual_seed(1))
     blocks = build_blocks(ids, loss_mask, anchors, valid, B, MASK_ID, gamma=7.0)
     with torch.no_grad():
-        dense = training_logits(drafter, target, features, blocks, use_flex=False)
-        flex = training_logits(drafter, target, features, blocks, use_flex=True)
+        dense = training_logits(drafter, target, features, blocks, attention="dense")
+        flex = training_logits(drafter, target, features, blocks, attention="flex")
     torch.testing.assert_close(flex, dense, rtol=1e-4, atol=1e-4)
 
 
@@ -129,17 +136,40 @@ def test_loss_weights_follow_configured_gamma(drafter, target, gamma):
     features = context_features(target, ids, drafter.target_layer_ids)
     cfg = ObjectiveConfig(block_size=B, mask_token_id=MASK_ID, num_anchors=6, gamma=gamma)
     loss, _ = training_step(drafter, target, features, ids, loss_mask, cfg,
-                            torch.Generator().manual_seed(5), use_flex=False)
+                            torch.Generator().manual_seed(5), attention="dense")
     anchors, valid = sample_anchors(loss_mask, 6, torch.Generator().manual_seed(5))
     blocks = build_blocks(ids, loss_mask, anchors, valid, B, MASK_ID, gamma=1.0)
     with torch.no_grad():
-        logits = training_logits(drafter, target, features, blocks, use_flex=False)
+        logits = training_logits(drafter, target, features, blocks, attention="dense")
     ce = torch.nn.functional.cross_entropy(logits[..., 1:, :].reshape(-1, 256),
                                            blocks.labels[..., 1:].reshape(-1), reduction="none")
     supervised = (blocks.weights[..., 1:] > 0).reshape(-1)  # gamma=1.0 above only marks the slots
     w = torch.exp(-torch.arange(B - 1) / gamma).repeat(ce.numel() // (B - 1)) * supervised
     torch.testing.assert_close(loss.detach(), (w * ce).sum() / w.sum(), rtol=1e-5, atol=1e-6)
     assert position_weights(16, gamma)[2] / position_weights(16, gamma)[1] == pytest.approx(math.exp(-1 / gamma))
+
+
+def test_training_step_metrics_are_those_of_its_logits(drafter, target):
+    """acc and ddtree_accept@B from training_step equal the same metrics computed from the dense
+    logits of the same anchors and sampled blocks (the row layout of the loss and the top-k rows)."""
+    ids, loss_mask = padded_batch([40, 33, 21], seed=8)
+    features = context_features(target, ids, drafter.target_layer_ids)
+    cfg = ObjectiveConfig(block_size=B, mask_token_id=MASK_ID, num_anchors=6, ddtree_budget=12, ddtree_blocks=5)
+    with torch.no_grad():
+        _, metrics = training_step(drafter, target, features, ids, loss_mask, cfg,
+                                   torch.Generator().manual_seed(9), attention="dense")
+        gen = torch.Generator().manual_seed(9)
+        anchors, valid = sample_anchors(loss_mask, cfg.num_anchors, gen)
+        blocks = build_blocks(ids, loss_mask, anchors, valid, B, MASK_ID, gamma=7.0)
+        sampled, sampled_valid = sample_complete_blocks(blocks, cfg.ddtree_blocks, gen)
+        logits = training_logits(drafter, target, features, blocks, "dense")
+    supervised = blocks.weights[..., 1:] > 0
+    hits = (logits[..., 1:, :].argmax(-1) == blocks.labels[..., 1:]) & supervised
+    assert metrics["acc"].tolist() == [hits.sum().item(), supervised.sum().item()]
+    assert sampled_valid.all()
+    block_logits = logits.view(-1, B, logits.shape[-1])[sampled, 1:]
+    committed = teacher_forced_accept(build_tree(block_logits, 12), blocks.labels.view(-1, B)[sampled, 1:])
+    torch.testing.assert_close(metrics["ddtree_accept@12"], torch.tensor([committed.sum().item(), 5.0]))
 
 
 def test_default_gamma_by_block_size():
@@ -155,9 +185,7 @@ def test_chunked_loss_matches_dense_loss_and_gradients():
     head = torch.randn(300, 16, generator=gen)
     labels = torch.randint(0, 300, (37,), generator=gen)
     weights = torch.rand(37, generator=gen)
-    topk_rows = torch.zeros(37, dtype=torch.bool)
-    topk_rows[[3, 20, 36]] = True
-    loss, ranks, topk_lp, topk_ids = ChunkedLMHeadLoss.apply(hidden, head, labels, weights, topk_rows, 5, 8)
+    loss, ranks = ChunkedLMHeadLoss.apply(hidden, head, labels, weights, 8)
     (grad,) = torch.autograd.grad(3 * loss, hidden)
     ref_hidden = hidden.detach().clone().requires_grad_(True)
     ref = dense_lm_head_loss(ref_hidden, head, labels, weights)
@@ -166,9 +194,15 @@ def test_chunked_loss_matches_dense_loss_and_gradients():
     torch.testing.assert_close(grad, ref_grad)
     logits = hidden.detach() @ head.T
     assert torch.equal(ranks, (logits > logits.gather(1, labels[:, None])).sum(1))
-    logprobs = logits.log_softmax(-1)
-    torch.testing.assert_close(topk_lp, logprobs[[3, 20, 36]].topk(5).values)
-    assert torch.equal(topk_ids, logprobs[[3, 20, 36]].topk(5).indices)
+
+
+def test_top_logprobs_are_the_top_of_the_log_softmax():
+    gen = torch.Generator().manual_seed(1)
+    hidden, head = torch.randn(37, 16, generator=gen), torch.randn(300, 16, generator=gen)
+    values, ids = top_logprobs(hidden, head, 5, chunk_rows=8)
+    top = (hidden @ head.T).log_softmax(-1).topk(5)
+    torch.testing.assert_close(values, top.values)
+    assert torch.equal(ids, top.indices)
 
 
 def test_streak_and_accuracy_metrics_on_known_ranks():
@@ -195,7 +229,7 @@ def test_training_step_reports_all_metrics_and_learns(target):
     losses = []
     for step in range(25):
         loss, metrics = training_step(drafter, target, features, ids, loss_mask, cfg,
-                                      torch.Generator().manual_seed(step), use_flex=False)
+                                      torch.Generator().manual_seed(step), attention="dense")
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -207,3 +241,123 @@ def test_training_step_reports_all_metrics_and_learns(target):
     assert 1.0 <= m["streak"] <= m["ddtree_streak4"] <= m["ddtree_streak8"] <= B
     assert 1.0 <= m["ddtree_accept@16"] <= B
     assert sum(losses[-5:]) < 0.8 * sum(losses[:5])
+
+
+def test_attention_setting_selects_the_kernel_by_device():
+    assert attention_kernel("auto", "cuda") == "flex_compiled"
+    assert attention_kernel("auto", torch.device("cpu")) == "dense"
+    assert [attention_kernel(name, "cpu") for name in ATTENTION_KERNELS] == list(ATTENTION_KERNELS)
+    with pytest.raises(ValueError, match="objective.attention='flexx'"):
+        attention_kernel("flexx", "cuda")
+
+
+def plan_batches(count: int) -> list[dict]:
+    """Padded batches of `count` different shapes (sequences, padded length) in the order a real
+    BucketSampler plan gives them; each row: a 3-token prompt, then a supervised response."""
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(5.0, 0.6, 400).astype(int), 40, 400)
+    sampler = BucketSampler(lengths, make_buckets(lengths, 4, 400), tokens_per_batch=1024)
+    batches, shapes = [], set()
+    for _, bucket, indices in sampler.batches_for_rank(0):
+        rows = [{"input_ids": rng.integers(0, 250, lengths[i]).tolist(),
+                 "loss_mask": [0] * 3 + [1] * (lengths[i] - 3)} for i in indices]
+        batch = collate(rows, bucket, sampler.max_length)
+        if batch["input_ids"].shape not in shapes:
+            shapes.add(batch["input_ids"].shape)
+            batches.append(batch)
+    return batches[:count]
+
+
+@pytest.mark.slow  # compiles with inductor on the CPU: about a minute
+def test_compiled_flex_equals_dense_and_compiles_once_for_all_shapes(target, monkeypatch):
+    """Issue 13 item 1: the training forward through the compiled path (compiled block mask, compiled
+    flex_attention, selected by attention="flex_compiled", not by the device) over 12 batch shapes of
+    a real plan gives the dense path's logits and loss. Bound: one compilation of the block mask and
+    one of the kernel (2 graphs) for all batches of two or more sequences; a new padded length or
+    anchor count never compiles again. The first batch holds as many sequences as the model has
+    key/value heads (duck sizing would bake it in), and some batches have a single 128-query tile
+    (the filler blocks keep them out of their own compilation)."""
+    calls = {"mask": 0, "kernel": 0}
+    for name, module, attribute in (("mask", objective, "_compiled_create_block_mask"),
+                                    ("kernel", model, "_compiled_flex_attention")):
+        def spy(*args, _compiled=getattr(module, attribute), _name=name, **kwargs):
+            calls[_name] += 1
+            return _compiled(*args, **kwargs)
+        monkeypatch.setattr(module, attribute, spy)
+    drafter = make_drafter(target, block_size=16)
+    cfg = ObjectiveConfig(block_size=16, mask_token_id=MASK_ID, num_anchors=32, anchors_per_batch=64,
+                          ddtree_budget=16)
+    batches = plan_batches(12)
+    batches.sort(key=lambda batch: len(batch["input_ids"]) != target.config.num_key_value_heads)
+    shapes = [(len(b["input_ids"]), b["input_ids"].shape[1]) for b in batches]
+    assert len(batches) == 12 and all(n >= 2 for n, _ in shapes)
+    start, anchor_counts = compiled_graph_count(), set()
+    for i, batch in enumerate(batches):
+        ids, loss_mask = batch["input_ids"], batch["loss_mask"]
+        features = context_features(target, ids, drafter.target_layer_ids)
+        anchors, valid = sample_anchors(loss_mask, cfg.num_anchors, torch.Generator().manual_seed(i),
+                                        cfg.anchors_per_batch)
+        anchor_counts.add(anchors.shape[1])
+        blocks = build_blocks(ids, loss_mask, anchors, valid, 16, MASK_ID, gamma=7.0)
+        with torch.no_grad():
+            compiled = training_logits(drafter, target, features, blocks, "flex_compiled")
+            dense = training_logits(drafter, target, features, blocks, "dense")
+            losses = [training_step(drafter, target, features, ids, loss_mask, cfg,
+                                    torch.Generator().manual_seed(i), attention)[0]
+                      for attention in ("flex_compiled", "dense")]
+        torch.testing.assert_close(compiled, dense, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-5)
+        if i == 0:
+            first = compiled_graph_count() - start
+            assert first <= 2
+        assert compiled_graph_count() - start == first, f"batch {i} {shapes[i]} compiled again"
+    assert len({T for _, T in shapes}) >= 10 and len(anchor_counts) >= 4
+    assert min(anchor_counts) * 16 <= 128  # a single query tile, padded
+    assert calls == {"mask": 2 * 12, "kernel": 2 * 12 * 2}  # the compiled functions ran (2 layers)
+    assert compiled_graph_count() >= 2  # here or earlier in this process
+
+
+def test_a_micro_step_waits_on_the_host_once(target, monkeypatch):
+    """Issue 10 item 9: a micro step's library work (target features, training_step forward and
+    backward) makes one host sync, the anchor count (the drafter's input shape). The old code made
+    42 here (8 loss chunks): one per chunk, four more in each of the 7 chunks holding sampled
+    blocks, three nonzero, the anchor count, the target's packed-sequence check and the tree
+    build's first host-to-device copy."""
+    monkeypatch.setattr(ddtree, "_compiled_heap", lambda: None)  # the tree backend CUDA uses
+    drafter = make_drafter(target).train()
+    ids, loss_mask = padded_batch([48, 40, 30], seed=7)
+    cfg = ObjectiveConfig(block_size=B, mask_token_id=MASK_ID, num_anchors=8, ddtree_budget=16,
+                          chunk_bytes=4 * 256 * 20)  # 20-row chunks: 8 of them
+    with HostSyncCounter() as counter:
+        features = context_features(target, ids, drafter.target_layer_ids)
+        loss, metrics = training_step(drafter, target, features, ids, loss_mask, cfg,
+                                      torch.Generator().manual_seed(0), attention="dense")
+        loss.backward()
+    assert len(counter.events) == 1, counter.events
+    assert counter.events[0].startswith("aten._local_scalar_dense at ")
+    assert "drafter/objective.py" in counter.events[0]
+    assert metrics["ddtree_accept@16"][1] == cfg.ddtree_blocks  # the metric saw its blocks
+
+
+def test_sampled_blocks_are_distinct_complete_ones_in_a_fixed_shape():
+    ids = torch.arange(40)[None].repeat(2, 1)
+    loss_mask = torch.ones(2, 40, dtype=torch.long)
+    loss_mask[1, 20:] = 0
+    anchors = torch.tensor([[0, 10, 30, 35], [2, 10, 15, 0]])
+    valid = torch.tensor([[True, True, True, True], [True, True, True, False]])
+    blocks = build_blocks(ids, loss_mask, anchors, valid, 6, MASK_ID, gamma=7.0)
+    complete = {0, 1, 2, 4, 5}  # 35 runs past the end, 15 past the supervised span, 0 is a filler
+    index, ok = sample_complete_blocks(blocks, 7, torch.Generator().manual_seed(0))
+    assert index.shape == ok.shape == (7,) and len(set(index.tolist())) == 7
+    assert set(index[ok].tolist()) == complete and not (set(index[~ok].tolist()) & complete)
+    chosen = torch.zeros(8)
+    for seed in range(300):
+        index, ok = sample_complete_blocks(blocks, 2, torch.Generator().manual_seed(seed))
+        assert ok.all() and set(index.tolist()) <= complete
+        chosen[index] += 1
+    torch.testing.assert_close(chosen[sorted(complete)] / 300, torch.full((5,), 2 / 5), rtol=0, atol=0.1)
+    # the metric counts valid blocks only
+    logprobs = torch.zeros(7, 5, 1)
+    value = ddtree_accept_metric(logprobs, torch.zeros(7, 5, 1, dtype=torch.long), torch.zeros(7, 5, dtype=torch.long),
+                                 budget=4, valid=torch.tensor([True] * 3 + [False] * 4))
+    assert value.tolist() == [3 * 5.0, 3.0]  # each valid block: 4 accepted + the bonus
