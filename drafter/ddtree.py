@@ -153,14 +153,13 @@ def _best_first_compiled(scores: torch.Tensor, budget: int):
     return tuple(t[:, :count].to(scores.device) for t in (depths, ranks, parents))
 
 
-@functools.cache
 def _children_per_parent(width: int, k: int, budget: int, device: torch.device):
     """(counts [width], their sum): how many children of the parent at score position i (0 = best)
     can be among the best `budget` prefixes of the next depth: (i + 1) * (r + 1) <= budget, because
     every (parent, rank) pair at or above both positions scores at least as high (sums are exact)
-    and sorts no later. Cached: a host-to-device copy per call would synchronise."""
-    counts = [min(k, budget // (i + 1)) for i in range(width)]
-    return torch.tensor(counts, device=device), sum(counts)
+    and sorts no later. The counts are computed on the device: a host-to-device copy would wait."""
+    counts = (budget // torch.arange(1, width + 1, device=device)).clamp(max=k)
+    return counts, sum(min(k, budget // (i + 1)) for i in range(width))
 
 
 def _best_first_tensor(scores: torch.Tensor, budget: int):
@@ -272,12 +271,27 @@ def _on_path(tree: DraftTree, wanted: torch.Tensor) -> torch.Tensor:
     return on_path
 
 
-def follow_tree(tree: DraftTree, picks: torch.Tensor) -> torch.Tensor:
-    """Verify rows of the accepted path, root (row 0) first, given the target's token `picks` [N+1]
-    at every verify row; the next bonus token is picks[path[-1]]. An unbatched tree only."""
-    on_path = _on_path(tree, picks[tree.parents + 1])
-    return torch.cat([torch.zeros(1, dtype=torch.long, device=picks.device),
-                      on_path.nonzero().view(-1) + 1])
+def follow_tree(tree: DraftTree, picks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The walk, given the target's token `picks` [N+1] at every verify row, without a host sync:
+    (path [L+1], accepted []). path[d] is the verify row of the accepted node at depth d (path[0] = 0,
+    the root) for d <= accepted; later entries repeat path[accepted], so picks[path[-1]] is the next
+    bonus token. An unbatched tree only."""
+    on_path = _on_path(tree, picks[tree.parents + 1])  # at most one node per depth
+    depth_slot = torch.where(on_path, tree.depths, tree.depth_limit + 1)  # off-path nodes: a spare slot
+    rows = torch.zeros(tree.depth_limit + 2, dtype=torch.long, device=picks.device)
+    rows.scatter_(0, depth_slot, torch.arange(1, tree.size + 1, device=picks.device))
+    accepted = on_path.sum()
+    depth = torch.arange(tree.depth_limit + 1, device=picks.device)
+    return rows.gather(0, torch.minimum(depth, accepted)), accepted
+
+
+def committed_tokens(input_ids: torch.Tensor, picks: torch.Tensor, path: torch.Tensor,
+                     accepted: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+    """A step's one host sync: (the accepted nodes' tokens and the bonus token, the path's accepted
+    rows) from the verify input ids [N+1] and the walk (`follow_tree`)."""
+    values = torch.cat([accepted.view(1), input_ids[path[1:]], picks[path[-1:]]]).tolist()
+    count = values[0]
+    return values[1:1 + count] + values[-1:], path[:count + 1]
 
 
 def teacher_forced_accept(tree: DraftTree, labels: torch.Tensor) -> torch.Tensor:

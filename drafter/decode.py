@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from drafter.ddtree import (build_tree, compact_cache, follow_tree, path_features, tree_verify_inputs,
-                            truncate_cache)
+from drafter.ddtree import (build_tree, compact_cache, committed_tokens, follow_tree, path_features,
+                            tree_verify_inputs, truncate_cache)
 from drafter.model import DraftCache
 from drafter.target import select_features
 
@@ -146,8 +146,7 @@ class _Steps:
                               past_key_values=self.cache, use_cache=True, output_hidden_states=True)
         with self.timer("commit"):
             picks = pick(out.logits[0], self.temperature)
-            path = follow_tree(tree, picks)
-            committed = input_ids[0, path[1:]].tolist() + [int(picks[path[-1]])]
+            committed, path = committed_tokens(input_ids[0], picks, *follow_tree(tree, picks))
             compact_cache(self.cache, start, path)
             return committed, path_features(out.hidden_states, self.drafter.target_layer_ids, path)
 

@@ -8,8 +8,8 @@ from transformers import DynamicCache
 
 from bench.tree_build import heapq_tree, topk_logprobs, trees_equal
 from conftest import make_drafter
-from drafter.ddtree import (build_tree, build_tree_from_logprobs, compact_cache, fixed_point,
-                            follow_tree, path_features, teacher_forced_accept, tree_verify_inputs,
+from drafter.ddtree import (build_tree, build_tree_from_logprobs, committed_tokens, compact_cache,
+                            fixed_point, follow_tree, path_features, teacher_forced_accept, tree_verify_inputs,
                             tree_visibility)
 from drafter.decode import generate, speculative_sample
 from drafter.target import select_features
@@ -177,10 +177,15 @@ def test_follow_tree_stops_at_first_missing_child():
     for i in range(tree.size):
         if paths[i] == paths[deepest][:len(paths[i])] and len(paths[i]) < len(paths[deepest]):
             picks[i + 1] = paths[deepest][len(paths[i])]
-    path = follow_tree(tree, picks)
+    padded, accepted = follow_tree(tree, picks)
+    path = padded[:int(accepted) + 1]
     assert [paths[r - 1] for r in path[1:].tolist()] == [paths[deepest][:d] for d in
                                                          range(1, len(paths[deepest]) + 1)]
-    assert int(picks[path[-1]]) == 99
+    assert padded.shape == (tree.depth_limit + 1,)  # static: the walk needs no host sync
+    assert (padded[len(path):] == path[-1]).all() and int(picks[padded[-1]]) == 99
+    input_ids, _, _ = tree_verify_inputs(tree, torch.tensor(7), 0, torch.float32)
+    tokens, rows = committed_tokens(input_ids[0], picks, padded, accepted)
+    assert tokens == list(paths[deepest]) + [99] and torch.equal(rows, path)
 
 
 # ---------------------------------------------------------------------------------------------
