@@ -1,0 +1,504 @@
+"""The GPU path, checked and measured in one script (random weights, nothing downloaded).
+
+    python bench/gpu_check.py           # one CUDA GPU: Qwen3-8B-shaped target, 5-layer drafter, bf16
+    python bench/gpu_check.py --tiny    # tiny shapes on the CPU (fp32; tests/test_gpu_check.py runs it)
+
+Each check prints `pass`, `FAIL: <why>`, `skipped (no CUDA)` or `not run: <why>`; the script ends
+with one JSON line holding every figure and exits 1 when a check failed.
+
+  flex_vs_dense      2 sequences x 512 tokens, 32 anchors each (tiny: the plan's first batch): the
+                     compiled flex path (attention="flex_compiled") against the dense path. Logits and
+                     loss; on CUDA also the drafter's gradients (flex has no CPU backward). Tolerance:
+                     relative L2 error |a - b| / |b| <= 2e-2 in bf16 (about five bf16 rounding steps),
+                     1e-5 in fp32 on the CPU.
+  compile_bound      10 batch shapes of a BucketSampler plan (16K tokens per batch; tiny: 1K), training
+                     steps (tiny: forward only): the compiled block mask and kernel compile at most once
+                     each per regime (batches of one sequence; of more), never for a new length.
+  train_step         16,384 tokens per micro batch (4 x 4,096) with 2,048 anchors (512 per sequence):
+                     runs without running out of memory; tokens/s, peak memory, MFU (FLOPs below).
+  train_step_syncs   host syncs of one micro step's training_step forward and backward after warm-up:
+                     exactly one, the anchor count (a shape); none in the target forward.
+  ddtree_step_syncs  a DDTree step (draft, tree build with the tensor backend, verify inputs, target
+                     forward over the tree, walk) without any host sync; the commit is the step's one.
+  lossless           eval's lossless check on a random bf16 target: `ar` against ddtree and dflash,
+                     divergences classed as ties or not (drafter/lossless.py; not run until it exists).
+
+On CUDA the syncs are what `torch.cuda.set_sync_debug_mode` reports; on the CPU what
+`drafter.host_sync.HostSyncCounter` counts, with the metric's DDTree built by the tensor backend
+(CUDA's; the CPU's compiled heap reads host tensors).
+
+FLOPs per training step are counted from the shapes (no profiler); a linear layer costs
+2 * rows * fan_in * fan_out forward, and backward twice that (input and weight gradients). With
+T = seq_len, b = batch, H = hidden, Aw = q_heads * head_dim, Kw = kv_heads * head_dim,
+I = intermediate, V = vocab:
+  target     L_run = max(target_layer_ids) + 1 layers, forward only:
+             2 * P_layer * b*T * L_run  +  4 * Aw * b*T*(T+1)/2 * L_run          (causal QK^T and AV)
+             with P_layer = H*Aw + 2*H*Kw + Aw*H + 3*H*I (the layer's linear weights).
+  drafter    forward + backward = 3x forward over its own rows, L_d layers, Q = b * A * B block rows:
+             q/o/MLP on the Q block rows, k/v on the b*T context rows + the Q block rows, so
+             6 * L_d * (Q * (2*H*Aw + 3*H*I) + (b*T + Q) * 2*H*Kw)
+             + fc on the context: 4 * b*T * K*H * H (forward + weight gradient; features need no grad)
+             + attention: 12 * Aw * L_d * pairs, pairs = sum over block rows of the keys the block mask
+               shows them (anchor position + B); the keys flex_attention computes in partly masked
+               tiles are not counted.
+  LM head    frozen, on the S supervised rows: 2*V*H*S forward + 2*V*H*S for the hidden-state gradient
+             (the step also computes the rows of unsupervised slots, at weight 0: not counted).
+MFU = (all three) / step time / --peak-tflops (989 = H100/H200 SXM dense bf16).
+"""
+import argparse
+import copy
+import json
+import resource
+import sys
+import time
+import traceback
+from contextlib import contextmanager
+from unittest import mock
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+
+from drafter import ddtree
+from drafter.ddtree import (build_tree, committed_tokens, compact_cache, follow_tree, path_features,
+                            tree_verify_inputs)
+from drafter.decode import generate, pick
+from drafter.host_sync import host_syncs
+from drafter.model import DFlashDraftModel, DraftCache, compiled_graph_count, drafter_config
+from drafter.objective import (ObjectiveConfig, attention_kernel, build_blocks, drafter_hidden, resolve_gamma,
+                               sample_anchors, training_step)
+from drafter.sampler import BucketSampler, collate, make_buckets
+from drafter.target import context_features, random_qwen3, select_features
+
+QWEN3_8B = dict(vocab_size=151_936, hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, intermediate_size=12_288, rope_theta=1e6,
+                max_position_embeddings=40_960)
+QWEN3_8B_DRAFTER = dict(num_layers=5, block_size=16, target_layer_ids=[1, 9, 17, 25, 33],
+                        mask_token_id=151_669)
+TINY = dict(vocab_size=512, hidden_size=64, num_hidden_layers=6, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, intermediate_size=128, rope_theta=1e6)
+TINY_DRAFTER = dict(num_layers=2, block_size=16, target_layer_ids=[1, 4], mask_token_id=511)
+
+# per size: the throughput batch, the plan the compile check draws shapes from, the DDTree step
+FULL_RUN = dict(batch=4, seq_len=4096, prompt=128, num_anchors=512, anchors_per_batch=2048,
+                plan_tokens=16_384, plan_max_length=8192, plan_median=1500, budget=64, prompt_len=512)
+TINY_RUN = dict(batch=2, seq_len=256, prompt=32, num_anchors=32, anchors_per_batch=64,
+                plan_tokens=1024, plan_max_length=400, plan_median=150, budget=16, prompt_len=24)
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float32: 1e-5}  # relative L2 error, compiled flex vs dense
+START = time.perf_counter()  # reset by main
+
+
+def log(message: str):
+    print(f"[{time.strftime('%H:%M:%S')} +{time.perf_counter() - START:6.1f}s] {message}", flush=True)
+
+
+class CheckFailed(Exception):
+    pass
+
+
+class NotRun(Exception):
+    pass
+
+
+def require(condition: bool, message: str):
+    if not condition:
+        raise CheckFailed(message)
+
+
+def sync_time(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+@contextmanager
+def build_on(device: torch.device, dtype: torch.dtype):
+    """Modules built inside get their weights created (and initialised) directly on `device` in
+    `dtype`: the 8B target is never materialised in fp32 on the CPU."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(previous)  # later float tensors (anchor scores, weights) stay fp32
+
+
+@contextmanager
+def tensor_tree_backend(device: torch.device):
+    """On the CPU, DDTree trees built by the tensor backend, the one CUDA uses (auto there)."""
+    if device.type == "cuda":
+        yield
+        return
+    with mock.patch.object(ddtree, "_compiled_heap", lambda: None):
+        yield
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+# ----------------------------------------------------------------------------- models and batches
+
+def linear_params(module: torch.nn.Module) -> int:
+    return sum(m.weight.numel() for m in module.modules() if isinstance(m, torch.nn.Linear))
+
+
+def layer_linear_params(cfg) -> int:
+    """P_layer: the weights of one Qwen3 decoder layer's linears (the drafter's layers have the same)."""
+    H, I = cfg.hidden_size, cfg.intermediate_size
+    Aw, Kw = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    return H * Aw + 2 * H * Kw + Aw * H + 3 * H * I
+
+
+def build_models(tiny: bool, device: torch.device, dtype: torch.dtype):
+    shapes, drafter_shapes = (TINY, TINY_DRAFTER) if tiny else (QWEN3_8B, QWEN3_8B_DRAFTER)
+    with build_on(device, dtype):
+        target = random_qwen3(**shapes, seed=0)
+        torch.manual_seed(1)
+        drafter = DFlashDraftModel(drafter_config(target.config, **drafter_shapes))
+    expected = drafter.config.num_hidden_layers * layer_linear_params(target.config)
+    counted = linear_params(drafter.layers)
+    if counted != expected:
+        sys.exit(f"FLOP formula out of date: drafter layers hold {counted} linear weights, the formula "
+                 f"{expected} (has the layer gained a projection or a bias?)")
+    return target, drafter
+
+
+def make_batch(vocab_size: int, batch: int, seq_len: int, prompt: int, device: torch.device, seed: int = 0):
+    """Random tokens; loss mask on after the prompt."""
+    gen = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, vocab_size, (batch, seq_len), generator=gen).to(device)
+    loss_mask = torch.ones(batch, seq_len, dtype=torch.long, device=device)
+    loss_mask[:, :prompt] = 0
+    return input_ids, loss_mask
+
+
+def plan_batches(run: dict, vocab_size: int, count: int, device: torch.device) -> list[tuple]:
+    """(input_ids, loss_mask) of the first `count` batch shapes of a BucketSampler plan over lognormal
+    lengths: a 3-token prompt, then a supervised response."""
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(np.log(run["plan_median"]), 0.6, 4000).astype(int), 40,
+                      run["plan_max_length"])
+    sampler = BucketSampler(lengths, make_buckets(lengths, 6, run["plan_max_length"]), run["plan_tokens"])
+    batches, shapes = [], set()
+    for _, bucket, indices in sampler.batches_for_rank(0):
+        rows = [{"input_ids": rng.integers(0, vocab_size, lengths[i]).tolist(),
+                 "loss_mask": [0] * 3 + [1] * (lengths[i] - 3)} for i in indices]
+        batch = collate(rows, bucket, sampler.max_length)
+        if batch["input_ids"].shape not in shapes and len(batches) < count:
+            shapes.add(batch["input_ids"].shape)
+            batches.append((batch["input_ids"].to(device), batch["loss_mask"].to(device)))
+    return batches
+
+
+def objective_for(drafter, run: dict) -> ObjectiveConfig:
+    return ObjectiveConfig(block_size=drafter.block_size, mask_token_id=drafter.mask_token_id,
+                           num_anchors=run["num_anchors"], ddtree_budget=64,
+                           anchors_per_batch=run["anchors_per_batch"])
+
+
+# ----------------------------------------------------------------------------- checks
+
+def check_flex_vs_dense(target, drafter, device, run) -> dict:
+    dtype = drafter.dtype
+    if device.type == "cuda":
+        input_ids, loss_mask = make_batch(target.config.vocab_size, 2, 512, 32, device, seed=1)
+        objective = ObjectiveConfig(block_size=drafter.block_size, mask_token_id=drafter.mask_token_id,
+                                    num_anchors=32)
+    else:
+        input_ids, loss_mask = plan_batches(run, target.config.vocab_size, 1, device)[0]
+        objective = objective_for(drafter, run)
+    features = context_features(target, input_ids, drafter.target_layer_ids)
+    anchors, valid = sample_anchors(loss_mask, objective.num_anchors, torch.Generator().manual_seed(0),
+                                    objective.anchors_per_batch)
+    blocks = build_blocks(input_ids, loss_mask, anchors, valid, objective.block_size,
+                          objective.mask_token_id, resolve_gamma(objective.gamma, objective.block_size))
+    head = target.get_output_embeddings()
+    result = {}
+    for attention in ("flex_compiled", "dense"):
+        # with grad on CUDA: the graphs training compiles (no-grad ones would be compiled apart)
+        with torch.set_grad_enabled(device.type == "cuda"):
+            logits = head(drafter_hidden(drafter, target, features, blocks, attention)).detach().float()
+            loss, _ = training_step(drafter, target, features, input_ids, loss_mask, objective,
+                                    torch.Generator().manual_seed(0), attention)
+        grads = None
+        if device.type == "cuda":
+            loss.backward()
+            grads = torch.cat([p.grad.float().view(-1) for p in drafter.parameters()])
+            drafter.zero_grad(set_to_none=True)
+        result[attention] = (logits, loss.detach().float(), grads)
+    (logits, loss, grads), (dense_logits, dense_loss, dense_grads) = result["flex_compiled"], result["dense"]
+    tolerance = TOLERANCE[dtype]
+    figures = {"shape": list(input_ids.shape), "anchors": anchors.shape[1], "tolerance": tolerance,
+               "logits_rel_error": relative_error(logits, dense_logits),
+               "loss_rel_error": abs(float(loss - dense_loss)) / abs(float(dense_loss)),
+               "grads_rel_error": relative_error(grads, dense_grads) if grads is not None else "skipped (no CUDA)"}
+    for name in ("logits_rel_error", "loss_rel_error", "grads_rel_error"):
+        if isinstance(figures[name], float):
+            require(figures[name] <= tolerance, f"{name} {figures[name]:.3g} > {tolerance}")
+    return figures
+
+
+def check_compile_bound(target, drafter, device, run) -> dict:
+    """Graphs compiled per batch: at most 2 (block mask, kernel) for the first batch of a regime (one
+    sequence, or more), none after."""
+    objective = objective_for(drafter, run)
+    training = device.type == "cuda"
+    seen_regimes, per_batch = set(), []
+    for i, (input_ids, loss_mask) in enumerate(plan_batches(run, target.config.vocab_size, 10, device)):
+        before = compiled_graph_count()
+        features = context_features(target, input_ids, drafter.target_layer_ids)
+        with torch.set_grad_enabled(training):
+            loss, _ = training_step(drafter, target, features, input_ids, loss_mask, objective,
+                                    torch.Generator().manual_seed(i), "flex_compiled")
+            if training:
+                loss.backward()
+                drafter.zero_grad(set_to_none=True)
+        compiled = compiled_graph_count() - before
+        regime = "one sequence" if len(input_ids) == 1 else "more"
+        per_batch.append({"shape": list(input_ids.shape), "graphs": compiled})
+        limit = 0 if regime in seen_regimes else 2
+        require(compiled <= limit, f"batch {list(input_ids.shape)} compiled {compiled} graphs "
+                                   f"(at most {limit}: regime '{regime}' {'seen' if limit == 0 else 'new'})")
+        seen_regimes.add(regime)
+    require(len(per_batch) == 10, f"the plan gave {len(per_batch)} shapes, not 10")
+    return {"mode": "forward+backward" if training else "forward", "batches": per_batch,
+            "regimes": sorted(seen_regimes), "graphs": sum(b["graphs"] for b in per_batch)}
+
+
+def step_flops(target_cfg, drafter, seq_len: int, anchors: torch.Tensor, supervised_rows: int) -> dict:
+    """FLOPs of one step by part (see the module docstring); `anchors` [b, A] as the step draws them."""
+    H, V = target_cfg.hidden_size, target_cfg.vocab_size
+    Aw = target_cfg.num_attention_heads * target_cfg.head_dim
+    Kw = target_cfg.num_key_value_heads * target_cfg.head_dim
+    b, B = anchors.shape[0], drafter.block_size
+    ctx_rows, block_rows = b * seq_len, anchors.numel() * B
+    layers_run, draft_layers = max(drafter.target_layer_ids) + 1, drafter.config.num_hidden_layers
+
+    target = layers_run * (2 * layer_linear_params(target_cfg) * ctx_rows
+                           + 4 * Aw * b * seq_len * (seq_len + 1) // 2)
+    per_layer_rows = (block_rows * (2 * H * Aw + 3 * H * target_cfg.intermediate_size)
+                      + (ctx_rows + block_rows) * 2 * H * Kw)
+    pairs = B * int((anchors.long() + B).sum())
+    drafter_linear = 6 * draft_layers * per_layer_rows + 4 * ctx_rows * len(drafter.target_layer_ids) * H * H
+    drafter_attention = 12 * Aw * draft_layers * pairs
+    lm_head = 4 * V * H * supervised_rows
+    return {"target_forward": target, "drafter_linear": drafter_linear,
+            "drafter_attention": drafter_attention, "lm_head": lm_head}
+
+
+def drawn_blocks(input_ids, loss_mask, objective: ObjectiveConfig, seed: int):
+    """The anchors and supervised-row count `training_step` will draw with a generator seeded `seed`
+    (anchor sampling is the generator's first use there), for the FLOP count."""
+    anchors, valid = sample_anchors(loss_mask, objective.num_anchors, torch.Generator().manual_seed(seed),
+                                    objective.anchors_per_batch)
+    blocks = build_blocks(input_ids, loss_mask, anchors, valid, objective.block_size,
+                          objective.mask_token_id, resolve_gamma(objective.gamma, objective.block_size))
+    return anchors, int(valid.sum()), int((blocks.weights > 0).sum())
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def check_train_step(target, drafter, device, run, args) -> dict:
+    """Warm-up and timed micro steps as train.py runs them on one rank, without DeepSpeed: target
+    features, training_step, backward, AdamW (fused on CUDA; ZeRO keeps fp32 master weights)."""
+    attention = attention_kernel("auto", device)
+    objective = objective_for(drafter, run)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4, fused=device.type == "cuda")
+    input_ids, loss_mask = make_batch(target.config.vocab_size, run["batch"], run["seq_len"], run["prompt"],
+                                      device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    timed, flops, blocks = [], [], 0
+    for step in range(args.warmup + args.steps):
+        anchors, valid_blocks, supervised_rows = drawn_blocks(input_ids, loss_mask, objective, seed=step)
+        t0 = sync_time(device)
+        features = context_features(target, input_ids, drafter.target_layer_ids)
+        t1 = sync_time(device)
+        loss, _ = training_step(drafter, target, features, input_ids, loss_mask, objective,
+                                torch.Generator().manual_seed(step), attention)
+        loss.backward()
+        t2 = sync_time(device)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        t3 = sync_time(device)
+        seconds = {"target_s": t1 - t0, "drafter_s": t2 - t1, "optimizer_s": t3 - t2, "step_s": t3 - t0}
+        log(f"  {'warm-up' if step < args.warmup else 'timed'} step {step}: {seconds['step_s']:.3f}s "
+            f"(target {seconds['target_s']:.3f} drafter {seconds['drafter_s']:.3f} "
+            f"optimizer {seconds['optimizer_s']:.3f}) loss {loss.item():.4f}")
+        if step >= args.warmup:
+            timed.append(seconds)
+            flops.append(step_flops(target.config, drafter, run["seq_len"], anchors, supervised_rows))
+            blocks += valid_blocks
+    total = {k: sum(t[k] for t in timed) for k in timed[0]}
+    flops_by_part = {k: sum(f[k] for f in flops) for k in flops[0]}
+    total_flops = sum(flops_by_part.values())
+    return {
+        "attention": attention, "batch": run["batch"], "seq_len": run["seq_len"],
+        "tokens_per_micro_batch": run["batch"] * run["seq_len"], "anchors": run["batch"] * run["num_anchors"],
+        "block_size": drafter.block_size, "timed_steps": args.steps,
+        "tokens_per_s": run["batch"] * run["seq_len"] * args.steps / total["step_s"],
+        "blocks_per_s": blocks / total["step_s"],
+        "step_s": total["step_s"] / args.steps,
+        "time_split_s": {k.removesuffix("_s"): total[k] / args.steps for k in ("target_s", "drafter_s", "optimizer_s")},
+        "peak_memory_gib": peak_memory_gib(device),
+        "peak_memory_kind": "cuda_max_allocated" if device.type == "cuda" else "cpu_max_rss",
+        "tflop_per_step": {k: v / args.steps / 1e12 for k, v in flops_by_part.items()},
+        "achieved_tflops": total_flops / total["step_s"] / 1e12,
+        "peak_tflops": args.peak_tflops,
+        "mfu": total_flops / total["step_s"] / (args.peak_tflops * 1e12),
+    }
+
+
+def check_train_step_syncs(target, drafter, device, run) -> dict:
+    """One micro step after warm-up (compilation, allocator growth and the first-use set-up of kernels
+    may synchronise once; a hot loop does not)."""
+    attention = attention_kernel("auto", device)
+    objective = objective_for(drafter, run)
+    input_ids, loss_mask = make_batch(target.config.vocab_size, run["batch"], run["seq_len"], run["prompt"],
+                                      device, seed=2)
+    with tensor_tree_backend(device):
+        for warm in (True, False):
+            with host_syncs(device) as target_syncs:
+                features = context_features(target, input_ids, drafter.target_layer_ids)
+            with host_syncs(device) as step_syncs:
+                loss, _ = training_step(drafter, target, features, input_ids, loss_mask, objective,
+                                        torch.Generator().manual_seed(0), attention)
+                loss.backward()
+            drafter.zero_grad(set_to_none=True)
+    require(len(step_syncs) == 1, f"{len(step_syncs)} host syncs in training_step, expected 1 (the anchor "
+                                  f"count): {step_syncs}")
+    require(not target_syncs, f"{len(target_syncs)} host syncs in the target forward: {target_syncs}")
+    return {"training_step": len(step_syncs), "training_step_events": step_syncs,
+            "target_forward": len(target_syncs), "target_forward_events": target_syncs}
+
+
+def check_ddtree_step_syncs(target, drafter, device, run) -> dict:
+    """Two DDTree steps after a prefill, as drafter.decode's ddtree step runs them: everything up to
+    the walk inside a region where a host sync raises; the commit after it."""
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, target.config.vocab_size, (1, run["prompt_len"]), generator=gen).to(device)
+    cache, draft_cache = DynamicCache(config=target.config), DraftCache()
+    committed_per_step = []
+    with torch.inference_mode(), tensor_tree_backend(device):
+        out = target(prompt, past_key_values=cache, use_cache=True, output_hidden_states=True, logits_to_keep=1)
+        root, start = int(out.logits[0, -1].argmax()), prompt.shape[1]
+        context = select_features(out.hidden_states, drafter.target_layer_ids)
+        for _ in range(2):
+            with host_syncs(device, forbid=True):
+                block = torch.full((1, drafter.block_size), drafter.mask_token_id, device=device)
+                block[0, 0] = root
+                logits = drafter.draft_logits(target, context, block, draft_cache)[0]
+                tree = build_tree(logits, run["budget"], "tensor")
+                input_ids, position_ids, mask = tree_verify_inputs(tree, block[0, 0], start, target.dtype)
+                out = target(input_ids, position_ids=position_ids, attention_mask=mask, past_key_values=cache,
+                             use_cache=True, output_hidden_states=True)
+                picks = pick(out.logits[0], 0.0)
+                path, accepted = follow_tree(tree, picks)
+            with host_syncs(device) as commit_syncs:
+                committed, path = committed_tokens(input_ids[0], picks, path, accepted)
+            require(len(commit_syncs) == 1, f"the commit synchronised {len(commit_syncs)} times: {commit_syncs}")
+            compact_cache(cache, start, path)
+            context = path_features(out.hidden_states, drafter.target_layer_ids, path)
+            root, start = committed[-1], start + len(committed)
+            committed_per_step.append(len(committed))
+    return {"budget": run["budget"], "committed_per_step": committed_per_step}
+
+
+def check_lossless(target, drafter, device, run) -> dict:
+    """CALL SITE for eval's lossless classifier (drafter/lossless.py on the eval branch): needs
+    first_divergence(output_ids, reference_ids, reference_margins) -> Divergence | None,
+    lossless_verdict(divergences) -> "yes" | "ties-only" | "no", and Generation.margins of an `ar`
+    run. Until that module is merged the check reports `not run`, never `pass`."""
+    try:
+        from drafter.lossless import first_divergence, lossless_verdict
+    except ImportError:
+        raise NotRun("needs drafter/lossless.py (eval branch)") from None
+    bf16_target, bf16_drafter = (m if m.dtype == torch.bfloat16 else copy.deepcopy(m).to(torch.bfloat16)
+                                 for m in (target, drafter))
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, target.config.vocab_size, (1, run["prompt_len"]), generator=gen).to(device)
+               for _ in range(4)]
+    figures = {}
+    for method, budget in (("ddtree", run["budget"]), ("dflash", None)):
+        divergences = []
+        for prompt in prompts:
+            reference = generate(bf16_target, prompt, 48, method="ar")
+            output = generate(bf16_target, prompt, 48, method=method, drafter=bf16_drafter, budget=budget)
+            divergences.append(first_divergence(output.output_ids, reference.output_ids, reference.margins))
+        verdict = lossless_verdict(divergences)
+        figures[method] = {"verdict": verdict, "divergences": [
+            None if d is None else {"position": d.position, "reference_token": d.reference_token,
+                                    "token": d.token, "margin": d.margin, "tie": d.tie} for d in divergences]}
+        require(verdict != "no", f"{method}: a divergence that is not a tie: {figures[method]}")
+    return figures
+
+
+# ----------------------------------------------------------------------------- main
+
+def run_check(name: str, function, *args) -> tuple[str, dict]:
+    log(f"{name} ...")
+    try:
+        figures = function(*args)
+        status = "pass"
+    except CheckFailed as failure:
+        status, figures = f"FAIL: {failure}", {}
+    except NotRun as reason:
+        status, figures = f"not run: {reason}", {}
+    except Exception as error:  # e.g. out of memory: reported, and the other checks still run
+        traceback.print_exc()
+        status, figures = f"FAIL: {type(error).__name__}: {error}", {}
+    log(f"{name}: {status}")
+    return status, figures
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (fp32)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed training steps")
+    parser.add_argument("--steps", type=int, default=5, help="timed training steps")
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU")
+    args = parser.parse_args(argv)
+    global START
+    START = time.perf_counter()
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.tiny:
+        sys.exit("CUDA is not available: the Qwen3-8B-shaped check needs a GPU (use --tiny on the CPU)")
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    run = TINY_RUN if args.tiny else FULL_RUN
+    device_name = torch.cuda.get_device_name(device) if cuda else "cpu"
+    log(f"device {device_name}; building target and drafter ({'tiny' if args.tiny else 'Qwen3-8B'} shapes, {dtype})")
+    target, drafter = build_models(args.tiny, device, dtype)
+    drafter.train()
+
+    report = {"device": device_name, "shapes": "tiny" if args.tiny else "qwen3-8b", "dtype": str(dtype),
+              "target_params": sum(p.numel() for p in target.parameters()),
+              "drafter_params": sum(p.numel() for p in drafter.parameters()), "checks": {}}
+    checks = [("flex_vs_dense", check_flex_vs_dense, target, drafter, device, run),
+              ("compile_bound", check_compile_bound, target, drafter, device, run),
+              ("train_step", check_train_step, target, drafter, device, run, args),
+              ("train_step_syncs", check_train_step_syncs, target, drafter, device, run),
+              ("ddtree_step_syncs", check_ddtree_step_syncs, target, drafter, device, run),
+              ("lossless", check_lossless, target, drafter, device, run)]
+    for name, function, *check_args in checks:
+        status, figures = run_check(name, function, *check_args)
+        report["checks"][name] = status
+        report[name] = figures
+    if not cuda:
+        report["checks"]["flex_vs_dense_gradients"] = "skipped (no CUDA)"
+        report["checks"]["cuda_sync_debug_mode"] = "skipped (no CUDA)"
+    report["wall_s"] = time.perf_counter() - START
+    failed = [name for name, status in report["checks"].items() if status.startswith("FAIL")]
+    log(f"{len(failed)} failed: {', '.join(failed)}" if failed else "no check failed")
+    print(json.dumps(report, default=str))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
