@@ -175,17 +175,16 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
     def mask_token_id(self) -> int:
         return self.config.dflash_config["mask_token_id"]
 
-    def fuse(self, features: torch.Tensor) -> torch.Tensor:
-        """Target features [b, n, K*H] -> the context states every layer projects to K/V."""
-        return self.hidden_norm(self.fc(features))
-
-    def forward(self, block_embeds, block_positions, ctx, ctx_positions, mask=None, cache=None):
+    def forward(self, block_embeds, block_positions, features, ctx_positions, mask=None, cache=None):
         """Final-normed block states [b, Q, H].
 
-        block_embeds [b, Q, H], block_positions [b, Q]; ctx [b, n, H] (already fused) with
-        ctx_positions [b, n]. Keys are ordered [ctx (cache first, if any) || block]; `mask` indexes them
-        in that order.
+        block_embeds [b, Q, H], block_positions [b, Q]; target features [b, n, K*H] of the context
+        positions ctx_positions [b, n], fused here (fc, hidden_norm) into the states every layer
+        projects to K/V. Keys are ordered [context (cache first, if any) || block]; `mask` indexes
+        them in that order. Everything runs inside forward, so sharding wrappers (ZeRO-3, FSDP2)
+        gather every weight through the module's own hooks.
         """
+        ctx = self.hidden_norm(self.fc(features))
         block_rope = self.rotary_emb(block_embeds, block_positions)
         ctx_rope = self.rotary_emb(ctx, ctx_positions)
         x = block_embeds
@@ -204,7 +203,16 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         n, block_len = ctx_features.shape[1], block_ids.shape[1]
         positions = torch.arange(start, start + n + block_len, device=block_ids.device)[None]
         positions = positions.expand(block_ids.shape[0], -1)
-        ctx = self.fuse(ctx_features.to(self.dtype))
         block_embeds = target.get_input_embeddings()(block_ids).to(self.dtype)
-        hidden = self(block_embeds, positions[:, n:], ctx, positions[:, :n], None, cache)
+        hidden = self(block_embeds, positions[:, n:], ctx_features.to(self.dtype), positions[:, :n], None, cache)
         return target.get_output_embeddings()(hidden[:, 1:].to(target.dtype)).float()
+
+
+def drafter_from_state_dict(config: Qwen3Config, state_dict: dict[str, torch.Tensor]) -> DFlashDraftModel:
+    """A plain (unsharded) drafter on the CPU holding `state_dict`, built without a random init first."""
+    with torch.device("meta"):
+        drafter = DFlashDraftModel(config)
+    drafter.to_empty(device="cpu")
+    drafter.load_state_dict(state_dict)
+    drafter.rotary_emb = Qwen3RotaryEmbedding(config)  # its buffers are not in state dicts
+    return drafter

@@ -118,12 +118,11 @@ def drafter_hidden(drafter, target, features, blocks: Blocks, use_flex: bool) ->
     """The drafter's final-normed states for every block slot: [b, A, B, H]."""
     b, T, _ = features.shape
     num_blocks, block_size = blocks.ids.shape[1:]
-    ctx = drafter.fuse(features)
-    block_embeds = target.get_input_embeddings()(blocks.ids.view(b, -1)).to(ctx.dtype)
+    block_embeds = target.get_input_embeddings()(blocks.ids.view(b, -1)).to(features.dtype)
     ctx_positions = torch.arange(T, device=features.device)[None].expand(b, -1)
     make_mask = flex_block_mask if use_flex else dense_block_mask
     mask = make_mask(blocks.anchors, T, block_size)
-    hidden = drafter(block_embeds, blocks.positions.view(b, -1), ctx, ctx_positions, mask)
+    hidden = drafter(block_embeds, blocks.positions.view(b, -1), features, ctx_positions, mask)
     return hidden.view(b, num_blocks, block_size, -1)
 
 
