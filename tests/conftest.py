@@ -28,6 +28,16 @@ def make_drafter(target, num_layers=2, block_size=8, seed=1, **kw) -> DFlashDraf
 
 
 @pytest.fixture(scope="session")
+def reference_run(tmp_path_factory):
+    """An uninterrupted two-rank ZeRO-2 run through the deepspeed launcher: 24 steps, saves every 6."""
+    from runs import run_to_end, write_run
+    tmp = tmp_path_factory.mktemp("reference")
+    cfg = write_run(tmp)
+    out = run_to_end(cfg)
+    return tmp, cfg, out
+
+
+@pytest.fixture(scope="session")
 def target():
     return randomize_(random_qwen3(vocab_size=256, num_hidden_layers=6), seed=0, scale=0.3)
 
