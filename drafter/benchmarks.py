@@ -55,7 +55,9 @@ HUB_BENCHMARKS = {
 
 def load_prompts(spec: str, max_samples: int | None = None) -> tuple[str, list[Prompt]]:
     """(benchmark name, prompts) for a `--bench` entry: NAME, NAME=PATH or PATH (module docstring)."""
-    name, _, local_copy = spec.partition("=")
+    name, equals, local_copy = spec.partition("=")
+    if name in HUB_BENCHMARKS and equals and not local_copy:
+        raise ValueError(f"--bench {spec!r}: no path after '='")
     if name in HUB_BENCHMARKS:
         prompts = load_hub(name, Path(local_copy) if local_copy else None)
         return name, prompts[:max_samples] if max_samples is not None else prompts

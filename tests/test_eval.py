@@ -134,7 +134,8 @@ def test_named_benchmark_from_a_local_copy_gives_the_hub_prompts(tmp_path, monke
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: datasets.Dataset.from_list(GSM8K_ROWS))
     _, from_hub = load_prompts("gsm8k")
     datasets.Dataset.from_list(GSM8K_ROWS).save_to_disk(str(tmp_path / "saved"))
-    datasets.DatasetDict({"test": datasets.Dataset.from_list(GSM8K_ROWS)}).save_to_disk(str(tmp_path / "dict"))
+    as_dict = datasets.DatasetDict({"test": datasets.Dataset.from_list(GSM8K_ROWS)})
+    as_dict.save_to_disk(str(tmp_path / "dict"))
     jsonl = tmp_path / "gsm8k_rows.jsonl"
     jsonl.write_text("".join(json.dumps(row) + "\n" for row in GSM8K_ROWS))
     assert len(from_hub) == 128 and from_hub[0].turns[0].endswith(REASON_BOXED)
@@ -159,6 +160,11 @@ def test_local_copy_errors_name_the_path_and_reason(tmp_path):
         load_prompts(f"gsm8k={tmp_path / 'missing'}")
     with pytest.raises(ValueError, match="not a file, nor NAME"):
         load_prompts("gsm9k")
+    with pytest.raises(ValueError, match="no path after"):
+        load_prompts("gsm8k=")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="not a directory written by datasets.save_to_disk"):
+        load_prompts(f"gsm8k={tmp_path / 'empty'}")
 
 
 def test_multi_turn_benchmark_from_a_local_copy(tmp_path):
@@ -166,7 +172,9 @@ def test_multi_turn_benchmark_from_a_local_copy(tmp_path):
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "mt"))
     name, prompts = load_prompts(f"mt-bench={tmp_path / 'mt'}")
     assert name == "mt-bench" and len(prompts) == 80
-    assert all(p.turns == [f"first {p.turns[0].split()[1]}", f"second {p.turns[0].split()[1]}"] for p in prompts)
+    for prompt in prompts:
+        row = prompt.turns[0].split()[1]
+        assert prompt.turns == [f"first {row}", f"second {row}"]
 
 
 def test_max_samples_of_a_prompt_file_is_a_seeded_shuffle(tmp_path):

@@ -29,8 +29,8 @@ def training_logits(trained, sequence: torch.Tensor, anchors: list[int], block_s
     ids = sequence[None]
     features = context_features(trained.target, ids, trained.drafter.target_layer_ids)
     anchor_ids = torch.tensor([anchors])
-    blocks = build_blocks(ids, torch.ones_like(ids), anchor_ids, torch.ones_like(anchor_ids, dtype=torch.bool),
-                          block_size, MASK_ID, gamma=7.0)
+    every = torch.ones_like(anchor_ids, dtype=torch.bool)
+    blocks = build_blocks(ids, torch.ones_like(ids), anchor_ids, every, block_size, MASK_ID, gamma=7.0)
     with torch.no_grad():
         hidden = drafter_hidden(trained.drafter, trained.target, features, blocks, use_flex=False)
         return trained.target.lm_head(hidden)[0, :, 1:]
@@ -176,7 +176,8 @@ def test_divergence_position_tokens_and_margin():
     short = first_divergence([5, 6], [5, 6, 7, 8], margins)  # ended early: never a tie
     assert (short.position, short.token, short.reference_token, short.tie) == (2, None, 7, False)
     assert first_divergence([5, 9], [5, 6], margins, tolerance=0.05).tie is False
-    assert [lossless_verdict(d) for d in ([None, None], [None, tie], [tie, sure])] == ["yes", "ties-only", "no"]
+    verdicts = [lossless_verdict(d) for d in ([None, None], [None, tie], [tie, sure])]
+    assert verdicts == ["yes", "ties-only", "no"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,3 +241,26 @@ def test_sampled_tokens_follow_the_target_distribution(tiny_world, method, budge
     wanted = [expected[c] * runs for c in big] + [runs * (1 - sum(expected[c] for c in big))]
     statistic = sum((o - e) ** 2 / e for o, e in zip(observed, wanted) if e > 0)
     assert statistic < chi_square_bound(len(observed) - 1), (statistic, len(observed))
+
+
+@pytest.mark.parametrize("sampling", ["match", "rejection"])
+def test_dflash_drafts_the_argmax_to_match_and_samples_to_reject(tiny_world, monkeypatch, sampling):
+    """At T = 1 the default (sample-and-match, the papers' loop) verifies the drafter's argmax chain
+    against the target's samples; rejection sampling verifies tokens sampled from the drafter."""
+    target, drafter, prompt = tiny_world
+    drafts, verified = [], []
+    draft_logits = drafter.draft_logits
+    monkeypatch.setattr(drafter, "draft_logits",
+                        lambda *args: drafts.append(draft_logits(*args)) or drafts[-1])
+    hook = target.register_forward_pre_hook(lambda module, args: verified.append(args[0][0].clone()))
+    torch.manual_seed(0)
+    try:
+        for _ in range(20):
+            generate(target, prompt, 3, method="dflash", drafter=drafter, temperature=1.0,
+                     **({} if sampling == "match" else {"sampling": sampling}))
+    finally:
+        hook.remove()
+    blocks = [ids for ids in verified if len(ids) != prompt.shape[1]]  # each draft's verify, in order
+    assert len(blocks) == len(drafts) >= 20
+    chains = [torch.equal(block[1:], logits[0].argmax(-1)) for block, logits in zip(blocks, drafts)]
+    assert all(chains) if sampling == "match" else not all(chains)
