@@ -16,7 +16,9 @@ up to 0.43 in a logit (0.19 in a typical response), and the first divergences of
 start at margins of at most 0.125. A bug diverges where the target's margin is whatever it is: on
 that target 25% of the steps have a margin below 0.25, so one diverging response in four would pass
 for a tie, and a bug that diverges in many responses reads "no". Targets with larger logits round
-more coarsely: pass a larger tolerance for them.
+more coarsely: pass a larger tolerance for them. `near_tie_share` says how much a "ties-only" is
+worth on a given target: on one whose logits barely spread (a randomly initialised model) nearly
+every step is a near-tie and the verdict cannot tell anything apart.
 """
 from dataclasses import dataclass
 
@@ -58,3 +60,11 @@ def lossless_verdict(divergences: list[Divergence | None]) -> str:
     if not found:
         return "yes"
     return "ties-only" if all(d.tie for d in found) else "no"
+
+
+def near_tie_share(reference_margins: list[float], tolerance: float = BF16_TIE_TOLERANCE) -> float | None:
+    """The fraction of the reference's steps whose top-1 minus top-2 margin is below `tolerance`:
+    about the chance that a bug's first divergence passes for a tie."""
+    if not reference_margins:
+        return None
+    return sum(m < tolerance for m in reference_margins) / len(reference_margins)

@@ -29,7 +29,7 @@ from transformers import AutoTokenizer
 from drafter.benchmarks import load_prompts
 from drafter.chat import render_prompt
 from drafter.decode import SAMPLING, STAGES, generate
-from drafter.lossless import BF16_TIE_TOLERANCE, first_divergence, lossless_verdict
+from drafter.lossless import BF16_TIE_TOLERANCE, first_divergence, lossless_verdict, near_tie_share
 from drafter.model import DFlashDraftModel
 from drafter.target import load_target
 
@@ -241,7 +241,7 @@ def summarize(records: list[dict], reference: list[dict], greedy: bool, save_sam
     }
     if save_samples:
         summary["samples"] = [{key: r[key] for key in ("source", "turn", "prompt_ids", "output_ids",
-                                                       "acceptance_lengths")} for r in records]
+                                                       "acceptance_lengths", "margins")} for r in records]
     return summary
 
 
@@ -255,7 +255,10 @@ def report(records_by_bench: dict, args, evaluator: Evaluator, world: int) -> di
         for summary in methods.values():
             tpot = summary["time_per_output_token"]
             summary["speedup"] = ar_time / tpot if ar_time and tpot else None
-        benchmarks[bench] = {"methods": methods}
+        margins = [m for r in records["ar"] for m in r["margins"]]
+        benchmarks[bench] = {"methods": methods,
+                             "near_tie_share": near_tie_share(margins, args.tie_tolerance)
+                             if args.temperature <= 0 else None}
     config = {"ckpt": args.ckpt, "target": evaluator.target_path, "budgets": args.budgets,
               "temperature": args.temperature, "sampling": args.sampling,
               "tie_tolerance": args.tie_tolerance, "max_new_tokens": args.max_new_tokens,
@@ -283,6 +286,11 @@ def markdown_table(results: dict) -> str:
             lines.append(f"| {bench} | {method} | {fmt(s['tau'], '.2f')} | {fmt(s['tau_pooled'], '.2f')} "
                          f"| {fmt(tpot and tpot * 1e3, '.2f')} | {fmt(s['speedup'], '.2f')} "
                          f"| {lossless} | {stages} |")
+    for bench, entry in results["benchmarks"].items():
+        if entry.get("near_tie_share") is not None:
+            lines.append(f"\n{bench}: {entry['near_tie_share']:.1%} of ar's steps have a top-2 logit margin "
+                         f"below the tie tolerance ({results['config']['tie_tolerance']}): the chance "
+                         "that a bug's divergence passes for a tie")
     return "\n".join(lines)
 
 

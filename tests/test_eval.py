@@ -65,6 +65,10 @@ def test_report_from_a_run_checkpoint(checkpoint, capsys):
             if len(s["output_ids"]) == 14:  # not stopped: every step's tokens + the prefill's
                 assert sum(s["acceptance_lengths"]) + 1 == 14
     assert methods["ar"]["tau"] == 1 and methods["ar"]["speedup"] == pytest.approx(1)
+    margins = [m for s in reference for m in s["margins"]]
+    assert len(margins) == sum(len(s["output_ids"]) for s in reference) and min(margins) >= 0
+    share = results["benchmarks"]["prompts"]["near_tie_share"]
+    assert share == sum(m < results["config"]["tie_tolerance"] for m in margins) / len(margins)
     assert methods["ddtree@8"]["stage_ms_per_step"]["tree_build"] > 0
 
     printed = capsys.readouterr().out

@@ -15,7 +15,7 @@ from conftest import MASK_ID, randomize_
 from drafter import decode
 from drafter.ddtree import build_tree, teacher_forced_accept
 from drafter.decode import generate
-from drafter.lossless import BF16_TIE_TOLERANCE, first_divergence, lossless_verdict
+from drafter.lossless import BF16_TIE_TOLERANCE, first_divergence, lossless_verdict, near_tie_share
 from drafter.model import DFlashDraftModel, drafter_config
 from drafter.objective import build_blocks, drafter_hidden
 from drafter.target import context_features, random_qwen3
@@ -153,7 +153,11 @@ def test_bf16_divergences_are_ties(bf16, method, budget):
 
 
 def test_bf16_verdict_still_catches_a_real_bug(bf16, monkeypatch):
-    """A loop whose bonus is not the target's token diverges where the target was sure: "no"."""
+    """A loop whose bonus is not the target's token diverges where the target was sure: "no".
+    (A loop that drops the bonus keeps the output; test_served_steps_follow_the_training_path
+    catches that one by its tau.)"""
+    margins = [m for _, reference in bf16[2] for m in reference.margins]
+    assert near_tie_share(margins) < 0.5  # on this target a near-tie is the exception
     dflash_step = decode._Steps.dflash
 
     def wrong_bonus(self, root, start, context):
@@ -178,6 +182,7 @@ def test_divergence_position_tokens_and_margin():
     assert first_divergence([5, 9], [5, 6], margins, tolerance=0.05).tie is False
     verdicts = [lossless_verdict(d) for d in ([None, None], [None, tie], [tie, sure])]
     assert verdicts == ["yes", "ties-only", "no"]
+    assert near_tie_share(margins, 0.5) == 0.5 and near_tie_share([]) is None
 
 
 # ---------------------------------------------------------------------------------------------
