@@ -42,6 +42,13 @@ def drafter_config(target_config, *, num_layers: int, block_size: int, mask_toke
     target_layer_ids = [int(i) for i in target_layer_ids]
     if not all(0 <= i < num_target_layers for i in target_layer_ids):
         raise ValueError(f"target_layer_ids {target_layer_ids} outside 0..{num_target_layers - 1}")
+    if num_target_layers - 1 in target_layer_ids:
+        # HF's hidden_states[L] is the last layer's output after the final norm, which is what a
+        # serving loop reads; training reads the raw output, and serving stacks differ on which one
+        # they capture. Refuse rather than train on features the drafter will not be served.
+        raise ValueError(f"target_layer_ids {target_layer_ids} include the target's last layer "
+                         f"({num_target_layers - 1}), whose output serving stacks read after the "
+                         f"final norm and training before it; use layers 0..{num_target_layers - 2}")
     if not 0 <= mask_token_id < text_config.vocab_size:
         raise ValueError(f"mask_token_id {mask_token_id} has no row in the target's embedding "
                          f"(vocab_size {text_config.vocab_size})")

@@ -130,8 +130,12 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
     """sum_r w_r CE_r / sum_r w_r through a frozen LM head, one row chunk at a time.
 
     The gradient w.r.t. the hidden states is computed in the forward pass, chunk by chunk, so at most
-    one chunk of fp32 logits is alive. Also returns each row's label rank (0 = top-1) and, for rows
-    in `topk_rows`, the top-k log-probabilities and token ids (the DDTree metric's input).
+    one chunk of fp32 logits is alive. Also returns each row's label rank and, for rows in
+    `topk_rows`, the top-k log-probabilities and token ids (the DDTree metric's input).
+
+    The rank is the label's place when tokens are ordered as serving's argmax orders them: by logit,
+    a tie going to the lower token id. So rank 0 (top-1) means that argmax returns the label: a
+    token tied with the label at a lower id counts against it, as does any larger logit.
     """
 
     @staticmethod
@@ -144,6 +148,7 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
         topk_index = torch.nonzero(topk_rows).squeeze(1)
         topk_logprobs = hidden.new_empty((len(topk_index), k), dtype=torch.float32)
         topk_ids = labels.new_empty((len(topk_index), k))
+        vocab_ids = torch.arange(head_weight.shape[0], device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_rows):
             rows = slice(start, start + chunk_rows)
             logits = (hidden[rows] @ head_weight.T).float()
@@ -151,7 +156,8 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
             label_logit = logits.gather(1, labels[rows, None])
             w = row_weights[rows, None].float()
             loss += ((log_z - label_logit) * w).sum()
-            ranks[rows] = (logits > label_logit).sum(-1)
+            ranks[rows] = ((logits > label_logit).sum(-1)
+                           + ((logits == label_logit) & (vocab_ids < labels[rows, None])).sum(-1))
             in_chunk = (topk_index >= start) & (topk_index < start + chunk_rows)
             if in_chunk.any():
                 values, ids = (logits[topk_index[in_chunk] - start] - log_z[topk_index[in_chunk] - start]).topk(k)
@@ -244,6 +250,7 @@ def rank_metrics(label_rank: torch.Tensor, blocks: Blocks) -> dict[str, torch.Te
 
     acc / top4_acc / top8_acc: P(label is the drafter's top-1 / in its top-4 / top-8), over supervised
         slots, overall and per block position (`acc_pos` etc. hold a [sum, count] row per slot 1..B-1).
+        Ranks order ties as argmax does (lower token id first), so a label tied with a lower id is a miss.
     streak: mean tokens one greedy single-path verify would commit per block = 1 (bonus) + the number
         of leading slots whose label is the drafter's top-1. It estimates DFlash tau under teacher
         forcing; blocks cut short by the sequence end count only their supervised slots (a lower bound).
