@@ -1,7 +1,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.installed
 
-.PHONY: test demo bench clean
+.PHONY: test test-quick demo bench clean
 
 $(STAMP): requirements.txt pyproject.toml
 	python3 -m venv .venv
@@ -12,6 +12,9 @@ $(STAMP): requirements.txt pyproject.toml
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+test-quick: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" tests
 
 bench: $(STAMP)
 	$(PY) bench/loss_memory.py

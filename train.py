@@ -1,57 +1,44 @@
-"""Train a DFlash drafter against a frozen target with DeepSpeed ZeRO-2.
+"""Train a DFlash drafter against a frozen target, with DeepSpeed ZeRO or torch FSDP2.
 
     deepspeed --num_gpus 8 train.py --cfg configs/v3.yaml [key.sub=value ...]
-    torchrun --nproc_per_node 8 train.py --cfg configs/v3.yaml
-    python train.py --cfg configs/toy.yaml            # one process; CPU + gloo without a GPU
+    torchrun --nproc_per_node 8 train.py --cfg configs/v3.yaml [train.engine=fsdp]
+    srun python train.py --cfg configs/v3.yaml           # SLURM, one task per GPU
+    python train.py --cfg configs/toy.yaml               # one process; CPU + gloo without a GPU
 
-config -> distributed init -> target -> drafter -> data -> loop -> checkpoints. Every rank holds a
-frozen copy of the target and computes its own batch's features; only the drafter is trained.
+config -> distributed init -> data -> resume decision -> target -> drafter -> engine -> loop ->
+checkpoints. Every rank holds a frozen copy of the target and computes its own batch's features;
+only the drafter is trained, through the engine interface of drafter/engine.py.
 """
 import argparse
+import hashlib
 import math
 import os
 import signal
-import socket
 import sys
 import time
 from collections import defaultdict
 
-import deepspeed
 import numpy as np
 import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
-from drafter.checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint
-from drafter.config import ConfigError, deepspeed_config, load_config, lr_factor, noise_std
+from drafter.checkpoint import (ResumeError, agree_on_checkpoint, check_resumable, load_checkpoint,
+                                remove_partial_saves, run_identity, save_checkpoint, set_aside_previous_run)
+from drafter.config import ConfigError, load_config, lr_factor, noise_std
 from drafter.data import load_datasets
+from drafter.engine import DeepSpeedEngine, EngineConfigError, FSDPEngine, deepspeed_config
+from drafter.launch import LaunchError, init_distributed
 from drafter.model import DFlashDraftModel, drafter_config, resolve_mask_token_id
 from drafter.objective import ObjectiveConfig, finalize_metrics, training_step
 from drafter.sampler import BucketSampler, bucket_table, make_loader, sampler_from_config
-from drafter.target import context_features, load_target, random_qwen3
+from drafter.target import context_features, load_target, random_qwen3, target_config
 from drafter.tracking import RunLogger, console_line
+
+USER_ERRORS = (ConfigError, EngineConfigError, ResumeError, LaunchError)
 
 
 # ----------------------------------------------------------------------------- setup
-
-def init_distributed():
-    """Works under deepspeed, torchrun and plain python (a world of one)."""
-    if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    local_rank = int(os.environ["LOCAL_RANK"])
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
-    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo",
-                               auto_mpi_discovery=False)
-    return dist.get_rank(), dist.get_world_size(), device
-
 
 def set_cpu_threads(cfg):
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
@@ -59,18 +46,23 @@ def set_cpu_threads(cfg):
     torch.set_num_threads(threads)
 
 
-def build_target_and_tokenizer(cfg, device):
-    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
-             "bf16": torch.bfloat16, "fp32": torch.float32}[cfg.target.dtype]
+def training_dtype(cfg, device) -> torch.dtype:
+    """The target's dtype, which is also the drafter's compute dtype (bf16 on GPUs by default)."""
+    return {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
+            "bf16": torch.bfloat16, "fp32": torch.float32}[cfg.target.dtype]
+
+
+def build_target_and_tokenizer(cfg, device, dtype):
     if cfg.target.path is None:
         return random_qwen3(**cfg.target.random).to(device, dtype), None
     tokenizer = AutoTokenizer.from_pretrained(cfg.target.path)
     return load_target(cfg.target.path, device, dtype), tokenizer
 
 
-def build_drafter(cfg, target, tokenizer, dtype):
+def build_drafter(cfg, target, tokenizer):
+    """fp32 weights (the engines keep fp32 masters and compute in the training dtype)."""
     if cfg.drafter.init_from:
-        return DFlashDraftModel.from_pretrained(cfg.drafter.init_from, dtype=dtype)
+        return DFlashDraftModel.from_pretrained(cfg.drafter.init_from, dtype=torch.float32)
     mask_token_id = cfg.drafter.mask_token_id
     if mask_token_id is None:
         if tokenizer is None:
@@ -81,7 +73,47 @@ def build_drafter(cfg, target, tokenizer, dtype):
                             target_layer_ids=cfg.drafter.target_layer_ids, target_path=cfg.target.path,
                             chat_template_kwargs=dict(cfg.target.chat_template_kwargs))
     torch.manual_seed(cfg.run.seed)  # same initial weights on every rank
-    return DFlashDraftModel(config).to(dtype)
+    return DFlashDraftModel(config)
+
+
+def engine_settings(cfg, world_size, device, dtype, hidden_size):
+    """What the engine is built from, checked before any model loads (the DeepSpeed JSON's
+    contradictions with the YAML fail here)."""
+    if cfg.train.engine == "deepspeed":
+        return deepspeed_config(cfg.train.ds_config, cfg, world_size, dtype == torch.bfloat16, hidden_size,
+                                on_cpu=device.type == "cpu")
+    return None
+
+
+def build_engine(cfg, drafter, device, dtype, ds_config):
+    if cfg.train.engine == "deepspeed":
+        return DeepSpeedEngine(drafter.to(device), ds_config)
+    return FSDPEngine(drafter.to(device), cfg, device, bf16=dtype == torch.bfloat16)
+
+
+def data_position(cfg, sampler, world_size, ds_config) -> dict:
+    """What the saved (epoch, micro step) position means: a resume must keep all of it."""
+    stage = ds_config["zero_optimization"]["stage"] if ds_config else None
+    return {"world_size": world_size, "optim.grad_accum": cfg.optim.grad_accum,
+            "data.tokens_per_batch": cfg.data.tokens_per_batch, "buckets": sampler.boundaries.tolist(),
+            "data.max_run": cfg.data.max_run, "data.seed": cfg.data.seed,
+            "train_lengths_sha256": hashlib.sha256(sampler.lengths.tobytes()).hexdigest()[:16],
+            "engine": cfg.train.engine + (f" zero-{stage}" if stage else "")}
+
+
+def schedule_notes(cfg, state, total_steps) -> list[str]:
+    """On resume the lr schedule keeps the length it started with, unless train.schedule_steps says
+    otherwise (then the learning rate moves at once, as asked)."""
+    if cfg.train.schedule_steps and cfg.train.schedule_steps != state["schedule_steps"]:
+        before = lr_factor(cfg.optim, state["step"], state["schedule_steps"])
+        state["schedule_steps"] = cfg.train.schedule_steps
+        after = lr_factor(cfg.optim, state["step"], state["schedule_steps"])
+        return [f"train.schedule_steps={cfg.train.schedule_steps}: the lr factor moves from {before:.3g} "
+                f"to {after:.3g} at step {state['step']}"]
+    if total_steps != state["schedule_steps"]:
+        return [f"this run stops at step {total_steps}; the lr schedule keeps its {state['schedule_steps']} "
+                "steps (no jump; set train.schedule_steps to change it)"]
+    return []
 
 
 def step_generator(seed: int, step: int, rank: int, salt: int = 0, device="cpu") -> torch.Generator:
@@ -101,12 +133,6 @@ def add_feature_noise(features: torch.Tensor, std: float, num_layers: int,
     return (per_layer + noise * (std * rms)).flatten(-2).to(features.dtype)
 
 
-def sync_time(device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
 def comm_device() -> torch.device:
     """Where collective tensors live: NCCL only moves GPU tensors."""
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -114,7 +140,7 @@ def comm_device() -> torch.device:
 
 def all_reduce_sum(metrics: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     names = sorted(metrics)
-    flat = torch.cat([metrics[n].reshape(-1).double() for n in names]).to(comm_device())
+    flat = torch.cat([metrics[n].reshape(-1).double().to(comm_device()) for n in names])
     dist.all_reduce(flat)
     flat = flat.cpu()
     out, offset = {}, 0
@@ -131,34 +157,54 @@ def any_rank(flag: bool) -> bool:
     return bool(value.item() > 0)
 
 
+class Timers:
+    """Wall time per stage. On CUDA a stage boundary needs a device sync, so timing is optional there."""
+
+    def __init__(self, enabled: bool, device: torch.device):
+        self.enabled, self.device = enabled, device
+        self.seconds = defaultdict(float)
+        self._last = None
+
+    def start(self):
+        self._last = self._now() if self.enabled else None
+
+    def lap(self, stage: str):
+        if self.enabled:
+            now = self._now()
+            self.seconds[stage] += now - self._last
+            self._last = now
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+
 # ----------------------------------------------------------------------------- training
 
 def micro_step(engine, target, batch, objective, cfg, step, micro, rank, noise, device, use_flex, timers):
-    """Forward + backward of one micro batch; returns its metrics ([sum, count] tensors)."""
+    """Forward + backward of one micro batch; returns its metrics ([sum, count] tensors, on the device:
+    nothing here waits for the device)."""
     input_ids = batch["input_ids"].to(device, non_blocking=True)
     loss_mask = batch["loss_mask"].to(device, non_blocking=True)
-    t0 = sync_time(device)
-    features = context_features(target, input_ids, engine.module.target_layer_ids)
-    features = add_feature_noise(features, noise, len(engine.module.target_layer_ids),
+    drafter = engine.module
+    timers.start()
+    features = context_features(target, input_ids, drafter.target_layer_ids)
+    features = add_feature_noise(features, noise, len(drafter.target_layer_ids),
                                  step_generator(cfg.run.seed, step, rank, 1 + micro, device))
-    t1 = sync_time(device)
-    loss, metrics = training_step(engine.module, target, features, input_ids, loss_mask, objective,
+    timers.lap("target")
+    loss, metrics = training_step(drafter, target, features, input_ids, loss_mask, objective,
                                   step_generator(cfg.run.seed, step, rank, -1 - micro), use_flex)
-    if not torch.isfinite(loss):
-        loss = loss * float("nan")  # NaN gradients: DeepSpeed's global overflow check skips the step
+    # A non-finite loss makes every gradient NaN, so the engine's global check skips the step on all ranks.
+    loss = loss * torch.where(torch.isfinite(loss.detach()), 1.0, math.nan)
     engine.backward(loss)
-    t2 = sync_time(device)
-    timers["target"] += t1 - t0
-    timers["drafter"] += t2 - t1
-    metrics = {k: v.detach().float().cpu() for k, v in metrics.items()}
-    metrics["real_tokens"] = torch.tensor([float(batch["lengths"].sum()), 1.0])
-    metrics["computed_tokens"] = torch.tensor([float(input_ids.numel()), 1.0])
-    return metrics
+    timers.lap("drafter")
+    return {k: v.detach() for k, v in metrics.items()}
 
 
 @torch.no_grad()
 def evaluate(engine, target, eval_set, eval_sampler, objective, cfg, rank, device, use_flex):
-    """Held-out loss, accuracies and DDTree acceptance over up to eval_batches per rank."""
+    """Held-out loss, accuracies and DDTree acceptance over up to eval_batches per rank, on clean features."""
     engine.module.eval()
     summed = defaultdict(lambda: 0)
     loader = make_loader(eval_set, eval_sampler, epoch=0, num_workers=0, prefetch_factor=2)
@@ -169,18 +215,19 @@ def evaluate(engine, target, eval_set, eval_sampler, objective, cfg, rank, devic
             _, metrics = training_step(engine.module, target, features, input_ids, loss_mask, objective,
                                        step_generator(cfg.run.seed, i, rank, 7), use_flex)
             for k, v in metrics.items():
-                summed[k] = summed[k] + v.float().cpu()
+                summed[k] = summed[k] + v.float()
     engine.module.train()
     return finalize_metrics(all_reduce_sum(dict(summed))) if summed else {}
 
 
 class StopRequest:
-    """SIGTERM / SIGINT: finish the current step, save, exit 0."""
+    """SIGTERM / SIGINT (scancel, Ctrl-C) or SIGUSR1 (SLURM's --signal=USR1@N early warning):
+    finish the current step, save, exit 0."""
 
     def __init__(self):
         self.requested = False
-        signal.signal(signal.SIGTERM, self._handle)
-        signal.signal(signal.SIGINT, self._handle)
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+            signal.signal(signum, self._handle)
 
     def _handle(self, signum, frame):
         self.requested = True
@@ -196,10 +243,16 @@ def main(argv=None):
         cfg = load_config(args.cfg, args.overrides)
     except (ConfigError, FileNotFoundError) as error:
         sys.exit(f"config error: {error}")
-
-    rank, world_size, device = init_distributed()
+    try:
+        rank, world_size, device = init_distributed(cfg.train.dist_timeout_minutes)
+    except LaunchError as error:
+        sys.exit(f"launch error: {error}")
     try:
         return train(cfg, rank, world_size, device)
+    except USER_ERRORS as error:  # raised on every rank: say it once (or per rank when it differs)
+        if rank == 0 or getattr(error, "per_rank", False):
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        return 2
     finally:
         dist.destroy_process_group()
 
@@ -208,18 +261,11 @@ def train(cfg, rank, world_size, device) -> int:
     if device.type == "cpu":
         set_cpu_threads(cfg)
     stop = StopRequest()
-    resume_from = find_resume_checkpoint(cfg.train.resume, cfg.run.out_dir)
+    dtype = training_dtype(cfg, device)
+    text_config = target_config(cfg.target.path, cfg.target.random)
+    ds_config = engine_settings(cfg, world_size, device, dtype, text_config.hidden_size)
 
-    target, tokenizer = build_target_and_tokenizer(cfg, device)
-    drafter = build_drafter(cfg, target, tokenizer, torch.float32)
-    use_flex = cfg.objective.attention == "flex" or (cfg.objective.attention == "auto" and device.type == "cuda")
-    objective = ObjectiveConfig(block_size=drafter.block_size, mask_token_id=drafter.mask_token_id,
-                                num_anchors=cfg.objective.num_anchors, gamma=cfg.objective.gamma,
-                                ddtree_budget=cfg.objective.ddtree_budget,
-                                ddtree_blocks=cfg.objective.ddtree_blocks,
-                                anchors_per_batch=cfg.objective.anchors_per_batch)
-
-    train_set, eval_set = load_datasets(cfg.data, target.config.vocab_size)
+    train_set, eval_set = load_datasets(cfg.data, text_config.vocab_size)
     sampler = sampler_from_config(np.asarray(train_set["length"]), cfg.data, world_size, rank)
     # one bucket for the held-out split: small splits would lose most batches to per-bucket remainders
     eval_sampler = BucketSampler(np.asarray(eval_set["length"]), [cfg.data.max_length], cfg.data.tokens_per_batch,
@@ -232,39 +278,54 @@ def train(cfg, rank, world_size, device) -> int:
     if cfg.train.max_steps:
         total_steps = min(total_steps, cfg.train.max_steps)
 
-    notes = []
-    ds_config = deepspeed_config(cfg.train.ds_config, cfg, world_size, bf16=target.dtype == torch.bfloat16,
-                                 log=notes.append)
-    if device.type == "cpu" and "optimizer" in ds_config:
-        ds_config["optimizer"].setdefault("params", {}).setdefault("torch_adam", True)
-    engine, _, _, _ = deepspeed.initialize(
-        model=drafter, model_parameters=[p for p in drafter.parameters() if p.requires_grad],
-        config=ds_config,
-        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda s: lr_factor(cfg.optim, s, total_steps)))
+    # Which run this is, decided before any model loads.
+    identity, position = run_identity(cfg), data_position(cfg, sampler, world_size, ds_config)
+    resume_from, saved = agree_on_checkpoint(cfg.train.resume, cfg.run.out_dir)
+    notes = check_resumable(saved, identity, position, cfg.train.resume, resume_from) if saved else []
+    if rank == 0:
+        aside = set_aside_previous_run(cfg.run.out_dir) if saved is None else None
+        if aside:
+            notes.append(f"starting a new run: the previous run's files in {cfg.run.out_dir} were moved to {aside}")
+        notes += [f"removed {p}, a save cut short" for p in remove_partial_saves(cfg.run.out_dir)]
+    dist.barrier()
+
+    target, tokenizer = build_target_and_tokenizer(cfg, device, dtype)
+    drafter = build_drafter(cfg, target, tokenizer)
+    use_flex = cfg.objective.attention == "flex" or (cfg.objective.attention == "auto" and device.type == "cuda")
+    objective = ObjectiveConfig(block_size=drafter.block_size, mask_token_id=drafter.mask_token_id,
+                                num_anchors=cfg.objective.num_anchors, gamma=cfg.objective.gamma,
+                                ddtree_budget=cfg.objective.ddtree_budget,
+                                ddtree_blocks=cfg.objective.ddtree_blocks,
+                                anchors_per_batch=cfg.objective.anchors_per_batch)
+    engine = build_engine(cfg, drafter, device, dtype, ds_config)
 
     state = {"step": 0, "epoch": 0, "micro_step_in_epoch": 0, "skipped_steps": 0, "wandb_id": None,
-             "elapsed_s": 0.0}
+             "elapsed_s": 0.0, "schedule_steps": cfg.train.schedule_steps or total_steps}
     if resume_from is not None:
-        state = load_checkpoint(engine, resume_from)
+        load_checkpoint(engine, resume_from)
+        state = {key: saved[key] for key in state}
         notes.append(f"resumed from {resume_from} at step {state['step']} "
                      f"(epoch {state['epoch']}, micro step {state['micro_step_in_epoch']})")
-    log = RunLogger(cfg, is_main=rank == 0, resume_id=state["wandb_id"])
+        notes += schedule_notes(cfg, state, total_steps)
+    state.update(identity=identity, data_position=position)
+    log = RunLogger(cfg, is_main=rank == 0, resume_step=state["step"] if resume_from else None,
+                    resume_id=state["wandb_id"])
     state["wandb_id"] = log.run_id
     stats = sampler.stats(0)
     for note in notes:
         log.print(note)
-    log.print(f"run {cfg.run.name}: {world_size} ranks on {device.type}, drafter "
-              f"{sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M params, {total_steps} steps "
-              f"({steps_per_epoch}/epoch), attention={'flex' if use_flex else 'dense'}")
+    log.print(f"run {cfg.run.name}: {world_size} ranks on {device.type}, {engine.description}, drafter "
+              f"{engine.num_parameters / 1e6:.2f}M params, {total_steps} steps ({steps_per_epoch}/epoch), "
+              f"attention={'flex' if use_flex else 'dense'}")
     log.print(bucket_summary(stats))
 
     def save(step):
         elapsed = state["elapsed_s"] + time.time() - t_start
-        save_checkpoint(engine, cfg, step, {**state, "elapsed_s": elapsed}, engine.module.save_pretrained)
+        save_checkpoint(engine, cfg, step, {**state, "elapsed_s": elapsed}, export_dtype=dtype)
 
+    profile = cfg.train.profile_timing if cfg.train.profile_timing is not None else device.type == "cpu"
     t_start = time.time()
-    window = Window(sampler.num_buckets)
+    window = Window(sampler.num_buckets, device, Timers(profile, device))
     bad_in_a_row, last_saved = 0, state["step"] if resume_from is not None else None
     accum = cfg.optim.grad_accum
     try:
@@ -281,21 +342,20 @@ def train(cfg, rank, world_size, device) -> int:
                     for micro in range(accum):
                         t_wait = time.perf_counter()
                         batch = next(loader)
-                        window.timers["data_wait"] += time.perf_counter() - t_wait
+                        window.data_wait += time.perf_counter() - t_wait
                         window.queue.append(loader.queue_depth())
                         metrics = micro_step(engine, target, batch, objective, cfg, step, micro, rank, noise,
                                              device, use_flex, window.timers)
-                        window.add(metrics, batch["bucket"])
+                        window.add(metrics, batch)
                         state["micro_step_in_epoch"] += 1
-                    t_opt = sync_time(device)
-                    engine.step()
-                    window.timers["optimizer"] += sync_time(device) - t_opt
+                    window.timers.start()
+                    lr = cfg.optim.lr * lr_factor(cfg.optim, step, state["schedule_steps"])
+                    result = engine.step(lr)
+                    window.timers.lap("optimizer")
                     state["step"] = step = step + 1
-                    applied = engine.was_step_applied()
-                    bad_in_a_row = 0 if applied else bad_in_a_row + 1
-                    window.end_step(applied, engine.get_global_grad_norm(), noise, engine.get_lr()[0],
-                                    time.perf_counter() - t0)
-                    if not applied:
+                    bad_in_a_row = 0 if result.applied else bad_in_a_row + 1
+                    window.end_step(result, noise, lr, time.perf_counter() - t0)
+                    if not result.applied:
                         state["skipped_steps"] += 1
                         log.print(f"step {step}: non-finite loss or gradient; the step was skipped on all "
                                   f"ranks ({bad_in_a_row} in a row)")
@@ -309,14 +369,14 @@ def train(cfg, rank, world_size, device) -> int:
                                                 time.time() - t_start, objective.ddtree_budget)
                         log.log(record)
                         log.print(console_line(record))
-                        window = Window(sampler.num_buckets)
-                    if eval_sampler is not None and (step % cfg.train.eval_every == 0 or last):
-                        run_eval(engine, target, eval_set, eval_sampler, objective, cfg, rank, device,
-                                 use_flex, step, log)
-                    if any_rank(stop.requested):
+                        window = Window(sampler.num_buckets, device, Timers(profile, device))
+                    if any_rank(stop.requested):  # before evaluation: the launcher's grace period is short
                         log.print(f"stop requested: saving at step {step} and exiting")
                         save(step)
                         return 0
+                    if eval_sampler is not None and (step % cfg.train.eval_every == 0 or last):
+                        run_eval(engine, target, eval_set, eval_sampler, objective, cfg, rank, device,
+                                 use_flex, step, log)
                     if step % cfg.train.save_every == 0:
                         save(step)
                         last_saved = step
@@ -343,46 +403,51 @@ def run_eval(engine, target, eval_set, eval_sampler, objective, cfg, rank, devic
 # ----------------------------------------------------------------------------- logging
 
 class Window:
-    """Sums over the steps between two log lines; reduced over ranks only when summarised."""
+    """Sums over the steps between two log lines. Metrics stay on the device and are reduced over
+    ranks only when summarised, so the training loop never waits for them."""
 
-    def __init__(self, num_buckets: int):
+    def __init__(self, num_buckets: int, device: torch.device, timers: Timers):
         self.metrics = defaultdict(lambda: 0)
-        self.per_bucket = torch.zeros(num_buckets, 3, 2)  # (loss, acc, streak) x [sum, count]
-        self.timers = defaultdict(float)
+        self.per_bucket = torch.zeros(num_buckets, 3, 2, device=device)  # (loss, acc, streak) x [sum, count]
+        self.tokens = torch.zeros(2, dtype=torch.float64)  # real, computed (padding included)
+        self.timers, self.data_wait = timers, 0.0
         self.queue, self.grad_norms = [], []
         self.steps, self.seconds, self.noise, self.lr = 0, 0.0, 0.0, 0.0
 
-    def add(self, metrics, bucket: int):
+    def add(self, metrics, batch):
         for k, v in metrics.items():
             self.metrics[k] = self.metrics[k] + v
-        self.per_bucket[bucket] += torch.stack([metrics["loss"], metrics["acc"], metrics["streak"]])
+        self.per_bucket[batch["bucket"]] += torch.stack([metrics["loss"], metrics["acc"], metrics["streak"]])
+        self.tokens += torch.tensor([float(batch["lengths"].sum()), float(batch["input_ids"].numel())],
+                                    dtype=torch.float64)
 
-    def end_step(self, applied, grad_norm, noise, lr, seconds):
+    def end_step(self, result, noise, lr, seconds):
         self.steps += 1
         self.seconds += seconds
-        if applied and grad_norm is not None:
-            self.grad_norms.append(float(grad_norm))
+        if result.applied and math.isfinite(result.grad_norm):
+            self.grad_norms.append(result.grad_norm)
         self.noise, self.lr = noise, lr
 
     def summary(self, state, stats, total_steps, micro_per_epoch, elapsed, budget) -> dict:
-        summed = all_reduce_sum({**self.metrics, "per_bucket": self.per_bucket})
+        summed = all_reduce_sum({**self.metrics, "per_bucket": self.per_bucket, "tokens": self.tokens})
         per_bucket = summed.pop("per_bucket")
-        real, computed = summed.pop("real_tokens")[0], summed.pop("computed_tokens")[0]
+        real, computed = summed.pop("tokens").tolist()
         m = finalize_metrics(summed)
         queue_depths = [torch.zeros(1, device=comm_device()) for _ in range(dist.get_world_size())]
         dist.all_gather(queue_depths, torch.tensor([float(np.mean(self.queue or [0]))], device=comm_device()))
         steps, seconds = self.steps, max(self.seconds, 1e-9)
+        timers = {"data_wait": self.data_wait, **self.timers.seconds}
         return {
             "step": state["step"], "epoch": state["epoch"], **m,
             "ddtree_accept": m[f"ddtree_accept@{budget}"], "ddtree_budget": budget,
             "lr": self.lr, "noise": self.noise,
             "grad_norm": float(np.mean(self.grad_norms)) if self.grad_norms else math.nan,
             "skipped_steps": state["skipped_steps"],
-            "pad_efficiency": float(real / computed),
-            "tokens_per_s": float(real) / seconds,
-            "target_batches_per_s": steps / max(self.timers["target"], 1e-9),
-            "drafter_batches_per_s": steps / max(self.timers["drafter"], 1e-9),
-            "time_split_s": {k: v / steps for k, v in self.timers.items()},
+            "pad_efficiency": real / computed,
+            "tokens_per_s": real / seconds,
+            "target_batches_per_s": steps / self.timers.seconds["target"] if "target" in self.timers.seconds else math.nan,
+            "drafter_batches_per_s": steps / self.timers.seconds["drafter"] if "drafter" in self.timers.seconds else math.nan,
+            "time_split_s": {k: v / steps for k, v in timers.items()},
             "prefetch_queue": [round(float(q), 1) for q in queue_depths],
             "per_bucket": {name: (per_bucket[:, i, 0] / per_bucket[:, i, 1]).tolist()
                            for i, name in enumerate(("loss", "acc", "streak"))},

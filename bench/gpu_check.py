@@ -3,8 +3,8 @@
     python bench/gpu_check.py           # one CUDA GPU: Qwen3-8B-shaped target, 5-layer drafter, bf16
     python bench/gpu_check.py --tiny    # tiny shapes on the CPU (fp32; tests/test_gpu_check.py runs it)
 
-Each check prints `pass`, `FAIL: <why>`, `skipped (no CUDA)` or `not run: <why>`; the script ends
-with one JSON line holding every figure and exits 1 when a check failed.
+Each check prints `pass`, `FAIL: <why>` or `skipped (no CUDA)`; the script ends with one JSON line
+holding every figure and exits 1 when a check failed.
 
   flex_vs_dense      2 sequences x 512 tokens, 32 anchors each (tiny: the plan's first batch): the
                      compiled flex path (attention="flex_compiled") against the dense path. Logits and
@@ -20,8 +20,9 @@ with one JSON line holding every figure and exits 1 when a check failed.
                      exactly one, the anchor count (a shape); none in the target forward.
   ddtree_step_syncs  a DDTree step (draft, tree build with the tensor backend, verify inputs, target
                      forward over the tree, walk) without any host sync; the commit is the step's one.
-  lossless           eval's lossless check on a random bf16 target: `ar` against ddtree and dflash,
-                     divergences classed as ties or not (drafter/lossless.py; not run until it exists).
+  lossless           eval's lossless check on a random bf16 target: `ar` against ddtree and dflash on 4
+                     prompts, each first divergence classed a tie or not (drafter/lossless.py); fails on
+                     a verdict of "no".
 
 On CUDA the syncs are what `torch.cuda.set_sync_debug_mode` reports; on the CPU what
 `drafter.host_sync.HostSyncCounter` counts, with the metric's DDTree built by the tensor backend
@@ -64,6 +65,7 @@ from drafter.ddtree import (build_tree, committed_tokens, compact_cache, follow_
                             tree_verify_inputs)
 from drafter.decode import generate, pick
 from drafter.host_sync import host_syncs
+from drafter.lossless import first_divergence, lossless_verdict
 from drafter.model import DFlashDraftModel, DraftCache, compiled_graph_count, drafter_config
 from drafter.objective import (ObjectiveConfig, attention_kernel, build_blocks, drafter_hidden, resolve_gamma,
                                sample_anchors, training_step)
@@ -93,10 +95,6 @@ def log(message: str):
 
 
 class CheckFailed(Exception):
-    pass
-
-
-class NotRun(Exception):
     pass
 
 
@@ -411,14 +409,8 @@ def check_ddtree_step_syncs(target, drafter, device, run) -> dict:
 
 
 def check_lossless(target, drafter, device, run) -> dict:
-    """CALL SITE for eval's lossless classifier (drafter/lossless.py on the eval branch): needs
-    first_divergence(output_ids, reference_ids, reference_margins) -> Divergence | None,
-    lossless_verdict(divergences) -> "yes" | "ties-only" | "no", and Generation.margins of an `ar`
-    run. Until that module is merged the check reports `not run`, never `pass`."""
-    try:
-        from drafter.lossless import first_divergence, lossless_verdict
-    except ImportError:
-        raise NotRun("needs drafter/lossless.py (eval branch)") from None
+    """Greedy ddtree and dflash against `ar` in bf16 (a copy in bf16 on the CPU): every divergence
+    must start where the target's top-2 logits (nearly) tie."""
     bf16_target, bf16_drafter = (m if m.dtype == torch.bfloat16 else copy.deepcopy(m).to(torch.bfloat16)
                                  for m in (target, drafter))
     gen = torch.Generator().manual_seed(4)
@@ -448,8 +440,6 @@ def run_check(name: str, function, *args) -> tuple[str, dict]:
         status = "pass"
     except CheckFailed as failure:
         status, figures = f"FAIL: {failure}", {}
-    except NotRun as reason:
-        status, figures = f"not run: {reason}", {}
     except Exception as error:  # e.g. out of memory: reported, and the other checks still run
         traceback.print_exc()
         status, figures = f"FAIL: {type(error).__name__}: {error}", {}

@@ -1,25 +1,55 @@
-"""Checkpoints: DeepSpeed engine state + trainer state + RNG + the exported drafter, written atomically.
+"""Checkpoints: engine state + trainer state + RNG + the exported drafter, written atomically, and the
+rules that keep a run directory to one run.
 
     <out_dir>/checkpoints/step_<N>/          complete checkpoint (renamed from step_<N>.tmp when done)
-        <deepspeed engine files>             optimizer partitions, lr scheduler, module weights
+        <engine files>                       DeepSpeed's partitions, or fsdp/ (torch.distributed.checkpoint)
         drafter/                             export loadable by dflash.model.DFlashDraftModel
-        trainer_state.json                   step, epoch, position in the epoch, counters
+        trainer_state.json                   step, epoch, position in the epoch, counters, run identity
         rng_rank<r>.safetensors              torch RNG states of rank r
         config.yaml                          the resolved run config
     <out_dir>/checkpoints/latest -> step_<N>  symlink, replaced atomically, written last
+
+Every file is fsynced before the rename, so a crash leaves either a complete step_<N> or a
+step_<N>.tmp that resume ignores and the next run removes.
+
+Resume (`train.resume`): `auto` continues from the newest complete checkpoint if its run identity (the
+config minus RESUMABLE_KEYS) equals this run's, and refuses otherwise; `force` continues despite a
+different identity; a path continues from that checkpoint (identity checked); `never` starts over,
+setting the previous run's files aside. What the saved data position depends on (DATA_POSITION:
+world size, batch shape, buckets, the data) must match even with force. Rank 0 decides and
+broadcasts; every rank checks that its own files are there.
 """
 import json
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
+from transformers.utils import logging as transformers_logging
+
+from drafter.model import drafter_from_state_dict
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
+# Keys that may change when a run is resumed: how long it runs, logging, saving, evaluation, where
+# things live, per-cluster tuning. Every other key defines the run.
+RESUMABLE_KEYS = ("run.name", "run.out_dir", "train.epochs", "train.max_steps", "train.schedule_steps", "train.log_every",
+                  "train.save_every", "train.eval_every", "train.eval_batches", "train.keep_last",
+                  "train.resume", "train.max_bad_steps", "train.threads_per_rank", "train.profile_timing",
+                  "train.dist_timeout_minutes",
+                  "train.ds_config", "train.generate", "data.num_workers", "data.prefetch_factor", "fsdp",
+                  "wandb")
+RUN_FILES = ("checkpoints", "metrics.jsonl", "config.yaml", "wandb")  # what a run writes in out_dir
+
+
+class ResumeError(RuntimeError):
+    def __init__(self, message: str, per_rank: bool = False):
+        super().__init__(message)
+        self.per_rank = per_rank  # the message differs between ranks
 
 
 def checkpoint_root(out_dir: str) -> Path:
@@ -32,18 +62,131 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
 
 
-def find_resume_checkpoint(resume: str, out_dir: str) -> Path | None:
-    """`never` -> None; `auto` -> the newest complete checkpoint of this run (or None); else a path."""
+def _flat(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def run_identity(cfg) -> dict:
+    """The run-defining config: every key but RESUMABLE_KEYS (and their sub-keys), flattened."""
+    flat = _flat(OmegaConf.to_container(cfg, resolve=True))
+    return {key: value for key, value in flat.items()
+            if not any(key == k or key.startswith(k + ".") or key.startswith(k + "_") for k in RESUMABLE_KEYS)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Choosing the checkpoint to resume
+# ---------------------------------------------------------------------------------------------
+
+def _choose(resume: str, out_dir: str) -> Path | None:
     if resume == "never":
         return None
-    if resume == "auto":
+    if resume in ("auto", "force"):
         found = complete_checkpoints(checkpoint_root(out_dir))
-        return found[-1] if found else None
+        return found[-1].resolve() if found else None
     path = Path(resume).resolve()
     if not (path / "trainer_state.json").exists():
-        raise FileNotFoundError(f"train.resume={resume}: not a complete checkpoint (no trainer_state.json)")
+        raise ResumeError(f"train.resume={resume}: not a complete checkpoint (no trainer_state.json)")
     return path
 
+
+def _agree(ok: bool) -> bool:
+    """True when `ok` holds on every rank (a collective)."""
+    flag = torch.tensor([1.0 if ok else 0.0], device=_comm_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item() > 0)
+
+
+def _comm_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def agree_on_checkpoint(resume: str, out_dir: str) -> tuple[Path | None, dict | None]:
+    """Collective: the checkpoint every rank resumes from (rank 0 chooses) and its trainer state.
+
+    Each rank checks that the checkpoint and its own files are visible to it; if one rank cannot see
+    them, every rank raises (instead of some ranks hanging in the engine's load)."""
+    choice = [None]
+    if dist.get_rank() == 0:
+        try:
+            chosen = _choose(resume, out_dir)
+            choice = [(str(chosen) if chosen else None, None)]
+        except ResumeError as error:
+            choice = [(None, str(error))]
+    dist.broadcast_object_list(choice, src=0)
+    path, error = choice[0]
+    if error:
+        raise ResumeError(error)
+    if path is None:
+        return None, None
+    path = Path(path)
+    own = [path / "trainer_state.json", path / f"rng_rank{dist.get_rank()}.safetensors"]
+    missing = [str(p) for p in own if not p.exists()]
+    if not _agree(not missing):
+        raise ResumeError(
+            f"rank {dist.get_rank()}: cannot resume from {path}: "
+            + (f"missing {', '.join(missing)}. " if missing else "another rank cannot see its files. ")
+            + "run.out_dir must be on a filesystem every node shares (and the world size the one saved).",
+            per_rank=True)
+    return path, json.loads((path / "trainer_state.json").read_text())
+
+
+def check_resumable(saved: dict, identity: dict, data_position: dict, resume: str, path: Path) -> list[str]:
+    """Raise ResumeError when `saved` (a trainer state) belongs to another run; return notes."""
+    if "identity" not in saved:
+        raise ResumeError(f"{path} predates run identities: its run cannot be checked against this one. "
+                          "Start a new run (a new run.out_dir, or train.resume=never).")
+    moved = {key: (saved["data_position"].get(key), value) for key, value in data_position.items()
+             if saved["data_position"].get(key) != value}
+    if moved:
+        changes = "; ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in moved.items())
+        raise ResumeError(
+            f"cannot resume {path}: its data position (epoch {saved['epoch']}, micro step "
+            f"{saved['micro_step_in_epoch']}) has no meaning under a different {changes}. Keep these as "
+            "saved, or start a new run (a new run.out_dir, or train.resume=never).")
+    keys = sorted(identity.keys() | saved["identity"].keys())
+    differing = [f"{key}: {saved['identity'].get(key)!r} -> {identity.get(key)!r}"
+                 for key in keys if saved["identity"].get(key) != identity.get(key)]
+    if differing and resume != "force":
+        raise ResumeError(
+            f"{path} was written by a different run ({'; '.join(differing)}). Use a new run.out_dir for a "
+            "new experiment, train.resume=never to start over here (the old run's files are set aside), or "
+            "train.resume=force to continue this checkpoint with the new settings.")
+    return [f"train.resume=force: continuing despite {'; '.join(differing)}"] if differing else []
+
+
+def set_aside_previous_run(out_dir: str) -> Path | None:
+    """Rank 0, on a fresh start: move an earlier run's files out of the way (nothing is deleted)."""
+    out = Path(out_dir)
+    present = [name for name in RUN_FILES if (out / name).exists() or (out / name).is_symlink()]
+    if not present:
+        return None
+    aside = out / "previous" / time.strftime("%Y%m%d-%H%M%S")
+    aside.mkdir(parents=True, exist_ok=False)
+    for name in present:
+        os.replace(out / name, aside / name)
+    return aside
+
+
+def remove_partial_saves(out_dir: str) -> list[Path]:
+    """Rank 0: delete `step_<N>.tmp` dirs and a `latest.tmp` link, the leftovers of saves cut short."""
+    root = checkpoint_root(out_dir)
+    stale = [p for p in root.glob("step_*.tmp") if STEP_DIR.match(p.name[:-4])]
+    for path in stale:
+        shutil.rmtree(path)
+    if (root / "latest.tmp").is_symlink():
+        (root / "latest.tmp").unlink()
+    return stale
+
+
+# ---------------------------------------------------------------------------------------------
+# Saving and loading
+# ---------------------------------------------------------------------------------------------
 
 def _rng_state() -> dict[str, torch.Tensor]:
     state = {"torch": torch.get_rng_state()}
@@ -52,7 +195,29 @@ def _rng_state() -> dict[str, torch.Tensor]:
     return state
 
 
-def save_checkpoint(engine, cfg, step: int, trainer_state: dict, export_drafter) -> Path:
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(directory: Path) -> None:
+    """Flush every file and directory under `directory` (and itself) to stable storage."""
+    for path in directory.rglob("*"):
+        if path.is_file() or path.is_dir():
+            _fsync(path)
+    _fsync(directory)
+
+
+def export_drafter(state_dict: dict[str, torch.Tensor], config, directory: Path, dtype: torch.dtype) -> None:
+    """The dflash export (config.json + safetensors) of full weights `state_dict`."""
+    transformers_logging.disable_progress_bar()
+    drafter_from_state_dict(config, state_dict).to(dtype).save_pretrained(directory)
+
+
+def save_checkpoint(engine, cfg, step: int, trainer_state: dict, export_dtype: torch.dtype) -> Path:
     """Collective: every rank calls it. Returns the final checkpoint dir."""
     root = checkpoint_root(cfg.run.out_dir)
     rank, is_main = dist.get_rank(), dist.get_rank() == 0
@@ -60,17 +225,23 @@ def save_checkpoint(engine, cfg, step: int, trainer_state: dict, export_drafter)
     if is_main and tmp.exists():
         shutil.rmtree(tmp)  # left by a save that was cut short
     dist.barrier()
-    engine.save_checkpoint(str(root), tag=tmp.name, save_latest=False)
+    engine.save(tmp)
     save_file(_rng_state(), str(tmp / f"rng_rank{rank}.safetensors"))
-    dist.barrier()
+    weights = engine.full_state_dict()  # collective
     if is_main:
-        export_drafter(tmp / "drafter")
+        export_drafter(weights, engine.module.config, tmp / "drafter", export_dtype)
         OmegaConf.save(cfg, tmp / "config.yaml", resolve=True)
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
+    del weights
+    dist.barrier()
+    _fsync_tree(tmp)  # every rank flushes what it wrote (on NFS only the writer's flush counts)
+    dist.barrier()
+    if is_main:
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
         _point_latest(root, final.name)
+        _fsync(root)
         _prune(root, cfg.train.keep_last)
     dist.barrier()
     return final
@@ -89,15 +260,10 @@ def _prune(root: Path, keep_last: int):
         shutil.rmtree(old)
 
 
-def load_checkpoint(engine, path: Path) -> dict:
-    """Restore engine (weights, optimizer, scheduler) and this rank's RNG; return the trainer state."""
-    load_path, _ = engine.load_checkpoint(str(path.parent), tag=path.name)
-    if load_path is None:
-        raise RuntimeError(f"DeepSpeed could not load the checkpoint at {path}")
-    rng_file = path / f"rng_rank{dist.get_rank()}.safetensors"
-    if rng_file.exists():  # absent when resuming with more ranks than were saved
-        rng = load_file(str(rng_file))
-        torch.set_rng_state(rng["torch"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
-    return json.loads((path / "trainer_state.json").read_text())
+def load_checkpoint(engine, path: Path) -> None:
+    """Restore the engine (weights, optimizer state) and this rank's RNG."""
+    engine.load(path)
+    rng = load_file(str(path / f"rng_rank{dist.get_rank()}.safetensors"))
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])

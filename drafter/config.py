@@ -1,14 +1,13 @@
-"""The training config: a typed OmegaConf schema, YAML + dotlist overrides, and the DeepSpeed JSON.
+"""The training config: a typed OmegaConf schema, YAML + dotlist overrides, validation.
 
     cfg = load_config("configs/v3.yaml", ["optim.lr=3e-4", "train.max_steps=100"])
 
 Unknown keys and wrong types fail here, before any model loads, with the full key path.
 """
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -89,15 +88,26 @@ class DataConfig:
 class TrainConfig:
     epochs: int = 6
     max_steps: Optional[int] = None  # stop early; otherwise run all epochs
+    schedule_steps: Optional[int] = None  # lr schedule length; null: the run's length when it started
     log_every: int = 10
     save_every: int = 1000
     eval_every: int = 500
     eval_batches: int = 20           # per rank
     keep_last: int = 3
-    resume: str = "auto"             # auto | never | a checkpoint dir
+    resume: str = "auto"             # auto | never | force | a checkpoint dir (see drafter/checkpoint.py)
     max_bad_steps: int = 5           # non-finite steps in a row before the run stops
+    engine: str = "deepspeed"        # deepspeed (ZeRO from ds_config) | fsdp (torch FSDP2, the fsdp section)
     ds_config: str = "ds_configs/zero2.json"
     threads_per_rank: Optional[int] = None  # CPU only; null: cores / local ranks
+    profile_timing: Optional[bool] = None   # per-stage timers; null: on where free (CPU), off on CUDA (syncs)
+    dist_timeout_minutes: float = 30.0      # forming the world, and any one collective (a checkpoint save)
+
+
+@dataclass
+class FSDPConfig:
+    """Per-cluster knobs of train.engine=fsdp (torch FSDP2, `fully_shard` per decoder layer)."""
+    reshard_after_forward: bool = True  # free gathered weights after forward (re-gathered in backward)
+    cpu_offload: bool = False           # parameters, gradients and optimizer state on the CPU (CUDA only)
 
 
 @dataclass
@@ -118,6 +128,7 @@ class Config:
     noise: NoiseConfig = field(default_factory=NoiseConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
@@ -134,6 +145,9 @@ def load_config(path: str, overrides: list[str] = ()) -> DictConfig:
     except OmegaConfBaseException as error:
         key = getattr(error, "full_key", None) or "?"
         raise ConfigError(f"{path}: bad config key '{key}': {error.msg if hasattr(error, 'msg') else error}") from None
+    problems = validate(cfg)
+    if problems:
+        raise ConfigError(f"{path}: " + "; ".join(problems))
     stem = Path(path).stem
     if cfg.run.name is None:
         cfg.run.name = default_run_name(stem, cfg)
@@ -142,6 +156,72 @@ def load_config(path: str, overrides: list[str] = ()) -> DictConfig:
     if cfg.target.path is None and cfg.target.random is None:
         raise ConfigError(f"{path}: set target.path (or target.random for a random target)")
     return cfg
+
+
+DTYPE_ALIASES = {"auto": "auto", "bf16": "bf16", "bfloat16": "bf16", "fp32": "fp32", "float32": "fp32"}
+CHOICES = {
+    "objective.attention": ("auto", "dense", "flex"),
+    "train.engine": ("deepspeed", "fsdp"),
+    "wandb.mode": (None, "online", "offline", "disabled"),
+}
+POSITIVE = ("drafter.num_layers", "objective.num_anchors", "objective.ddtree_budget", "optim.grad_accum",
+            "data.max_length", "data.num_buckets", "data.tokens_per_batch", "data.max_run",
+            "data.prefetch_factor", "train.epochs", "train.log_every", "train.save_every",
+            "train.eval_every", "train.eval_batches", "train.keep_last", "train.max_bad_steps")
+POSITIVE_OR_NULL = ("objective.anchors_per_batch", "objective.gamma", "train.max_steps", "train.schedule_steps",
+                    "train.threads_per_rank")
+NON_NEGATIVE = ("run.seed", "objective.ddtree_blocks", "optim.weight_decay", "optim.grad_clip",
+                "noise.start", "noise.end", "noise.warmup_steps", "data.num_workers", "data.seed")
+FRACTIONS = ("optim.warmup_ratio", "optim.min_lr_ratio")  # in [0, 1]
+
+
+def validate(cfg) -> list[str]:
+    """Every value problem OmegaConf's types cannot see, each naming its key (empty: all good).
+    Normalises target.dtype aliases (bfloat16 -> bf16, float32 -> fp32) in place."""
+    problems = []
+    get = lambda key: OmegaConf.select(cfg, key)  # noqa: E731
+    dtype = DTYPE_ALIASES.get(cfg.target.dtype)
+    if dtype is None:
+        problems.append(f"target.dtype={cfg.target.dtype!r} is not one of auto, bf16 (bfloat16), fp32 (float32)")
+    else:
+        cfg.target.dtype = dtype
+    for key, choices in CHOICES.items():
+        if get(key) not in choices:
+            names = ", ".join("null" if c is None else c for c in choices)
+            problems.append(f"{key}={get(key)!r} is not one of {names}")
+    for key in POSITIVE + POSITIVE_OR_NULL:
+        value = get(key)
+        if (value is not None or key in POSITIVE) and not (value is not None and value > 0):
+            problems.append(f"{key}={value!r} must be > 0" + (" (or null)" if key in POSITIVE_OR_NULL else ""))
+    for key in NON_NEGATIVE:
+        if get(key) < 0:
+            problems.append(f"{key}={get(key)!r} must be >= 0")
+    for key in FRACTIONS:
+        if not 0 <= get(key) <= 1:
+            problems.append(f"{key}={get(key)!r} must be in [0, 1]")
+    if not 0 <= cfg.data.eval_fraction < 1:
+        problems.append(f"data.eval_fraction={cfg.data.eval_fraction!r} must be in [0, 1)")
+    for key in ("optim.lr", "optim.eps", "train.dist_timeout_minutes"):
+        if not get(key) > 0:
+            problems.append(f"{key}={get(key)!r} must be > 0")
+    betas = list(cfg.optim.betas)
+    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+        problems.append(f"optim.betas={betas} must be two values in [0, 1)")
+    if cfg.drafter.block_size < 2:
+        problems.append(f"drafter.block_size={cfg.drafter.block_size} must be >= 2 (an anchor and a draft)")
+    if cfg.drafter.mask_token_id is not None and cfg.drafter.mask_token_id < 0:
+        problems.append(f"drafter.mask_token_id={cfg.drafter.mask_token_id} must be >= 0 (or null)")
+    layer_ids = cfg.drafter.target_layer_ids
+    if layer_ids is not None and (not layer_ids or min(layer_ids) < 0 or len(set(layer_ids)) != len(layer_ids)):
+        problems.append(f"drafter.target_layer_ids={list(layer_ids)} must be distinct layer indices >= 0 (or null)")
+    bounds = cfg.data.bucket_boundaries
+    if bounds is not None and (not bounds or bounds[0] < 1 or any(b <= a for a, b in zip(bounds, bounds[1:]))):
+        problems.append(f"data.bucket_boundaries={list(bounds)} must be increasing positive lengths (or null)")
+    if bounds is not None and bounds and bounds[-1] > cfg.data.max_length:
+        problems.append(f"data.bucket_boundaries ends at {bounds[-1]} > data.max_length={cfg.data.max_length}")
+    if not isinstance(cfg.train.resume, str) or not cfg.train.resume:
+        problems.append("train.resume must be auto, never, force or a checkpoint directory")
+    return problems
 
 
 def default_run_name(stem: str, cfg) -> str:
@@ -166,30 +246,3 @@ def lr_factor(optim: OptimConfig, step: int, total_steps: int) -> float:
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
     return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def deepspeed_config(json_path: str, cfg, world_size: int, bf16: bool, log) -> dict[str, Any]:
-    """The DeepSpeed JSON with its "auto" values filled from the YAML. A value hard-coded in the JSON
-    wins; where it differs from the YAML, that is reported through `log`."""
-    ds = json.loads(Path(json_path).read_text())
-    owned = {
-        ("train_micro_batch_size_per_gpu",): 1,  # one token-budget batch per micro step
-        ("gradient_accumulation_steps",): cfg.optim.grad_accum,
-        ("train_batch_size",): cfg.optim.grad_accum * world_size,
-        ("gradient_clipping",): cfg.optim.grad_clip,
-        ("bf16", "enabled"): bf16,
-        ("optimizer", "params", "lr"): cfg.optim.lr,
-        ("optimizer", "params", "betas"): list(cfg.optim.betas),
-        ("optimizer", "params", "eps"): cfg.optim.eps,
-        ("optimizer", "params", "weight_decay"): cfg.optim.weight_decay,
-    }
-    for keys, yaml_value in owned.items():
-        parent = ds
-        for key in keys[:-1]:
-            parent = parent.setdefault(key, {})
-        current = parent.get(keys[-1], "auto")
-        if current == "auto":
-            parent[keys[-1]] = yaml_value
-        elif current != yaml_value:
-            log(f"{json_path}: {'.'.join(keys)}={current!r} is hard-coded and wins over the YAML's {yaml_value!r}")
-    return ds

@@ -9,7 +9,8 @@ order in the reference heap). Nodes are numbered in pop order, so a parent prece
 
 Two backends give the same nodes in the same order:
   compiled  the heap itself in C (`tree_heap.c`, built with the system C compiler on first use and
-            cached under ~/.cache/drafter); CPU tensors only.
+            cached under ~/.cache/drafter, keyed by the source, the machine, the compiler's version
+            and the flags); CPU tensors only.
   tensor    torch ops with static shapes and no host sync (any device): per depth, a beam of the
             best N prefixes kept in lexicographic order, then the best N over all depths.
 Scores are log-probs in fixed point (int64, 2^-32 nats), so sums are exact on every device and in
@@ -27,6 +28,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import warnings
@@ -40,6 +42,7 @@ from drafter.target import select_features
 SCORE_SCALE = 2.0 ** 32    # fixed-point step of a log-probability: 2^-32 nats
 SCORE_FLOOR = -2.0 ** 20   # lower clamp (-inf included), so that sums over many depths fit int64
 BACKENDS = ("auto", "compiled", "tensor")
+COMPILE_FLAGS = ("-O2", "-shared", "-fPIC")
 
 
 @dataclass
@@ -105,17 +108,21 @@ def fixed_point(logprobs: torch.Tensor) -> torch.Tensor:
     return (logprobs.double().clamp(min=SCORE_FLOOR) * SCORE_SCALE).round().long()
 
 
+def compiled_backend_available() -> bool:
+    """Whether the compiled backend can be built (or was) and loaded here."""
+    return _compiled_heap() is not None
+
+
 @functools.cache
 def _compiled_heap():
     """`ddtree_best_first` from tree_heap.c through ctypes, or None (with a warning) when it cannot
     be built or loaded."""
     source = Path(__file__).with_name("tree_heap.c")
-    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
-    cache_dir = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "drafter"
-    library = cache_dir / f"tree_heap-{digest}.so"
     try:
+        compiler = _find_compiler()
+        library = _library_path(source, compiler, COMPILE_FLAGS)
         if not library.exists():
-            _compile(source, library)
+            _compile(source, library, compiler, COMPILE_FLAGS)
         function = ctypes.CDLL(str(library)).ddtree_best_first
     except (OSError, RuntimeError) as error:
         warnings.warn(f"DDTree trees on the CPU use the tensor backend: {error}")
@@ -125,16 +132,32 @@ def _compiled_heap():
     return function
 
 
-def _compile(source: Path, library: Path) -> None:
+def _find_compiler() -> str:
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
-        raise RuntimeError("no C compiler found (set CC)")
+        raise RuntimeError(f"no C compiler found ({os.environ.get('CC', 'cc')!r}; set CC)")
+    return compiler
+
+
+def _library_path(source: Path, compiler: str, flags: tuple[str, ...]) -> Path:
+    """Where the built library is cached: a name keyed by everything the binary depends on, so that
+    a home directory shared by machines of different architectures, or a compiler upgrade, never
+    loads a stale or foreign binary."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    key = "\0".join([source.read_text(), platform.system(), platform.machine(), compiler, version,
+                     *flags])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    cache_dir = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "drafter"
+    return cache_dir / f"tree_heap-{platform.machine()}-{digest}.so"
+
+
+def _compile(source: Path, library: Path, compiler: str, flags: tuple[str, ...]) -> None:
     library.parent.mkdir(parents=True, exist_ok=True)
     partial = library.with_name(f"{library.name}.{os.getpid()}.tmp")  # ranks may race: rename last
-    built = subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", str(partial), str(source)],
+    built = subprocess.run([compiler, *flags, "-o", str(partial), str(source)],
                            capture_output=True, text=True)
     if built.returncode != 0:
-        raise RuntimeError(f"building {source} failed:\n{built.stderr}")
+        raise RuntimeError(f"building {source} with {compiler} failed:\n{built.stderr}")
     os.replace(partial, library)
 
 

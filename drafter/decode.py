@@ -6,8 +6,16 @@ token is the first output and the first root; each step commits the tokens accep
 plus the target's bonus token, at most up to `max_new_tokens` in all; a stop token among them ends
 generation after it. `acceptance_lengths` holds the tokens committed per target verify forward
 (tau, bonus included). At temperature 0 every method returns exactly the `ar` tokens (up to
-floating-point ties); above it, `dflash` uses speculative rejection sampling and `ddtree` the
-sampled tree walk, both lossless in distribution.
+floating-point ties: `drafter/lossless.py` tells them from bugs).
+
+Above temperature 0 both speculative methods default to sample-and-match, as the DFlash and DDTree
+papers and their reference loops do: the target samples one token at every verify row, and the walk
+accepts a drafted token (DFlash: the drafter's argmax; DDTree: a child in the tree) only if it equals
+the target's sample at its parent's row; the first sample without a match is the bonus. Every
+committed token is then a target sample given the tokens before it, so the output follows the
+target's distribution. `sampling="rejection"` switches DFlash to speculative rejection sampling
+(drafted tokens sampled from the drafter, accepted with probability min(1, p/q)), also lossless in
+distribution but not what the papers' T > 0 numbers use.
 """
 import time
 from collections import defaultdict
@@ -23,16 +31,23 @@ from drafter.model import DraftCache
 from drafter.target import select_features
 
 METHODS = ("ar", "dflash", "ddtree")
+SAMPLING = ("match", "rejection")
 STAGES = ("draft", "tree_build", "verify", "commit")
 
 
 @dataclass
 class Generation:
-    """One response: generated tokens after the prompt, tau per step, and timings (seconds)."""
+    """One response: generated tokens after the prompt, tau per step, and timings (seconds).
+
+    `margins` (for `ar` only, empty otherwise): per output token, the target's top-1 minus top-2
+    logit at the step that produced it; it tells a floating-point tie from a real divergence
+    (`drafter.lossless`).
+    """
     output_ids: list[int]
     acceptance_lengths: list[int]
     decode_seconds: float
     stage_seconds: dict[str, float] = field(default_factory=dict)
+    margins: list[float] = field(default_factory=list)
 
 
 class StageTimer:
@@ -82,12 +97,22 @@ class _Steps:
     """One decode step per method: returns the committed tokens after the root and the context
     features of the root and the accepted tokens (None for `ar`)."""
 
-    def __init__(self, target, drafter, budget, temperature, max_length, timer, tree_backend):
+    def __init__(self, target, drafter, budget, temperature, sampling, max_length, timer, tree_backend,
+                 record_margins):
         self.target, self.drafter = target, drafter
         self.budget, self.temperature = budget, temperature
+        self.rejection = sampling == "rejection" and temperature > 0
         self.max_length, self.timer, self.tree_backend = max_length, timer, tree_backend
         self.cache = DynamicCache(config=target.config)
         self.draft_cache = DraftCache()
+        self.margins = [] if record_margins else None  # 0-d tensors, read once at the end
+
+    def next_token(self, logits: torch.Tensor) -> int:
+        """The target's next token from one row of logits; records the top-2 margin for `ar`."""
+        if self.margins is not None:
+            top_two = logits.float().topk(2).values
+            self.margins.append(top_two[0] - top_two[1])
+        return int(pick(logits, self.temperature))
 
     def positions(self, start: int, length: int) -> torch.Tensor:
         return torch.arange(start, start + length, device=self.target.device)[None]
@@ -96,7 +121,7 @@ class _Steps:
         out = self.target(prompt_ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1,
                           output_hidden_states=features)
         context = select_features(out.hidden_states, self.drafter.target_layer_ids) if features else None
-        return int(pick(out.logits[0, -1], self.temperature)), context
+        return self.next_token(out.logits[0, -1]), context
 
     def ar(self, root: int, start: int, context):
         with self.timer("verify"):
@@ -104,7 +129,7 @@ class _Steps:
                               position_ids=self.positions(start, 1), past_key_values=self.cache,
                               use_cache=True)
         with self.timer("commit"):
-            return [int(pick(out.logits[0, -1], self.temperature))], None
+            return [self.next_token(out.logits[0, -1])], None
 
     def draft(self, root: int, block_size: int, context):
         block = torch.full((1, block_size), self.drafter.mask_token_id, device=self.target.device)
@@ -115,7 +140,7 @@ class _Steps:
         verify_size = min(self.drafter.block_size, self.max_length - start)  # as the public loop
         with self.timer("draft"):
             block, logits = self.draft(root, verify_size, context)
-            if self.temperature > 0:
+            if self.rejection:
                 draft_probs = torch.softmax(logits / self.temperature, dim=-1)
                 block[0, 1:] = torch.multinomial(draft_probs, 1)[:, 0]
             else:
@@ -125,11 +150,11 @@ class _Steps:
                               past_key_values=self.cache, use_cache=True, output_hidden_states=True)
         with self.timer("commit"):
             drafted = block[0, 1:]
-            if self.temperature > 0:
+            if self.rejection:
                 target_probs = torch.softmax(out.logits[0].float() / self.temperature, dim=-1)
                 accepted, bonus = speculative_sample(drafted, target_probs, draft_probs)
-            else:
-                posterior = out.logits[0].argmax(-1)
+            else:  # greedy verify at T = 0, sample-and-match above
+                posterior = pick(out.logits[0], self.temperature)
                 accepted = int((drafted == posterior[:-1]).long().cumprod(0).sum())
                 bonus = int(posterior[accepted])
             features = select_features(out.hidden_states, self.drafter.target_layer_ids)
@@ -154,11 +179,17 @@ class _Steps:
 @torch.inference_mode()
 def generate(target, prompt_ids: torch.Tensor, max_new_tokens: int, stop_token_ids=(), *,
              method: str = "ar", drafter=None, budget: int | None = None, temperature: float = 0.0,
-             synchronize_stages: bool = False, tree_backend: str = "auto") -> Generation:
+             sampling: str = "match", synchronize_stages: bool = False,
+             tree_backend: str = "auto") -> Generation:
     """Generate after `prompt_ids` [1, n] with `method` ("ar", "dflash", or "ddtree" with `budget`
-    tree nodes); `drafter` is a DFlashDraftModel for the speculative methods."""
+    tree nodes); `drafter` is a DFlashDraftModel for the speculative methods. `sampling` ("match"
+    or, for dflash, "rejection") is how drafted tokens are accepted at temperature > 0."""
     if method not in METHODS:
         raise ValueError(f"method {method!r} not in {METHODS}")
+    if sampling not in SAMPLING:
+        raise ValueError(f"sampling {sampling!r} not in {SAMPLING}")
+    if sampling == "rejection" and method == "ddtree":
+        raise ValueError("ddtree verifies by sample-and-match only (sampling='match')")
     if method != "ar" and drafter is None:
         raise ValueError(f"method {method!r} needs a drafter")
     if method == "ddtree" and (budget is None or budget < 1):
@@ -168,7 +199,8 @@ def generate(target, prompt_ids: torch.Tensor, max_new_tokens: int, stop_token_i
     num_prompt = prompt_ids.shape[1]
     max_length = num_prompt + max_new_tokens
     timer = StageTimer(target.device, synchronize_stages)
-    steps = _Steps(target, drafter, budget, temperature, max_length, timer, tree_backend)
+    steps = _Steps(target, drafter, budget, temperature, sampling, max_length, timer, tree_backend,
+                   record_margins=method == "ar")
     step = getattr(steps, method)
     stops = set(stop_token_ids)
 
@@ -193,5 +225,7 @@ def generate(target, prompt_ids: torch.Tensor, max_new_tokens: int, stop_token_i
         lengths.append(produced)
     if target.device.type == "cuda":
         torch.cuda.synchronize()
-    return Generation(tokens[num_prompt:], lengths, time.perf_counter() - decode_start,
-                      dict(timer.seconds))
+    decode_seconds = time.perf_counter() - decode_start
+    output_ids = tokens[num_prompt:]
+    margins = torch.stack(steps.margins).tolist() if steps.margins else []
+    return Generation(output_ids, lengths, decode_seconds, dict(timer.seconds), margins)

@@ -46,6 +46,13 @@ def drafter_config(target_config, *, num_layers: int, block_size: int, mask_toke
     target_layer_ids = [int(i) for i in target_layer_ids]
     if not all(0 <= i < num_target_layers for i in target_layer_ids):
         raise ValueError(f"target_layer_ids {target_layer_ids} outside 0..{num_target_layers - 1}")
+    if num_target_layers - 1 in target_layer_ids:
+        # HF's hidden_states[L] is the last layer's output after the final norm, which is what a
+        # serving loop reads; training reads the raw output, and serving stacks differ on which one
+        # they capture. Refuse rather than train on features the drafter will not be served.
+        raise ValueError(f"target_layer_ids {target_layer_ids} include the target's last layer "
+                         f"({num_target_layers - 1}), whose output serving stacks read after the "
+                         f"final norm and training before it; use layers 0..{num_target_layers - 2}")
     if not 0 <= mask_token_id < text_config.vocab_size:
         raise ValueError(f"mask_token_id {mask_token_id} has no row in the target's embedding "
                          f"(vocab_size {text_config.vocab_size})")
@@ -205,17 +212,16 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
     def mask_token_id(self) -> int:
         return self.config.dflash_config["mask_token_id"]
 
-    def fuse(self, features: torch.Tensor) -> torch.Tensor:
-        """Target features [b, n, K*H] -> the context states every layer projects to K/V."""
-        return self.hidden_norm(self.fc(features))
-
-    def forward(self, block_embeds, block_positions, ctx, ctx_positions, mask=None, cache=None):
+    def forward(self, block_embeds, block_positions, features, ctx_positions, mask=None, cache=None):
         """Final-normed block states [b, Q, H].
 
-        block_embeds [b, Q, H], block_positions [b, Q]; ctx [b, n, H] (already fused) with
-        ctx_positions [b, n]. Keys are ordered [ctx (cache first, if any) || block]; `mask` indexes them
-        in that order.
+        block_embeds [b, Q, H], block_positions [b, Q]; target features [b, n, K*H] of the context
+        positions ctx_positions [b, n], fused here (fc, hidden_norm) into the states every layer
+        projects to K/V. Keys are ordered [context (cache first, if any) || block]; `mask` indexes
+        them in that order. Everything runs inside forward, so sharding wrappers (ZeRO-3, FSDP2)
+        gather every weight through the module's own hooks.
         """
+        ctx = self.hidden_norm(self.fc(features))
         block_rope = self.rotary_emb(block_embeds, block_positions)
         ctx_rope = self.rotary_emb(ctx, ctx_positions)
         x = block_embeds
@@ -234,7 +240,16 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         n, block_len = ctx_features.shape[1], block_ids.shape[1]
         positions = torch.arange(start, start + n + block_len, device=block_ids.device)[None]
         positions = positions.expand(block_ids.shape[0], -1)
-        ctx = self.fuse(ctx_features.to(self.dtype))
         block_embeds = target.get_input_embeddings()(block_ids).to(self.dtype)
-        hidden = self(block_embeds, positions[:, n:], ctx, positions[:, :n], None, cache)
+        hidden = self(block_embeds, positions[:, n:], ctx_features.to(self.dtype), positions[:, :n], None, cache)
         return target.get_output_embeddings()(hidden[:, 1:].to(target.dtype)).float()
+
+
+def drafter_from_state_dict(config: Qwen3Config, state_dict: dict[str, torch.Tensor]) -> DFlashDraftModel:
+    """A plain (unsharded) drafter on the CPU holding `state_dict`, built without a random init first."""
+    with torch.device("meta"):
+        drafter = DFlashDraftModel(config)
+    drafter.to_empty(device="cpu")
+    drafter.load_state_dict(state_dict)
+    drafter.rotary_emb = Qwen3RotaryEmbedding(config)  # its buffers are not in state dicts
+    return drafter

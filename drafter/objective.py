@@ -151,9 +151,9 @@ def drafter_hidden(drafter, target, features, blocks: Blocks, attention: str) ->
     anchors, ids, positions = blocks.anchors, blocks.ids, blocks.positions
     if attention == "flex_compiled":
         filler = max(0, _DEFAULT_SPARSE_BLOCK_SIZE // block_size + 1 - num_blocks)
-        anchors, ids, positions = (F.pad(x, (0, 0) * (x.dim() - 2) + (0, filler)) for x in (anchors, ids, positions))
-    ctx = drafter.fuse(features)
-    block_embeds = target.get_input_embeddings()(ids.view(b, -1)).to(ctx.dtype)
+        anchors, ids, positions = (F.pad(x, (0, 0) * (x.dim() - 2) + (0, filler))
+                                   for x in (anchors, ids, positions))
+    block_embeds = target.get_input_embeddings()(ids.view(b, -1)).to(features.dtype)
     ctx_positions = torch.arange(T, device=features.device)[None].expand(b, -1)
     if attention == "dense":
         mask = dense_block_mask(anchors, T, block_size)
@@ -161,7 +161,7 @@ def drafter_hidden(drafter, target, features, blocks: Blocks, attention: str) ->
         mask = flex_block_mask(anchors, T, block_size, compiled=attention == "flex_compiled")
     else:
         raise ValueError(f"attention {attention!r} not in {ATTENTION_KERNELS}")
-    hidden = drafter(block_embeds, positions.view(b, -1), ctx, ctx_positions, mask)
+    hidden = drafter(block_embeds, positions.view(b, -1), features, ctx_positions, mask)
     return hidden.view(b, -1, block_size, hidden.shape[-1])[:, :num_blocks]
 
 
@@ -169,8 +169,12 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
     """sum_r w_r CE_r / sum_r w_r through a frozen LM head, one row chunk at a time.
 
     The gradient w.r.t. the hidden states is computed in the forward pass, chunk by chunk, so at most
-    one chunk of fp32 logits is alive. Also returns each row's label rank (0 = top-1). The chunks are
-    fixed by the shapes alone: no host synchronisation.
+    one chunk of fp32 logits is alive. Also returns each row's label rank. The chunks are fixed by the
+    shapes alone: no host synchronisation.
+
+    The rank is the label's place when tokens are ordered as serving's argmax orders them: by logit,
+    a tie going to the lower token id. So rank 0 (top-1) means that argmax returns the label: a
+    token tied with the label at a lower id counts against it, as does any larger logit.
     """
 
     @staticmethod
@@ -180,6 +184,7 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if need_grad else None
         loss = hidden.new_zeros((), dtype=torch.float32)
         ranks = torch.empty_like(labels)
+        vocab_ids = torch.arange(head_weight.shape[0], device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_rows):
             rows = slice(start, start + chunk_rows)
             logits = (hidden[rows] @ head_weight.T).float()
@@ -187,7 +192,8 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
             label_logit = logits.gather(1, labels[rows, None])
             w = row_weights[rows, None].float()
             loss += ((log_z - label_logit) * w).sum()
-            ranks[rows] = (logits > label_logit).sum(-1)
+            ranks[rows] = ((logits > label_logit).sum(-1)
+                           + ((logits == label_logit) & (vocab_ids < labels[rows, None])).sum(-1))
             if need_grad:
                 probs = logits.sub_(log_z).exp_()  # in the logits buffer: d CE / d logits = p - onehot
                 probs.scatter_add_(1, labels[rows, None], -torch.ones_like(label_logit))
@@ -293,6 +299,7 @@ def rank_metrics(label_rank: torch.Tensor, blocks: Blocks) -> dict[str, torch.Te
 
     acc / top4_acc / top8_acc: P(label is the drafter's top-1 / in its top-4 / top-8), over supervised
         slots, overall and per block position (`acc_pos` etc. hold a [sum, count] row per slot 1..B-1).
+        Ranks order ties as argmax does (lower token id first), so a label tied with a lower id is a miss.
     streak: mean tokens one greedy single-path verify would commit per block = 1 (bonus) + the number
         of leading slots whose label is the drafter's top-1. It estimates DFlash tau under teacher
         forcing; blocks cut short by the sequence end count only their supervised slots (a lower bound).

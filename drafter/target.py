@@ -22,19 +22,30 @@ def freeze(target: nn.Module) -> nn.Module:
     return target
 
 
-def random_qwen3(vocab_size: int = 256, hidden_size: int = 64, num_hidden_layers: int = 6,
-                 num_attention_heads: int = 4, num_key_value_heads: int = 2, head_dim: int = 16,
-                 intermediate_size: int = 128, seed: int = 0, **config_kwargs) -> Qwen3ForCausalLM:
-    """A randomly initialised Qwen3 target (fp32, frozen): the tests' and the GPU check's target."""
-    config = Qwen3Config(vocab_size=vocab_size, hidden_size=hidden_size,
-                         num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
-                         num_key_value_heads=num_key_value_heads, head_dim=head_dim,
-                         intermediate_size=intermediate_size, tie_word_embeddings=False,
-                         attn_implementation="sdpa", **config_kwargs)
+def random_qwen3_config(vocab_size: int = 256, hidden_size: int = 64, num_hidden_layers: int = 6,
+                        num_attention_heads: int = 4, num_key_value_heads: int = 2, head_dim: int = 16,
+                        intermediate_size: int = 128, **config_kwargs) -> Qwen3Config:
+    return Qwen3Config(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
+                       num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
+                       head_dim=head_dim, intermediate_size=intermediate_size, tie_word_embeddings=False,
+                       attn_implementation="sdpa", **config_kwargs)
+
+
+def random_qwen3(seed: int = 0, **config_kwargs) -> Qwen3ForCausalLM:
+    """A randomly initialised Qwen3 target (fp32, frozen) of `random_qwen3_config(**config_kwargs)`:
+    the tests' and the GPU check's target."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        target = Qwen3ForCausalLM(config)
+        target = Qwen3ForCausalLM(random_qwen3_config(**config_kwargs))
     return freeze(target)
+
+
+def target_config(path: str | None, random: dict | None):
+    """The target's (text) config without loading its weights."""
+    if path is None:
+        return random_qwen3_config(**{k: v for k, v in (random or {}).items() if k != "seed"})
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(path).get_text_config()
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:

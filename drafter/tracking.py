@@ -30,9 +30,13 @@ def console_line(m: dict) -> str:
 
 
 class RunLogger:
-    """Rank 0 writes; other ranks hold a logger that does nothing."""
+    """Rank 0 writes; other ranks hold a logger that does nothing.
 
-    def __init__(self, cfg, is_main: bool, resume_id: str | None = None):
+    Exactly once: resuming at step N drops the records past N from metrics.jsonl (the resumed run logs
+    those steps again), and nothing up to the last step W&B already holds is sent to W&B again.
+    """
+
+    def __init__(self, cfg, is_main: bool, resume_step: int | None = None, resume_id: str | None = None):
         self.is_main = is_main
         self.out_dir = Path(cfg.run.out_dir)
         self.wandb = None
@@ -41,7 +45,9 @@ class RunLogger:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, self.out_dir / "config.yaml", resolve=True)
-        self.metrics_file = open(self.out_dir / "metrics.jsonl", "a")
+        metrics_path = self.out_dir / "metrics.jsonl"
+        self.wandb_holds_until = truncate_metrics(metrics_path, resume_step) if resume_step is not None else -1
+        self.metrics_file = open(metrics_path, "a")
         if cfg.wandb.enabled:
             import wandb
             mode = cfg.wandb.mode or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
@@ -64,7 +70,7 @@ class RunLogger:
         record = {"kind": prefix or "train", **metrics}
         self.metrics_file.write(json.dumps(record) + "\n")
         self.metrics_file.flush()
-        if self.wandb:
+        if self.wandb and metrics["step"] > self.wandb_holds_until:
             self.wandb.log({f"{prefix or 'train'}/{k}": v for k, v in _flatten(metrics).items()},
                            step=metrics["step"])
 
@@ -73,6 +79,26 @@ class RunLogger:
             self.metrics_file.close()
             if self.wandb:
                 self.wandb.finish()
+
+
+def truncate_metrics(path: Path, step: int) -> int:
+    """Keep the records of steps <= `step` (and no partial last line); return the last step the file
+    held before, which is where the earlier run's W&B log got to."""
+    if not path.exists():
+        return -1
+    kept, last = [], -1
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:  # a line cut short by a kill
+            continue
+        last = max(last, record.get("step", -1))
+        if record.get("step", -1) <= step:
+            kept.append(line + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
+    return last
 
 
 def _flatten(metrics: dict) -> dict:

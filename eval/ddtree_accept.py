@@ -1,8 +1,8 @@
 """Acceptance length, speedup and losslessness of a DFlash drafter under DDTree verification.
 
     python eval/ddtree_accept.py --ckpt runs/v3/checkpoints/latest \\
-        [--bench gsm8k,math500,prompts.jsonl] [--budgets 16,32,64,128,256,512] [--temperature 0] \\
-        [--max-new-tokens 2048] [--max-samples N] [--out results.json] [--save-samples]
+        [--bench gsm8k,math500=/data/math500,prompts.jsonl] [--budgets 16,32,64,128,256,512] \\
+        [--temperature 0] [--max-new-tokens 2048] [--max-samples N] [--out results.json] [--save-samples]
     torchrun --nproc_per_node 8 eval/ddtree_accept.py ...        # prompts split over the ranks
 
 Runs, on the same prompts: plain autoregressive decoding (`ar`), DFlash single-path verification
@@ -10,11 +10,15 @@ Runs, on the same prompts: plain autoregressive decoding (`ar`), DFlash single-p
 drafter's config (`dflash_config.target_path`, `chat_template_kwargs`); `--target` and
 `--enable-thinking` override them. Writes the JSON report, prints a markdown table and saves two
 plots next to --out. Definitions: RESEARCH.md section 3 (tau counts the bonus token; speedup is the
-ratio of decode time per output token to `ar`'s, prefill excluded).
+ratio of decode time per output token to `ar`'s, prefill excluded). At temperature 0, `lossless`
+compares every method's tokens with `ar`'s (`drafter/lossless.py`): yes, ties-only (every divergence
+starts where the target's top-2 logits were within --tie-tolerance: a floating-point tie) or no.
 """
 import argparse
 import json
 import os
+from dataclasses import asdict
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -24,7 +28,8 @@ from transformers import AutoTokenizer
 
 from drafter.benchmarks import load_prompts
 from drafter.chat import render_prompt
-from drafter.decode import STAGES, generate
+from drafter.decode import SAMPLING, STAGES, generate
+from drafter.lossless import BF16_TIE_TOLERANCE, first_divergence, lossless_verdict, near_tie_share
 from drafter.model import DFlashDraftModel
 from drafter.target import load_target
 
@@ -34,11 +39,21 @@ def parse_args(argv=None):
     parser.add_argument("--ckpt", required=True, help="a drafter dir, or a run checkpoint holding drafter/")
     parser.add_argument("--target", help="target path or hub id (default: the drafter config's)")
     parser.add_argument("--bench", default="gsm8k,math500,humaneval,mbpp,mt-bench,alpaca",
-                        help="comma-separated hub benchmark names or local JSONL files")
+                        help="comma-separated: hub benchmark NAMEs, NAME=PATH for a local copy of one "
+                             "(save_to_disk directory or JSONL of its rows), or prompt JSONL files")
     parser.add_argument("--budgets", default="16,32,64,128,256,512")
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--sampling", choices=SAMPLING, default="match",
+                        help="at temperature > 0: sample-and-match (the papers'), or rejection "
+                             "sampling for dflash (ddtree always matches)")
+    parser.add_argument("--tie-tolerance", type=float, default=BF16_TIE_TOLERANCE,
+                        help="a divergence from ar where the target's top-1 minus top-2 logit is below "
+                             "this is a floating-point tie (lossless: ties-only)")
     parser.add_argument("--max-new-tokens", type=int, default=2048)
-    parser.add_argument("--max-samples", type=int, help="at most this many prompts per benchmark")
+    parser.add_argument("--max-samples", type=int, help="at most this many prompts per benchmark "
+                        "(a seeded shuffle, also of local prompt files)")
+    parser.add_argument("--gather-timeout", type=float, default=720,
+                        help="minutes the ranks that finish first wait for the others")
     parser.add_argument("--out", default="results.json")
     parser.add_argument("--save-samples", action="store_true", help="store token ids per response")
     parser.add_argument("--enable-thinking", choices=["true", "false"],
@@ -53,6 +68,8 @@ def parse_args(argv=None):
     args.budgets = [int(b) for b in args.budgets.split(",") if b]
     if any(b < 1 for b in args.budgets):
         parser.error("--budgets must be positive integers")
+    if args.max_samples is not None and args.max_samples < 1:
+        parser.error("--max-samples must be >= 1")
     return args
 
 
@@ -65,15 +82,18 @@ def drafter_dir(ckpt: str) -> Path:
     raise FileNotFoundError(f"{ckpt}: no DFlashDraftModel config.json here or in {ckpt}/drafter")
 
 
-def setup_distributed() -> tuple[int, int, torch.device]:
-    """(rank, world size, device); initialises torch.distributed under torchrun."""
+def setup_distributed(gather_timeout_minutes: float) -> tuple[int, int, torch.device]:
+    """(rank, world size, device); initialises torch.distributed under torchrun.
+
+    The only collective is the gather of the results at the end, where the ranks that finish first
+    wait for the slowest: a CPU (gloo) group with an explicit timeout, not NCCL's default one."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group("gloo", timeout=timedelta(minutes=gather_timeout_minutes))
         return dist.get_rank(), world, device
     return 0, 1, device
 
@@ -103,8 +123,9 @@ class Evaluator:
         name, _, budget = method.partition("@")
         return generate(self.target, prompt_ids, max_new_tokens, self.stop_token_ids, method=name,
                         drafter=self.drafter, budget=int(budget) if budget else None,
-                        temperature=self.args.temperature, synchronize_stages=self.args.sync_stages,
-                        tree_backend=self.args.tree_backend)
+                        temperature=self.args.temperature,
+                        sampling=self.args.sampling if name == "dflash" else "match",
+                        synchronize_stages=self.args.sync_stages, tree_backend=self.args.tree_backend)
 
     def prompt_ids(self, messages: list[dict]) -> torch.Tensor:
         text = render_prompt(self.tokenizer, messages, self.enable_thinking)
@@ -122,7 +143,7 @@ class Evaluator:
                             "output_ids": result.output_ids,
                             "acceptance_lengths": result.acceptance_lengths,
                             "decode_seconds": result.decode_seconds,
-                            "stage_seconds": result.stage_seconds})
+                            "stage_seconds": result.stage_seconds, "margins": result.margins})
             answer = self.tokenizer.decode(result.output_ids, skip_special_tokens=True)
             messages.append({"role": "assistant", "content": answer})
         return records
@@ -135,7 +156,7 @@ class Evaluator:
 
 
 def run_benchmark(evaluator: Evaluator, prompts, rank: int, world: int) -> dict[str, list[dict]]:
-    """Records per method for this rank's share of the prompts, gathered on every rank."""
+    """Records per method for this rank's share of the prompts."""
     shard = prompts[rank::world]
     records = {method: [] for method in evaluator.methods}
     if shard:
@@ -143,10 +164,21 @@ def run_benchmark(evaluator: Evaluator, prompts, rank: int, world: int) -> dict[
     for prompt in tqdm(shard, desc="prompts", disable=rank != 0, dynamic_ncols=True):
         for method in evaluator.methods:
             records[method] += evaluator.run_prompt(prompt, method)
-    if world > 1:
-        gathered = [None] * world
-        dist.all_gather_object(gathered, records)
-        records = {m: [r for part in gathered for r in part[m]] for m in evaluator.methods}
+    return records
+
+
+def gather_records(records: dict[str, dict[str, list[dict]]], world: int) -> dict:
+    """Every rank's records of every benchmark, merged on rank 0 (one gather, after all benchmarks,
+    under the process group's explicit timeout); None on the other ranks."""
+    gathered = [None] * world if dist.get_rank() == 0 else None
+    dist.gather_object(records, gathered, dst=0)
+    if gathered is None:
+        return None
+    return {bench: {m: [r for part in gathered for r in part[bench][m]] for m in methods}
+            for bench, methods in records.items()}
+
+
+def in_prompt_order(records: dict[str, list[dict]], prompts) -> dict[str, list[dict]]:
     order = {(p.source, t): i for i, p in enumerate(prompts) for t in range(len(p.turns))}
     return {m: sorted(rs, key=lambda r: order[(r["source"], r["turn"])]) for m, rs in records.items()}
 
@@ -155,13 +187,31 @@ def run_benchmark(evaluator: Evaluator, prompts, rank: int, world: int) -> dict[
 # Report
 # ---------------------------------------------------------------------------------------------
 
-def summarize(records: list[dict], reference: list[dict], greedy: bool, save_samples: bool) -> dict:
+def divergences_from(records: list[dict], reference: list[dict], tolerance: float):
+    """(record, Divergence) for the first divergence from `ar` of each prompt that has one. A prompt
+    diverges once: its later turns follow the method's own earlier answers, so they are not compared
+    after that."""
+    found, diverged = [], set()
+    for record, ref in zip(records, reference):
+        if record["source"] in diverged:
+            continue
+        divergence = first_divergence(record["output_ids"], ref["output_ids"], ref["margins"], tolerance)
+        if divergence is not None:
+            diverged.add(record["source"])
+            found.append((record, divergence))
+    return found
+
+
+def summarize(records: list[dict], reference: list[dict], greedy: bool, save_samples: bool,
+              tie_tolerance: float = BF16_TIE_TOLERANCE) -> dict:
     """Figures of one method on one benchmark; `reference` holds `ar`'s records in the same order.
 
     tau: mean over responses of each response's mean tokens per step (tau_pooled: over all steps);
     tau_histogram[i]: steps that committed i + 1 tokens; acceptance_by_depth[d - 1]: fraction of
-    steps that accepted at least d drafted tokens; lossless (temperature 0 only): every response
-    equals `ar`'s, divergence_rate the fraction that do not.
+    steps that accepted at least d drafted tokens. Temperature 0 only: `divergences`, each prompt's
+    first token that differs from `ar`'s (position, both tokens, the target's top-1 minus top-2
+    logit at `ar`'s step, tie: below `tie_tolerance`); `lossless` "yes", "ties-only" or "no";
+    divergence_rate the fraction of prompts that diverge.
     """
     steps = [length for r in records for length in r["acceptance_lengths"]]
     per_response = [sum(r["acceptance_lengths"]) / len(r["acceptance_lengths"])
@@ -169,7 +219,8 @@ def summarize(records: list[dict], reference: list[dict], greedy: bool, save_sam
     longest = max(steps, default=1)
     output_tokens = sum(len(r["output_ids"]) for r in records)
     decode_seconds = sum(r["decode_seconds"] for r in records)
-    divergent = sum(r["output_ids"] != ref["output_ids"] for r, ref in zip(records, reference))
+    divergences = divergences_from(records, reference, tie_tolerance) if greedy else []
+    prompts = len({r["source"] for r in records})
     summary = {
         "tau": sum(per_response) / len(per_response) if per_response else None,
         "tau_pooled": sum(steps) / len(steps) if steps else None,
@@ -180,30 +231,37 @@ def summarize(records: list[dict], reference: list[dict], greedy: bool, save_sam
         "stage_ms_per_step": {stage: 1e3 * sum(r["stage_seconds"].get(stage, 0.0) for r in records)
                               / max(len(steps), 1)
                               for stage in STAGES if any(stage in r["stage_seconds"] for r in records)},
-        "lossless": divergent == 0 if greedy else None,
-        "divergence_rate": divergent / len(records) if greedy and records else None,
+        "lossless": lossless_verdict([d for _, d in divergences]) if greedy else None,
+        "divergence_rate": len(divergences) / prompts if greedy and prompts else None,
+        "divergences": [{"source": r["source"], "turn": r["turn"], **asdict(d)} for r, d in divergences]
+        if greedy else None,
         "responses": len(records),
         "output_tokens": output_tokens,
         "steps": len(steps),
     }
     if save_samples:
         summary["samples"] = [{key: r[key] for key in ("source", "turn", "prompt_ids", "output_ids",
-                                                       "acceptance_lengths")} for r in records]
+                                                       "acceptance_lengths", "margins")} for r in records]
     return summary
 
 
 def report(records_by_bench: dict, args, evaluator: Evaluator, world: int) -> dict:
     benchmarks = {}
     for bench, records in records_by_bench.items():
-        methods = {m: summarize(rs, records["ar"], args.temperature <= 0, args.save_samples)
+        methods = {m: summarize(rs, records["ar"], args.temperature <= 0, args.save_samples,
+                                args.tie_tolerance)
                    for m, rs in records.items()}
         ar_time = methods["ar"]["time_per_output_token"]
         for summary in methods.values():
             tpot = summary["time_per_output_token"]
             summary["speedup"] = ar_time / tpot if ar_time and tpot else None
-        benchmarks[bench] = {"methods": methods}
+        margins = [m for r in records["ar"] for m in r["margins"]]
+        benchmarks[bench] = {"methods": methods,
+                             "near_tie_share": near_tie_share(margins, args.tie_tolerance)
+                             if args.temperature <= 0 else None}
     config = {"ckpt": args.ckpt, "target": evaluator.target_path, "budgets": args.budgets,
-              "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
+              "temperature": args.temperature, "sampling": args.sampling,
+              "tie_tolerance": args.tie_tolerance, "max_new_tokens": args.max_new_tokens,
               "enable_thinking": evaluator.enable_thinking, "dtype": str(evaluator.dtype),
               "device": str(evaluator.target.device), "world_size": world,
               "block_size": evaluator.drafter.block_size, "stage_times_synchronized":
@@ -221,12 +279,18 @@ def markdown_table(results: dict) -> str:
     for bench, entry in results["benchmarks"].items():
         for method, s in entry["methods"].items():
             tpot = s["time_per_output_token"]
-            lossless = "-" if s["lossless"] is None else ("yes" if s["lossless"] else
-                                                          f"no ({s['divergence_rate']:.0%} differ)")
+            lossless = s["lossless"] or "-"
+            if s["divergence_rate"]:
+                lossless += f" ({s['divergence_rate']:.0%} differ)"
             stages = " | ".join(fmt(s["stage_ms_per_step"].get(st), ".2f") for st in STAGES)
             lines.append(f"| {bench} | {method} | {fmt(s['tau'], '.2f')} | {fmt(s['tau_pooled'], '.2f')} "
                          f"| {fmt(tpot and tpot * 1e3, '.2f')} | {fmt(s['speedup'], '.2f')} "
                          f"| {lossless} | {stages} |")
+    for bench, entry in results["benchmarks"].items():
+        if entry.get("near_tie_share") is not None:
+            lines.append(f"\n{bench}: {entry['near_tie_share']:.1%} of ar's steps have a top-2 logit margin "
+                         f"below the tie tolerance ({results['config']['tie_tolerance']}): the chance "
+                         "that a bug's divergence passes for a tie")
     return "\n".join(lines)
 
 
@@ -276,19 +340,26 @@ def save_plots(results: dict, out: Path) -> list[Path]:
 
 def main(argv=None) -> dict | None:
     args = parse_args(argv)
-    rank, world, device = setup_distributed()
+    rank, world, device = setup_distributed(args.gather_timeout)
     torch.manual_seed(args.seed + rank)
     evaluator = Evaluator(args, device)
-    prompt_sets = [load_prompts(spec, args.max_samples) for spec in args.bench.split(",") if spec]
+    prompt_sets = {}
+    for spec in filter(None, args.bench.split(",")):
+        name, prompts = load_prompts(spec, args.max_samples)
+        if name in prompt_sets:
+            raise ValueError(f"--bench: two entries are named {name!r}; rename a file")
+        prompt_sets[name] = prompts
     records = {}
-    for name, prompts in prompt_sets:
+    for name, prompts in prompt_sets.items():
         if rank == 0:
             print(f"{name}: {len(prompts)} prompts, methods {', '.join(evaluator.methods)}", flush=True)
         records[name] = run_benchmark(evaluator, prompts, rank, world)
     if world > 1:
+        records = gather_records(records, world)
         dist.destroy_process_group()
     if rank != 0:
         return None
+    records = {name: in_prompt_order(records[name], prompts) for name, prompts in prompt_sets.items()}
     results = report(records, args, evaluator, world)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,5 @@
 import os
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -28,6 +29,16 @@ def make_drafter(target, num_layers=2, block_size=8, seed=1, **kw) -> DFlashDraf
 
 
 @pytest.fixture(scope="session")
+def reference_run(tmp_path_factory):
+    """An uninterrupted two-rank ZeRO-2 run through the deepspeed launcher: 24 steps, saves every 6."""
+    from runs import run_to_end, write_run
+    tmp = tmp_path_factory.mktemp("reference")
+    cfg = write_run(tmp)
+    out = run_to_end(cfg)
+    return tmp, cfg, out
+
+
+@pytest.fixture(scope="session")
 def target():
     return randomize_(random_qwen3(vocab_size=256, num_hidden_layers=6), seed=0, scale=0.3)
 
@@ -35,3 +46,41 @@ def target():
 @pytest.fixture()
 def drafter(target):
     return make_drafter(target)
+
+
+@dataclass
+class TrainedDrafter:
+    """A drafter trained on the target's own greedy continuations of `prompts` [P, n]:
+    `sequences` [P, n + new_tokens] are prompt + continuation, as the target's `ar` decoding writes them."""
+    target: torch.nn.Module
+    drafter: DFlashDraftModel
+    prompts: torch.Tensor
+    sequences: torch.Tensor
+
+
+@pytest.fixture(scope="session")
+def trained(target) -> TrainedDrafter:
+    """A drafter that has learned something, in a few seconds: 30 steps of the project's own training
+    step (`training_step` on `context_features`) over the target's greedy continuations of 8 random
+    prompts. Served on those prompts its tau is about 5 (DFlash, block 8); a random drafter's is 1."""
+    from drafter.decode import generate
+    from drafter.objective import ObjectiveConfig, training_step
+    from drafter.target import context_features
+
+    prompts = torch.randint(0, 250, (8, 8), generator=torch.Generator().manual_seed(20))
+    sequences = torch.stack([torch.cat([p, torch.tensor(generate(target, p[None], 40).output_ids)])
+                             for p in prompts])
+    loss_mask = torch.zeros_like(sequences)
+    loss_mask[:, prompts.shape[1]:] = 1
+    drafter = make_drafter(target, num_layers=2, block_size=8).train()
+    features = context_features(target, sequences, drafter.target_layer_ids)
+    cfg = ObjectiveConfig(block_size=8, mask_token_id=MASK_ID, num_anchors=16, ddtree_budget=16)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+    for step in range(30):
+        loss, _ = training_step(drafter, target, features, sequences, loss_mask, cfg,
+                                torch.Generator().manual_seed(step), attention="dense")
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    drafter.eval().requires_grad_(False)
+    return TrainedDrafter(target, drafter, prompts, sequences)

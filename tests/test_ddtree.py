@@ -1,6 +1,6 @@
 import itertools
-import tempfile
-import time
+import platform
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,13 +8,17 @@ from transformers import DynamicCache
 
 from bench.tree_build import heapq_tree, topk_logprobs, trees_equal
 from conftest import make_drafter
+from drafter import ddtree
 from drafter.ddtree import (build_tree, build_tree_from_logprobs, committed_tokens, compact_cache,
-                            fixed_point, follow_tree, path_features, teacher_forced_accept, tree_verify_inputs,
-                            tree_visibility)
+                            compiled_backend_available, fixed_point, follow_tree, path_features,
+                            teacher_forced_accept, tree_verify_inputs, tree_visibility)
 from drafter.decode import generate, speculative_sample
 from drafter.target import select_features
 
-BACKENDS = ["compiled", "tensor"]
+BACKENDS = [pytest.param("compiled", marks=pytest.mark.skipif(
+                not compiled_backend_available(), reason="no working C compiler: the compiled DDTree "
+                "backend cannot be built here (set CC)")),
+            "tensor"]
 
 
 def random_logits(gen, depth, vocab, kind):
@@ -118,6 +122,40 @@ def test_teacher_forced_accept_walks_the_labels():
         while expected < 5 and tuple(labels[b, :expected + 1].tolist()) in prefixes:
             expected += 1
         assert int(accepted[b]) == expected + 1
+
+
+def fake_compiler(directory: Path, version: str) -> str:
+    script = directory / "fakecc"
+    script.write_text(f"#!/bin/sh\necho 'fakecc {version}'\n")
+    script.chmod(0o755)
+    return str(script)
+
+
+def test_compiled_library_key_covers_machine_compiler_and_flags(tmp_path, monkeypatch):
+    source = Path(ddtree.__file__).with_name("tree_heap.c")
+    flags = ddtree.COMPILE_FLAGS
+    base = ddtree._library_path(source, fake_compiler(tmp_path, "1.0"), flags)
+    assert base == ddtree._library_path(source, fake_compiler(tmp_path, "1.0"), flags)
+    assert ddtree._library_path(source, fake_compiler(tmp_path, "2.0"), flags) != base
+    compiler = fake_compiler(tmp_path, "1.0")
+    assert ddtree._library_path(source, compiler, flags + ("-march=native",)) != base
+    monkeypatch.setattr(platform, "machine", lambda: "riscv64")
+    assert ddtree._library_path(source, compiler, flags) != base
+
+
+def test_without_a_compiler_trees_fall_back_to_the_tensor_backend(tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", "no-such-compiler")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    ddtree._compiled_heap.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="no C compiler"):
+            assert not compiled_backend_available()
+        logits = torch.randn(4, 9, generator=torch.Generator().manual_seed(12))
+        assert trees_equal(build_tree(logits, 20), heapq_tree(*topk_logprobs(logits, 20), 20))
+        with pytest.raises(RuntimeError, match="could not be built"):
+            build_tree(logits, 20, "compiled")
+    finally:
+        ddtree._compiled_heap.cache_clear()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -267,22 +305,6 @@ def test_stop_and_max_new_tokens_inside_an_accepted_block(target, prompt):
         truncated = run(target, prompt, method, oracle, budget, max_new=max_new)
         assert truncated.output_ids == reference.output_ids[:max_new], method
         assert sum(truncated.acceptance_lengths) + 1 == max_new
-
-
-def test_dflash_matches_public_dflash_generate(target, prompt, monkeypatch):
-    dflash_model = pytest.importorskip("dflash.model")
-    monkeypatch.setattr(dflash_model, "_cuda_time", time.perf_counter)
-    drafter = make_drafter(target)
-    with tempfile.TemporaryDirectory() as directory:
-        drafter.save_pretrained(directory)
-        public = dflash_model.DFlashDraftModel.from_pretrained(directory).eval()
-    reference = run(target, prompt, "ar", max_new=45).output_ids
-    stop = reference[30]
-    for max_new, stops in [(45, None), (37, [stop])]:
-        theirs = dflash_model.dflash_generate(public, target, prompt, max_new, stops, return_stats=True)
-        ours = run(target, prompt, "dflash", drafter, max_new=max_new, stops=stops or ())
-        assert ours.acceptance_lengths == theirs.acceptance_lengths
-        assert ours.output_ids == theirs.output_ids[0, prompt.shape[1]:].tolist()
 
 
 def test_speculative_sampling_keeps_the_target_distribution():

@@ -1,9 +1,13 @@
 import json
+import os
+import subprocess
+import sys
 
+import datasets
 import pytest
 
 from conftest import make_drafter
-from drafter.benchmarks import load_jsonl
+from drafter.benchmarks import REASON_BOXED, load_jsonl, load_prompts
 from drafter.target import random_qwen3
 from eval import ddtree_accept
 from tiny_tokenizer import save_tiny_tokenizer
@@ -45,8 +49,10 @@ def test_report_from_a_run_checkpoint(checkpoint, capsys):
     assert [(s["source"].rsplit(":", 1)[1], s["turn"]) for s in reference] == [
         ("1", 0), ("2", 0), ("2", 1), ("3", 0)]
     assert len(reference[2]["prompt_ids"]) > len(reference[1]["prompt_ids"])  # turn 2 sees turn 1
+    assert results["config"]["sampling"] == "match" and results["config"]["tie_tolerance"] > 0
     for name, summary in methods.items():
-        assert summary["lossless"] is True and summary["divergence_rate"] == 0
+        assert summary["lossless"] == "yes" and summary["divergence_rate"] == 0
+        assert summary["divergences"] == []
         samples = summary["samples"]
         assert [s["output_ids"] for s in samples] == [s["output_ids"] for s in reference]
         assert [s["prompt_ids"] for s in samples] == [s["prompt_ids"] for s in reference]
@@ -59,6 +65,10 @@ def test_report_from_a_run_checkpoint(checkpoint, capsys):
             if len(s["output_ids"]) == 14:  # not stopped: every step's tokens + the prefill's
                 assert sum(s["acceptance_lengths"]) + 1 == 14
     assert methods["ar"]["tau"] == 1 and methods["ar"]["speedup"] == pytest.approx(1)
+    margins = [m for s in reference for m in s["margins"]]
+    assert len(margins) == sum(len(s["output_ids"]) for s in reference) and min(margins) >= 0
+    share = results["benchmarks"]["prompts"]["near_tie_share"]
+    assert share == sum(m < results["config"]["tie_tolerance"] for m in margins) / len(margins)
     assert methods["ddtree@8"]["stage_ms_per_step"]["tree_build"] > 0
 
     printed = capsys.readouterr().out
@@ -91,3 +101,113 @@ def test_bad_prompt_lines_name_file_and_line(tmp_path):
 def test_ckpt_without_a_drafter_is_rejected(tmp_path):
     with pytest.raises(FileNotFoundError, match="no DFlashDraftModel"):
         ddtree_accept.drafter_dir(str(tmp_path))
+
+
+def record(source, turn, output_ids, margins=()):
+    return {"source": source, "turn": turn, "output_ids": output_ids, "acceptance_lengths": [1],
+            "decode_seconds": 1.0, "stage_seconds": {}, "margins": list(margins)}
+
+
+def test_a_prompt_diverges_once_and_divergences_say_where():
+    """Turn 2 of a prompt follows the method's own turn-1 answer: after turn 1 diverged it is not
+    compared (counted once). Each divergence names the position, both tokens and the margin."""
+    reference = [record("a", 0, [1, 2, 3], [5.0, 0.1, 4.0]), record("a", 1, [4, 5], [5.0, 5.0]),
+                 record("b", 0, [6, 7, 8], [5.0, 5.0, 3.0])]
+    tie = [record("a", 0, [1, 9, 9]), record("a", 1, [9, 9]), record("b", 0, [6, 7, 8])]
+    summary = ddtree_accept.summarize(tie, reference, greedy=True, save_samples=False, tie_tolerance=0.25)
+    assert summary["divergences"] == [{"source": "a", "turn": 0, "position": 1, "reference_token": 2,
+                                       "token": 9, "margin": 0.1, "tie": True}]
+    assert summary["divergence_rate"] == 0.5 and summary["lossless"] == "ties-only"
+    bug = [record("a", 0, [1, 2, 3]), record("a", 1, [4, 5]), record("b", 0, [6, 7, 0])]
+    summary = ddtree_accept.summarize(bug, reference, greedy=True, save_samples=False, tie_tolerance=0.25)
+    assert [(d["source"], d["position"], d["tie"]) for d in summary["divergences"]] == [("b", 2, False)]
+    assert summary["lossless"] == "no"
+    assert ddtree_accept.summarize(bug, reference, greedy=False, save_samples=False)["lossless"] is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Benchmarks from local copies, unbiased subsets
+# ---------------------------------------------------------------------------------------------
+
+GSM8K_ROWS = [{"question": f"Question number {i}?", "answer": f"#### {i}"} for i in range(150)]
+
+
+def test_named_benchmark_from_a_local_copy_gives_the_hub_prompts(tmp_path, monkeypatch):
+    """gsm8k=DIR (save_to_disk) and gsm8k=FILE.jsonl (the hub rows) give exactly the prompts that
+    loading the hub split gives: the same fixed shuffle, count and format."""
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: datasets.Dataset.from_list(GSM8K_ROWS))
+    _, from_hub = load_prompts("gsm8k")
+    datasets.Dataset.from_list(GSM8K_ROWS).save_to_disk(str(tmp_path / "saved"))
+    as_dict = datasets.DatasetDict({"test": datasets.Dataset.from_list(GSM8K_ROWS)})
+    as_dict.save_to_disk(str(tmp_path / "dict"))
+    jsonl = tmp_path / "gsm8k_rows.jsonl"
+    jsonl.write_text("".join(json.dumps(row) + "\n" for row in GSM8K_ROWS))
+    assert len(from_hub) == 128 and from_hub[0].turns[0].endswith(REASON_BOXED)
+    assert [p.turns for p in from_hub] != [[r["question"] + REASON_BOXED] for r in GSM8K_ROWS[:128]]
+    for local in (tmp_path / "saved", tmp_path / "dict", jsonl):
+        name, prompts = load_prompts(f"gsm8k={local}", max_samples=40)
+        assert name == "gsm8k" and prompts == from_hub[:40]
+
+
+def test_local_copy_errors_name_the_path_and_reason(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"problem": "no question column"}) + "\n")
+    with pytest.raises(ValueError, match=f"gsm8k={rows}: .*'question'.*columns: problem"):
+        load_prompts(f"gsm8k={rows}")
+    rows.write_text(json.dumps({"question": "q"}) + "\n{broken\n")
+    with pytest.raises(ValueError, match=f"{rows}:2: not valid JSON"):
+        load_prompts(f"gsm8k={rows}")
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(GSM8K_ROWS)}).save_to_disk(str(tmp_path / "d"))
+    with pytest.raises(ValueError, match="no 'test' split"):
+        load_prompts(f"gsm8k={tmp_path / 'd'}")
+    with pytest.raises(ValueError, match="no such file"):
+        load_prompts(f"gsm8k={tmp_path / 'missing'}")
+    with pytest.raises(ValueError, match="not a file, nor NAME"):
+        load_prompts("gsm9k")
+    with pytest.raises(ValueError, match="no path after"):
+        load_prompts("gsm8k=")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="not a directory written by datasets.save_to_disk"):
+        load_prompts(f"gsm8k={tmp_path / 'empty'}")
+
+
+def test_multi_turn_benchmark_from_a_local_copy(tmp_path):
+    rows = [{"prompt": [f"first {i}", f"second {i}"], "category": "x"} for i in range(90)]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "mt"))
+    name, prompts = load_prompts(f"mt-bench={tmp_path / 'mt'}")
+    assert name == "mt-bench" and len(prompts) == 80
+    for prompt in prompts:
+        row = prompt.turns[0].split()[1]
+        assert prompt.turns == [f"first {row}", f"second {row}"]
+
+
+def test_max_samples_of_a_prompt_file_is_a_seeded_shuffle(tmp_path):
+    """Not the file's first N lines (a biased subset), the same subset every time."""
+    path = tmp_path / "a=b.jsonl"  # an "=" in a file name is not NAME=PATH
+    path.write_text("".join(json.dumps({"prompt": f"prompt {i}"}) + "\n" for i in range(60)))
+    name, subset = load_prompts(str(path), max_samples=12)
+    lines = [int(p.source.rsplit(":", 1)[1]) for p in subset]
+    assert name == "a=b" and len(set(lines)) == 12 and lines != list(range(1, 13))
+    assert max(lines) > 30
+    assert load_prompts(str(path), max_samples=12)[1] == subset
+    assert len(load_prompts(str(path))[1]) == 60 and len(load_prompts(str(path), max_samples=99)[1]) == 60
+
+
+@pytest.mark.slow
+def test_two_ranks_gather_the_same_report(checkpoint, tmp_path):
+    """torchrun with 2 ranks and uneven shares (3 prompts): rank 0 gathers every rank's records
+    once, in prompt order, and reports what one process reports."""
+    common = ["--ckpt", str(checkpoint / "ckpt"), "--bench", str(checkpoint / "prompts.jsonl"),
+              "--budgets", "4", "--max-new-tokens", "8", "--save-samples"]
+    single = ddtree_accept.main(common + ["--out", str(tmp_path / "single.json")])
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                    "eval/ddtree_accept.py", *common, "--out", str(tmp_path / "two.json")],
+                   check=True, env=env, capture_output=True)
+    two = json.loads((tmp_path / "two.json").read_text())
+    assert two["config"]["world_size"] == 2
+    for method, summary in single["benchmarks"]["prompts"]["methods"].items():
+        theirs = two["benchmarks"]["prompts"]["methods"][method]
+        assert [(s["source"], s["turn"], s["output_ids"]) for s in theirs["samples"]] == [
+            (s["source"], s["turn"], s["output_ids"]) for s in summary["samples"]]
+        assert theirs["lossless"] == "yes"

@@ -1,5 +1,4 @@
 """bench/gpu_check.py --tiny in CI, so that the GPU check cannot rot between GPU sessions."""
-import importlib.util
 import json
 
 import pytest
@@ -18,11 +17,9 @@ def last_json_line(capsys) -> dict:
 def test_tiny_run_passes_and_reports_every_figure(capsys):
     assert gpu_check.main(TINY) == 0
     report = last_json_line(capsys)
-    lossless = "pass" if importlib.util.find_spec("drafter.lossless") else (
-        "not run: needs drafter/lossless.py (eval branch)")
     assert report["checks"] == {
         "flex_vs_dense": "pass", "compile_bound": "pass", "train_step": "pass", "train_step_syncs": "pass",
-        "ddtree_step_syncs": "pass", "lossless": lossless, "flex_vs_dense_gradients": "skipped (no CUDA)",
+        "ddtree_step_syncs": "pass", "lossless": "pass", "flex_vs_dense_gradients": "skipped (no CUDA)",
         "cuda_sync_debug_mode": "skipped (no CUDA)"}
     assert report["flex_vs_dense"]["logits_rel_error"] <= 1e-5
     assert len(report["compile_bound"]["batches"]) == 10 and report["compile_bound"]["graphs"] <= 2
@@ -31,6 +28,9 @@ def test_tiny_run_passes_and_reports_every_figure(capsys):
     assert set(step["tflop_per_step"]) == {"target_forward", "drafter_linear", "drafter_attention", "lm_head"}
     assert report["train_step_syncs"]["training_step"] == 1 and report["train_step_syncs"]["target_forward"] == 0
     assert len(report["ddtree_step_syncs"]["committed_per_step"]) == 2
+    for method in ("ddtree", "dflash"):
+        assert report["lossless"][method]["verdict"] in ("yes", "ties-only")
+        assert len(report["lossless"][method]["divergences"]) == 4
 
 
 @pytest.mark.slow

@@ -104,3 +104,21 @@ def test_cache_keeps_context_only_and_matches_one_shot(drafter, target):
     pieces = drafter.draft_logits(target, features[:, 9:20], block, cache)
     assert cache.length == 20
     torch.testing.assert_close(pieces, one_shot, rtol=1e-5, atol=1e-5)
+
+
+def test_last_target_layer_is_refused_with_the_reason(target):
+    """HF's hidden_states[L] is the last layer's output after the final norm (what serving reads);
+    training captures the raw output. The two differ, so layer L-1 is refused, L-2 is fine."""
+    ids = torch.randint(0, 250, (1, 12))
+    serving_reads = select_features(target(ids, output_hidden_states=True).hidden_states, [5])
+    training_reads = context_features(target, ids, [5])
+    assert (serving_reads - training_reads).abs().max() > 1.0
+    with pytest.raises(ValueError, match=r"last layer \(5\).*final norm.*0\.\.4"):
+        drafter_config(target.config, num_layers=2, block_size=8, mask_token_id=MASK_ID,
+                       target_layer_ids=[1, 5])
+    cfg = drafter_config(target.config, num_layers=2, block_size=8, mask_token_id=MASK_ID,
+                         target_layer_ids=[1, 4])
+    assert cfg.dflash_config["target_layer_ids"] == [1, 4]
+    torch.testing.assert_close(context_features(target, ids, [4]),
+                               select_features(target(ids, output_hidden_states=True).hidden_states, [4]),
+                               rtol=0, atol=1e-5)

@@ -363,3 +363,89 @@ def test_sampled_blocks_are_distinct_complete_ones_in_a_fixed_shape():
     value = ddtree_accept_metric(logprobs, torch.zeros(7, 5, 1, dtype=torch.long), torch.zeros(7, 5, dtype=torch.long),
                                  budget=4, valid=torch.tensor([True] * 3 + [False] * 4))
     assert value.tolist() == [3 * 5.0, 3.0]  # each valid block: 4 accepted + the bonus
+
+
+def test_label_rank_orders_ties_as_argmax_does():
+    """A label tied with the top logit is top-1 only if argmax would return it (the lowest id among
+    the tied): ranks count every token that argmax ordering puts first."""
+    gen = torch.Generator().manual_seed(7)
+    hidden = torch.randint(-2, 3, (40, 4), generator=gen).float()  # small integers: exact ties
+    head = torch.randint(-1, 2, (30, 4), generator=gen).float()
+    labels = torch.randint(0, 30, (40,), generator=gen)
+    _, ranks = ChunkedLMHeadLoss.apply(hidden, head, labels, torch.ones(40), 7)
+    logits = (hidden @ head.T).tolist()
+    expected = [sorted(range(30), key=lambda t: (-row[t], t)).index(int(label))
+                for row, label in zip(logits, labels)]
+    assert ranks.tolist() == expected
+    argmax = (hidden @ head.T).argmax(-1)
+    assert torch.equal(ranks == 0, argmax == labels)
+    assert sum(row.count(max(row)) > 1 for row in logits) > 5  # the case really has ties at the top
+
+
+def count_prefixes_above(logprobs: list[list[float]], score: float, limit: int) -> int:
+    """How many prefixes (any depth) of independent per-depth distributions score above `score`,
+    counting up to `limit`: depth-first over each depth's log-probs sorted descending."""
+    count = 0
+
+    def walk(depth, partial):
+        nonlocal count
+        for lp in logprobs[depth]:
+            if partial + lp <= score or count >= limit:
+                return
+            count += 1
+            if depth + 1 < len(logprobs):
+                walk(depth + 1, partial + lp)
+
+    walk(0, 0.0)
+    return count
+
+
+def independent_ddtree_accept(logits: torch.Tensor, labels: list[int], budget: int) -> int:
+    """Tokens a best-`budget` tree commits along `labels`, without building a tree: the label prefix
+    of depth d is in the tree iff fewer than `budget` prefixes score higher."""
+    logprobs = logits.double().log_softmax(-1)
+    ranked = [sorted(row.tolist(), reverse=True) for row in logprobs]
+    accepted, score = 0, 0.0
+    for depth, label in enumerate(labels):
+        score += float(logprobs[depth, label])
+        if count_prefixes_above(ranked, score, budget) >= budget:
+            break
+        accepted += 1
+    return accepted + 1
+
+
+def test_ddtree_accept_on_a_hand_built_case():
+    """Per-depth probabilities (ids 10.., 20.., 30.. by depth); budget 4 keeps the prefixes
+    a (.6), aa (.3), b (.25), aaa (.21): labels a a a commit 4, b a a commit 2, c a a commit 1."""
+    probs = torch.tensor([[0.6, 0.25, 0.15], [0.5, 0.3, 0.2], [0.7, 0.2, 0.1]])
+    ids = torch.tensor([[10, 11, 12], [20, 21, 22], [30, 31, 32]])
+    labels = torch.tensor([[10, 20, 30], [11, 20, 30], [12, 20, 30]])
+    value = ddtree_accept_metric(probs.log().expand(3, 3, 3), ids.expand(3, 3, 3), labels, budget=4)
+    assert value.tolist() == [4 + 2 + 1, 3]
+    assert [independent_ddtree_accept(probs.log(), [0, 0, 0], 4),
+            independent_ddtree_accept(probs.log(), [1, 0, 0], 4),
+            independent_ddtree_accept(probs.log(), [2, 0, 0], 4)] == [4, 2, 1]
+
+
+def test_training_step_ddtree_accept_is_each_blocks_own_walk(trained):
+    """ddtree_accept@B from the training step equals, block by block, an independent count (no tree
+    builder, no top-k rows) over every complete block, so a block paired with another block's labels
+    or marginals shows."""
+    drafter, target = trained.drafter, trained.target
+    ids = trained.sequences
+    loss_mask = torch.zeros_like(ids)
+    loss_mask[:, trained.prompts.shape[1]:] = 1
+    features = context_features(target, ids, drafter.target_layer_ids)
+    cfg = ObjectiveConfig(block_size=8, mask_token_id=MASK_ID, num_anchors=6, ddtree_budget=16,
+                          ddtree_blocks=1000)
+    with torch.no_grad():
+        _, metrics = training_step(drafter, target, features, ids, loss_mask, cfg,
+                                   torch.Generator().manual_seed(3), attention="dense")
+        anchors, valid = sample_anchors(loss_mask, 6, torch.Generator().manual_seed(3))  # the same draw
+        blocks = build_blocks(ids, loss_mask, anchors, valid, 8, MASK_ID, gamma=7.0)
+        logits = training_logits(drafter, target, features, blocks, attention="dense")
+    complete = (blocks.weights[..., 1:] > 0).all(-1)
+    walks = [independent_ddtree_accept(logits[b, a, 1:], blocks.labels[b, a, 1:].tolist(), 16)
+             for b, a in complete.nonzero().tolist()]
+    assert len(set(walks)) > 3  # blocks differ, so a mispairing changes the sum
+    assert metrics["ddtree_accept@16"].tolist() == [sum(walks), len(walks)]

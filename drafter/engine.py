@@ -1,0 +1,244 @@
+"""Training engines behind one small interface: DeepSpeed (ZeRO 1-3, offload, configured by the JSON)
+and torch FSDP2 (`fully_shard`, `torch.distributed.checkpoint`). The training loop only uses:
+
+    engine.module                 the drafter to run forward (possibly sharded)
+    engine.backward(loss)         one micro batch; the engine counts micro batches to the step
+    engine.step(lr)               -> StepResult: clip to the global norm, skip a non-finite step on
+                                  every rank, else update with this step's learning rate
+    engine.save(dir) / load(dir)  collective: weights and optimizer state, in the engine's format
+    engine.full_state_dict()      collective: every rank gets the full weights (CPU tensors)
+    engine.num_parameters, engine.description
+
+The learning rate is set by the caller at every step (drafter.config.lr_factor of the trainer's
+step), so both engines follow the same schedule whatever steps were skipped.
+"""
+import json
+import math
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+ZERO_STAGES = (1, 2, 3)
+
+
+@dataclass
+class StepResult:
+    applied: bool      # False: a non-finite gradient norm skipped the update on every rank
+    grad_norm: float   # global norm before clipping (inf or nan when skipped)
+
+
+class EngineConfigError(ValueError):
+    pass
+
+
+def _trainable(module: nn.Module) -> list[nn.Parameter]:
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSpeed
+# ---------------------------------------------------------------------------------------------
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def deepspeed_config(json_path: str, cfg, world_size: int, bf16: bool, hidden_size: int,
+                     on_cpu: bool) -> dict:
+    """The DeepSpeed JSON with its "auto" values filled from the YAML, checked before any model loads.
+
+    Values the YAML owns (batch shape, clipping, bf16, optimizer hyperparameters) may be hard-coded in
+    the JSON only when they agree with the YAML; a contradiction, an "auto" left unfilled, a
+    `scheduler` block (the YAML owns the schedule), fp16 or a ZeRO stage outside 1-3 is an error that
+    names the key and both values.
+    """
+    try:
+        ds = json.loads(Path(json_path).read_text())
+    except (OSError, ValueError) as error:
+        raise EngineConfigError(f"train.ds_config={json_path}: cannot read it as JSON ({error})") from None
+    problems = []
+    if "scheduler" in ds:
+        problems.append("a `scheduler` block: the learning-rate schedule is the YAML's (optim.*); remove it")
+    if ds.get("fp16", {}).get("enabled") not in (None, False, "auto"):
+        problems.append("fp16 is not supported (the frozen target runs in bf16 or fp32): use bf16")
+    ds.pop("fp16", None)
+    yaml_owned = {  # JSON key path -> (the YAML's value, where the YAML sets it)
+        "train_micro_batch_size_per_gpu": (1, "one token-budget batch per micro step: data.tokens_per_batch"),
+        "gradient_accumulation_steps": (cfg.optim.grad_accum, "optim.grad_accum"),
+        "train_batch_size": (cfg.optim.grad_accum * world_size, "optim.grad_accum x world size"),
+        "gradient_clipping": (cfg.optim.grad_clip, "optim.grad_clip"),
+        "bf16.enabled": (bf16, "target.dtype"),
+        "optimizer.params.lr": (cfg.optim.lr, "optim.lr"),
+        "optimizer.params.betas": (list(cfg.optim.betas), "optim.betas"),
+        "optimizer.params.eps": (cfg.optim.eps, "optim.eps"),
+        "optimizer.params.weight_decay": (cfg.optim.weight_decay, "optim.weight_decay"),
+    }
+    ds.setdefault("optimizer", {"type": "AdamW"})
+    for path, (yaml_value, yaml_key) in yaml_owned.items():
+        *parents, leaf = path.split(".")
+        node = ds
+        for key in parents:
+            node = node.setdefault(key, {})
+        current = node.get(leaf, "auto")
+        if current == "auto":
+            node[leaf] = yaml_value
+        elif current != yaml_value:
+            problems.append(f"{path}={current!r} in the JSON contradicts {yaml_key} = {yaml_value!r}")
+    if bf16:
+        ds["bf16"].setdefault("check_grad_overflow", True)  # skip non-finite steps in bf16 too
+    if on_cpu:
+        ds["optimizer"].setdefault("params", {}).setdefault("torch_adam", True)
+    zero = ds.setdefault("zero_optimization", {})
+    for key, value in (("reduce_bucket_size", hidden_size * hidden_size),
+                       ("stage3_prefetch_bucket_size", int(0.9 * hidden_size * hidden_size)),
+                       ("stage3_param_persistence_threshold", 10 * hidden_size)):
+        if zero.get(key) == "auto":
+            zero[key] = value
+    stage = zero.get("stage")
+    if stage not in ZERO_STAGES:
+        problems.append(f"zero_optimization.stage={stage!r}: use 1, 2 or 3 (stage 0 does not skip "
+                        "non-finite steps in every precision)")
+    if zero.get("offload_param") and stage != 3:
+        problems.append("zero_optimization.offload_param needs stage 3 (offload_optimizer works with 1-3)")
+    left = [key for key, value in _flatten(ds).items() if value == "auto"]
+    if left:
+        problems.append(f"\"auto\" that this trainer does not fill: {', '.join(left)} (write a value)")
+    if problems:
+        raise EngineConfigError(f"train.ds_config={json_path}: " + "; ".join(problems))
+    return ds
+
+
+class DeepSpeedEngine:
+    def __init__(self, drafter: nn.Module, ds_config: dict):
+        import deepspeed
+
+        self.num_parameters = sum(p.numel() for p in drafter.parameters())  # before ZeRO-3 partitions them
+        self.stage = ds_config["zero_optimization"]["stage"]
+        offload = ds_config["zero_optimization"].get("offload_optimizer", {}).get("device", "none")
+        self.description = f"deepspeed ZeRO-{self.stage}" + (f", optimizer offload to {offload}"
+                                                            if offload not in ("none", None) else "")
+        deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
+        self.engine, _, _, _ = deepspeed.initialize(model=drafter, model_parameters=_trainable(drafter),
+                                                    config=ds_config)
+        self.module = self.engine.module
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss)  # scales by 1 / gradient_accumulation_steps
+        if not self.engine.is_gradient_accumulation_boundary():
+            self.engine.step()  # DeepSpeed counts micro batches in step(); nothing is updated here
+
+    def step(self, lr: float) -> StepResult:
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = lr
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        return StepResult(self.engine.was_step_applied(), math.nan if norm is None else float(norm))
+
+    def save(self, directory: Path) -> None:
+        self.engine.save_checkpoint(str(directory.parent), tag=directory.name, save_latest=False)
+
+    def load(self, directory: Path) -> None:
+        path, _ = self.engine.load_checkpoint(str(directory.parent), tag=directory.name,
+                                              load_lr_scheduler_states=False)
+        if path is None:
+            raise RuntimeError(f"DeepSpeed found no checkpoint to load in {directory}")
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        import deepspeed
+
+        gathered = (deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None)
+                    if self.stage == 3 else nullcontext())
+        with gathered:
+            return {name: tensor.detach().cpu().clone() for name, tensor in self.module.state_dict().items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# FSDP2
+# ---------------------------------------------------------------------------------------------
+
+class FSDPEngine:
+    """`fully_shard` on every decoder layer, then the root (fc, hidden_norm, norm); AdamW; gradients
+    reduced once per optimizer step; bf16 compute with fp32 reduction when training in bf16."""
+
+    def __init__(self, drafter: nn.Module, cfg, device: torch.device, bf16: bool):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        if cfg.fsdp.cpu_offload and device.type != "cuda":
+            raise EngineConfigError("fsdp.cpu_offload needs GPUs (it moves state from the GPU to the CPU)")
+        self.num_parameters = sum(p.numel() for p in drafter.parameters())
+        self.description = (f"fsdp2 ({'bf16 compute, fp32 reduce' if bf16 else 'fp32'}, reshard_after_forward="
+                            f"{cfg.fsdp.reshard_after_forward}, cpu_offload={cfg.fsdp.cpu_offload})")
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        shard = dict(
+            mesh=mesh, reshard_after_forward=cfg.fsdp.reshard_after_forward,
+            mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if bf16 else MixedPrecisionPolicy(),
+            offload_policy=CPUOffloadPolicy() if cfg.fsdp.cpu_offload else OffloadPolicy())
+        for layer in drafter.layers:
+            fully_shard(layer, **shard)
+        fully_shard(drafter, **shard)
+        self.module = drafter
+        self.optimizer = torch.optim.AdamW(_trainable(drafter), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+                                           eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
+        self.grad_clip, self.accum, self.micro = cfg.optim.grad_clip, cfg.optim.grad_accum, 0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        last = self.micro == self.accum - 1
+        self.module.set_requires_gradient_sync(last)  # reduce-scatter once, after the last micro batch
+        (loss / self.accum).backward()
+        self.micro = 0 if last else self.micro + 1
+
+    def step(self, lr: float) -> StepResult:
+        from torch.distributed.tensor import DTensor
+
+        params = _trainable(self.module)
+        max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)  # the global norm, same on every rank
+        applied = math.isfinite(norm)
+        if applied:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(applied, norm)
+
+    def _state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optimizer = get_state_dict(self.module, self.optimizer)
+        return {"model": model, "optimizer": optimizer}
+
+    def save(self, directory: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self._state(), checkpoint_id=str(directory / "fsdp"))
+
+    def load(self, directory: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        state = self._state()
+        dcp.load(state, checkpoint_id=str(directory / "fsdp"))
+        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
+        return {name: tensor.detach().cpu() for name, tensor in full.items()}
+
+
+ENGINES = ("deepspeed", "fsdp")

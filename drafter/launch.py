@@ -1,0 +1,118 @@
+"""One distributed world from whichever launcher started the processes.
+
+    deepspeed / torchrun     set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT themselves
+    srun python train.py     one task per GPU: the SLURM variables give rank, world size and local
+                             rank; the job's first node is the master (srun sets SLURM_STEP_ID; the
+                             batch script itself, without srun, stays a world of one)
+    python train.py          none of them: a world of one on a free local port
+
+The first launcher found wins, in that order, so `srun torchrun ...` (one torchrun per node) works too.
+"""
+import datetime
+import os
+import re
+import shutil
+import socket
+import subprocess
+
+import torch
+import torch.distributed as dist
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+def expand_hostlist(hostlist: str) -> list[str]:
+    """SLURM's compressed host list ("gpu[01-03,07],login1") as host names, in order."""
+    hosts = []
+    for prefix, ranges, suffix in re.findall(r"([^,\[]*)(?:\[([^\]]*)\])?([^,\[]*)(?:,|$)", hostlist):
+        if not (prefix or ranges or suffix):
+            continue
+        if not ranges:
+            hosts.append(prefix + suffix)
+            continue
+        for part in ranges.split(","):
+            low, _, high = part.partition("-")
+            for number in range(int(low), int(high or low) + 1):
+                hosts.append(f"{prefix}{number:0{len(low)}d}{suffix}")
+    return hosts
+
+
+def first_host(hostlist: str) -> str:
+    """The first node of a SLURM host list (`scontrol show hostnames` when it exists)."""
+    if shutil.which("scontrol"):
+        shown = subprocess.run(["scontrol", "show", "hostnames", hostlist], capture_output=True, text=True)
+        if shown.returncode == 0 and shown.stdout.split():
+            return shown.stdout.split()[0]
+    hosts = expand_hostlist(hostlist)
+    if not hosts:
+        raise LaunchError(f"cannot read a host name from SLURM's node list {hostlist!r}")
+    return hosts[0]
+
+
+def tasks_on_node(tasks_per_node: str, node_id: int) -> int:
+    """This node's task count from SLURM's "4(x2),3" notation."""
+    counts = []
+    for count, repeat in re.findall(r"(\d+)(?:\(x(\d+)\))?", tasks_per_node):
+        counts += [int(count)] * int(repeat or 1)
+    return counts[node_id] if node_id < len(counts) else 1
+
+
+def slurm_environment(env) -> dict[str, str]:
+    """torch.distributed's variables from a SLURM task's environment."""
+    try:
+        world_size = env.get("SLURM_STEP_NUM_TASKS") or env["SLURM_NTASKS"]
+        nodelist = env.get("SLURM_STEP_NODELIST") or env["SLURM_JOB_NODELIST"]
+        local = {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": world_size, "LOCAL_RANK": env["SLURM_LOCALID"]}
+    except KeyError as missing:
+        raise LaunchError(f"SLURM task without {missing.args[0]}: launch with `srun` (one task per GPU)") from None
+    tasks_per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or "1"
+    local["LOCAL_WORLD_SIZE"] = str(tasks_on_node(tasks_per_node, int(env.get("SLURM_NODEID", "0"))))
+    local["MASTER_ADDR"] = env.get("MASTER_ADDR") or first_host(nodelist)
+    # one port per job, so two jobs sharing a node do not collide
+    local["MASTER_PORT"] = env.get("MASTER_PORT") or str(15000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
+    return local
+
+
+# The batch script and an salloc shell are SLURM steps too, but not srun's: a process started there
+# alone is a world of one (SLURM_STEP_ID is unset, "batch", or the batch step's 0xfffffffe).
+SLURM_NON_SRUN_STEPS = {"batch", "extern", "interactive", "4294967294", "4294967295"}
+
+
+def launcher_environment(env=os.environ) -> tuple[str, dict[str, str]]:
+    """(launcher name, the variables to set) for this process."""
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return "torchrun/deepspeed", {}
+    if "SLURM_PROCID" in env and env.get("SLURM_STEP_ID", "batch") not in SLURM_NON_SRUN_STEPS:
+        return "srun", slurm_environment(env)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return "single process", {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
+def init_distributed(timeout_minutes: float = 30.0) -> tuple[int, int, torch.device]:
+    """(rank, world size, device) after forming the world; NCCL on GPUs, gloo on CPUs."""
+    launcher, variables = launcher_environment()
+    os.environ.update(variables)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        if local_rank >= torch.cuda.device_count():
+            raise LaunchError(f"local rank {local_rank} but only {torch.cuda.device_count()} GPUs on this node: "
+                              "start one task per GPU")
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    world_size = int(os.environ["WORLD_SIZE"])
+    try:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(minutes=timeout_minutes))
+    except Exception as error:
+        raise LaunchError(
+            f"could not form a world of {world_size} ranks ({launcher}: rank {os.environ['RANK']}, master "
+            f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}): {error}. Every rank must be started "
+            "(srun: one task per GPU, e.g. --ntasks-per-node=8) and reach the master's port.") from error
+    return dist.get_rank(), dist.get_world_size(), device

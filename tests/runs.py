@@ -1,0 +1,123 @@
+"""Helpers for the tests that run train.py: a tiny prepared dataset and config, and the launchers
+(deepspeed, torchrun, a SLURM-style pair of `srun` tasks, plain python) with two CPU ranks over gloo."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import datasets
+import numpy as np
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+FAULTS = Path(__file__).with_name("train_with_faults.py")
+
+
+def write_run(tmp_path: Path, **train) -> Path:
+    """A tiny prepared dataset (arithmetic sequences over 32 tokens) and a config for a random target."""
+    rng = np.random.default_rng(0)
+    rows = {"input_ids": [], "loss_mask": [], "length": []}
+    for _ in range(160):
+        n, start, stride = int(rng.integers(24, 100)), int(rng.integers(0, 32)), int(rng.integers(1, 4))
+        rows["input_ids"].append([(start + stride * t) % 32 for t in range(n)])
+        rows["loss_mask"].append([0] * 4 + [1] * (n - 4))
+        rows["length"].append(n)
+    if not (tmp_path / "data").exists():
+        datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "data"))
+    cfg = {
+        "run": {"out_dir": str(tmp_path / "run"), "seed": 0},
+        "target": {"random": {"vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 4,
+                              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                              "intermediate_size": 128,
+                              "initializer_range": 0.3}},  # a frozen LM head with room to learn through
+        "drafter": {"num_layers": 1, "block_size": 8, "mask_token_id": 255},
+        "objective": {"num_anchors": 16, "ddtree_budget": 16, "ddtree_blocks": 4},
+        "optim": {"lr": 3e-2, "warmup_ratio": 0.1},
+        "noise": {"start": 0.0, "end": 0.01, "warmup_steps": 10},
+        "data": {"path": str(tmp_path / "data"), "eval_fraction": 0.1, "max_length": 128, "num_buckets": 3,
+                 "tokens_per_batch": 384, "num_workers": 1, "prefetch_factor": 2},
+        "train": {"epochs": 3, "max_steps": 24, "log_every": 1, "save_every": 6, "eval_every": 12,
+                  "eval_batches": 2, "threads_per_rank": 1, **train},
+        "wandb": {"enabled": False},
+    }
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(extra: dict | None = None) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+           and not k.startswith("SLURM_")}
+    return {**env, "PATH": f"{VENV_BIN}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1", **(extra or {})}
+
+
+def launch(cfg: Path, *overrides: str, launcher: str = "deepspeed", faults: dict | None = None) -> subprocess.Popen:
+    """train.py (or train_with_faults.py when `faults` are given, as FAULT_* variables) on two CPU
+    ranks through `launcher`: deepspeed | torchrun | slurm (two tasks as srun starts them) | python
+    (one process). The processes form their own session, so the whole job can be signalled."""
+    script = str(FAULTS if faults else REPO / "train.py")
+    args = [script, "--cfg", str(cfg), *overrides]
+    env = _env({f"FAULT_{k.upper()}": str(v) for k, v in (faults or {}).items()})
+    port = str(free_port())
+    if launcher == "deepspeed":
+        cmd = [str(VENV_BIN / "deepspeed"), "--num_gpus", "2", "--master_port", port, *args]
+    elif launcher == "torchrun":
+        cmd = [str(VENV_BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", port, *args]
+    elif launcher == "python":
+        cmd = [sys.executable, *args]
+    elif launcher == "slurm":
+        env.update(SLURM_JOB_ID="4242", SLURM_STEP_ID="0", SLURM_NTASKS="2", SLURM_JOB_NODELIST="localhost",
+                   SLURM_TASKS_PER_NODE="2", SLURM_NODEID="0", MASTER_PORT=port)
+        task = " ".join(map(_quote, [sys.executable, *args]))
+        cmd = ["bash", "-c", f"SLURM_PROCID=0 SLURM_LOCALID=0 {task} & SLURM_PROCID=1 SLURM_LOCALID=1 {task} & wait"]
+    else:
+        raise ValueError(launcher)
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def _quote(arg: str) -> str:
+    return "'" + arg.replace("'", "'\\''") + "'"
+
+
+def run_to_end(cfg: Path, *overrides: str, expect: int | None = 0, **kwargs) -> str:
+    """The job's output once it ended with exit code `expect` (None: any failure)."""
+    proc = launch(cfg, *overrides, **kwargs)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == expect if expect is not None else proc.returncode != 0, out[-4000:]
+    return out
+
+
+def records(out_dir: Path, kind: str = "train") -> list[dict]:
+    lines = (out_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def train_losses(out_dir: Path) -> dict[int, float]:
+    """step -> loss (a re-run step, if any were logged twice, keeps the last)."""
+    return {r["step"]: r["loss"] for r in records(out_dir)}
+
+
+def wait_for_step(out_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 300):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if (out_dir / "metrics.jsonl").exists():
+            try:
+                if any(s >= step for s in train_losses(out_dir)):
+                    return
+            except ValueError:  # a line being written
+                pass
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        time.sleep(0.02)
+    raise TimeoutError(f"step {step} never logged")
