@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from bench.gpu_check import ReplayDrafter
 from bench.tree_build import heapq_tree, topk_logprobs, trees_equal
 from conftest import make_drafter
 from drafter import ddtree
@@ -230,30 +231,6 @@ def test_follow_tree_stops_at_first_missing_child():
 # Generation: losslessness and agreement with the public loop
 # ---------------------------------------------------------------------------------------------
 
-class OracleDrafter:
-    """A real drafter (it keeps the draft cache) whose proposals are replaced by a known
-    continuation: the true token ranks first, except at every 4th position where a decoy outranks
-    it, so that a chain stops there and a tree can go on."""
-
-    def __init__(self, drafter, continuation: list[int]):
-        self.drafter, self.continuation = drafter, continuation
-        self.block_size, self.mask_token_id = drafter.block_size, drafter.mask_token_id
-        self.target_layer_ids = drafter.target_layer_ids
-
-    def draft_logits(self, target, ctx_features, block_ids, cache):
-        logits = self.drafter.draft_logits(target, ctx_features, block_ids, cache)
-        start = cache.length
-        proposal = torch.zeros_like(logits)
-        for k in range(logits.shape[1]):
-            position = start + 1 + k
-            if position < len(self.continuation):
-                true = self.continuation[position]
-                proposal[0, k, true] = 5.0
-                if position % 4 == 0:
-                    proposal[0, k, (true + 1) % logits.shape[-1]] = 6.0
-        return proposal
-
-
 @pytest.fixture(scope="module")
 def prompt():
     return torch.randint(0, 250, (1, 10), generator=torch.Generator().manual_seed(10))
@@ -267,7 +244,7 @@ def run(target, prompt, method, drafter=None, budget=None, max_new=30, stops=(),
 def test_greedy_methods_are_lossless_and_trees_accept_more(target, prompt):
     drafter = make_drafter(target)
     reference = run(target, prompt, "ar", max_new=48)
-    oracle = OracleDrafter(drafter, prompt[0].tolist() + reference.output_ids)
+    oracle = ReplayDrafter(drafter, prompt[0].tolist() + reference.output_ids)
     assert reference.acceptance_lengths == [1] * 47
     taus = {}
     for method, budget, proposers in [("dflash", None, (drafter, oracle)), ("ddtree", 1, (oracle,)),
@@ -288,7 +265,7 @@ def step_ends(result) -> set[int]:
 def test_stop_and_max_new_tokens_inside_an_accepted_block(target, prompt):
     drafter = make_drafter(target)
     reference = run(target, prompt, "ar", max_new=40)
-    oracle = OracleDrafter(drafter, prompt[0].tolist() + reference.output_ids)
+    oracle = ReplayDrafter(drafter, prompt[0].tolist() + reference.output_ids)
     speculative = [("dflash", None), ("ddtree", 8)]
     ends = set.union(*(step_ends(run(target, prompt, m, oracle, b, max_new=40)) for m, b in speculative))
     first_seen = {}

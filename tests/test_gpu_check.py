@@ -28,9 +28,10 @@ def test_tiny_run_passes_and_reports_every_figure(capsys):
     assert set(step["tflop_per_step"]) == {"target_forward", "drafter_linear", "drafter_attention", "lm_head"}
     assert report["train_step_syncs"]["training_step"] == 1 and report["train_step_syncs"]["target_forward"] == 0
     assert len(report["ddtree_step_syncs"]["committed_per_step"]) == 2
+    assert report["lossless"]["near_tie_share"] <= 0.5
     for method in ("ddtree", "dflash"):
         assert report["lossless"][method]["verdict"] in ("yes", "ties-only")
-        assert len(report["lossless"][method]["divergences"]) == 4
+        assert len(report["lossless"][method]["divergences"]) == 8 and report["lossless"][method]["tau"] > 1
 
 
 @pytest.mark.slow
