@@ -108,9 +108,9 @@ def test_two_rank_run_learns_logs_and_exports(reference_run):
     records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train] == list(range(1, 25))
-    for key in ("loss", "acc", "top4_acc", "top8_acc", "streak", "ddtree_streak4", "ddtree_streak8",
-                "ddtree_accept@16", "lr", "noise", "grad_norm", "per_bucket", "pad_efficiency",
-                "tokens_per_s", "time_split_s", "prefetch_queue", "eta_s"):
+    for key in ("loss", "acc", "top4_acc", "top8_acc", "anchor_streak", "anchor_top4_streak",
+                "anchor_top8_streak", "anchor_ddtree@16", "lr", "noise", "grad_norm", "per_bucket",
+                "pad_efficiency", "tokens_per_s", "time_split_s", "prefetch_queue", "eta_s"):
         assert key in train[-1], key
     assert len(train[-1]["prefetch_queue"]) == 2  # one queue depth per rank
     assert any(r["kind"] == "eval" for r in records)
