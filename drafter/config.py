@@ -97,6 +97,14 @@ class TrainConfig:
     max_bad_steps: int = 5           # non-finite steps in a row before the run stops
     ds_config: str = "ds_configs/zero2.json"
     threads_per_rank: Optional[int] = None  # CPU only; null: cores / local ranks
+    # Served tau (drafter/served.py): replayed on the held-out split at every eval; real generation
+    # of a fixed prompt set every generate_every steps and at the end.
+    tau_budgets: list[int] = field(default_factory=lambda: [64])  # DDTree budgets of tau_/gen_tau_ddtree@B
+    generate_every: int = 500        # 0: never
+    generate_prompts: Optional[str] = None  # JSONL or hub benchmark; null: prompt side of held-out rows
+    generate_max_prompts: int = 64   # per generation, all ranks together
+    generate_max_new_tokens: int = 256
+    generate_max_seconds: float = 60.0  # per rank and generation: no prompt starts after it
 
 
 @dataclass
