@@ -124,9 +124,11 @@ def response_spans(loss_mask_row: list[int]) -> list[tuple[int, int]]:
 def serve_walk(accepted: list[int], start: int, end: int) -> list[int]:
     """Tokens committed per step when serving the response at [start, end): the prefill gives the
     token at `start`, a step at anchor p commits accepted[p] + 1 (the bonus included), at most up
-    to the response's last token end - 1. Needs accepted[p] >= 0 for start <= p < end - 1."""
+    to the response's last token end - 1."""
     steps, p = [], start
     while p < end - 1:
+        if accepted[p] < 0:
+            raise ValueError(f"position {p} of the response at [{start}, {end}) was not scored")
         step = min(accepted[p] + 1, end - 1 - p)
         steps.append(step)
         p += step

@@ -82,7 +82,8 @@ def test_a_run_from_before_the_renaming_and_without_eval_records(tmp_path, capsy
 
 
 def test_budget_sweep_from_eval_json(tmp_path, capsys):
-    run = write_run(tmp_path / "run", TRAIN + EVAL + GENERATE)
+    evals = [{**EVAL[0], "tau_ddtree@8": 2.2}, EVAL[1]]  # the sweep marks the last value: 2.5
+    run = write_run(tmp_path / "run", TRAIN + evals + GENERATE)
     report = {"benchmarks": {"bench": {"methods": {
         "ar": {"tau": 1.0}, "dflash": {"tau": 2.0}, "ddtree@8": {"tau": 2.6}, "ddtree@32": {"tau": None},
         "ddtree@128": {"tau": 3.9}}}}}

@@ -34,6 +34,8 @@ def test_walk_by_hand():
     assert serve_walk(accepted, 11, 14) == [1, 1]
     assert serve_walk(accepted, 15, 16) == []  # a one-token turn: the prefill's token, no step
     assert mean_tau([[3, 1, 2], [1, 1], []]).tolist() == [(6 / 3) + (2 / 2), 2]
+    with pytest.raises(ValueError, match=r"position 8 of the response at \[8, 11\) was not scored"):
+        serve_walk(accepted, 8, 11)  # an unscored position ends the walk with an error, not a hang
 
 
 def test_every_anchor_is_every_position_followed_by_a_supervised_one():
