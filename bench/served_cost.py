@@ -105,10 +105,10 @@ def main():
     print(f"train step {train_s * 1e3:.0f} ms | replay {replay_s * 1e3:.0f} ms per eval batch "
           f"({replay_s / train_s:.2f} train steps) | generation {per_prompt_s:.2f} s per prompt "
           f"({train.generate_max_new_tokens} new tokens, {1 + len(train.tau_budgets)} methods)")
-    print(f"{steps} steps: replay {evals} x {train.eval_batches} batches = {evals * train.eval_batches * replay_s:.1f} s "
-          f"({evals * train.eval_batches * replay_s / run_s:.1%}), generation {generations} x "
-          f"{generation_s:.1f} s = {generations * generation_s:.1f} s ({generations * generation_s / run_s:.1%}) "
-          f"of {run_s:.0f} s of training steps")
+    replay_total, generation_total = evals * train.eval_batches * replay_s, generations * generation_s
+    print(f"{steps} steps: replay {evals} x {train.eval_batches} batches = {replay_total:.1f} s "
+          f"({replay_total / run_s:.1%}), generation {generations} x {generation_s:.1f} s = "
+          f"{generation_total:.1f} s ({generation_total / run_s:.1%}) of {run_s:.0f} s of training steps")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 tau is the tokens committed per target verify forward, bonus included (RESEARCH.md section 3). The
 random-anchor metrics of `objective.rank_metrics` (`anchor_streak`, ...) are not tau: they average the
 accepted length over uniformly random anchors, while serving lands on one anchor every L(p) tokens,
-so a position inside a long accepted run counts once per anchor there but L times less often here.
+so a run of L accepted tokens is one step when served but L anchors, each with a long streak, there.
 
 Replay (`replay_steps`, `replayed_tau`). One masked drafter forward per chunk of anchors scores a block
 at every response position p (the training forward: the block sees the target's features of

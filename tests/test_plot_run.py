@@ -69,7 +69,8 @@ def test_plotted_lines_are_the_file_s_numbers(tmp_path, capsys):
 def test_a_run_from_before_the_renaming_and_without_eval_records(tmp_path, capsys):
     old = [{"kind": "train", "step": s, "loss": 3.0, "streak": 2.0 + s, "ddtree_streak4": 3.0,
             "ddtree_accept@32": 4.0 + s} for s in (1, 2, 3)]
-    run = write_run(tmp_path / "old", old[:1], tail="{broken\n" + "".join(json.dumps(r) + "\n" for r in old[1:]))
+    run = write_run(tmp_path / "old", old[:1],
+                    tail="{broken\n" + "".join(json.dumps(r) + "\n" for r in old[1:]))
     written = plot_run.main([str(run)])
     assert sorted(p.name for p in written) == ["anchor_metrics.png", "loss.png"]
     assert f"{run / 'metrics.jsonl'}:2: not valid JSON, skipped" in capsys.readouterr().err
