@@ -28,12 +28,14 @@ from drafter.checkpoint import (ResumeError, agree_on_checkpoint, check_resumabl
 from drafter.config import ConfigError, load_config, lr_factor, noise_std
 from drafter.data import load_datasets
 from drafter.engine import DeepSpeedEngine, EngineConfigError, FSDPEngine, deepspeed_config
+from drafter.decode import stop_token_ids
 from drafter.launch import LaunchError, init_distributed
-from drafter.model import DFlashDraftModel, drafter_config, resolve_mask_token_id
+from drafter.model import DFlashDraftModel, drafter_config, drafter_from_state_dict, resolve_mask_token_id
 from drafter.objective import ObjectiveConfig, finalize_metrics, training_step
 from drafter.sampler import BucketSampler, bucket_table, make_loader, sampler_from_config
+from drafter.served import bench_prompts, generation_tau, held_out_prompts, replayed_tau
 from drafter.target import context_features, load_target, random_qwen3, target_config
-from drafter.tracking import RunLogger, console_line
+from drafter.tracking import RunLogger, console_line, eval_line
 
 USER_ERRORS = (ConfigError, EngineConfigError, ResumeError, LaunchError)
 
@@ -204,7 +206,8 @@ def micro_step(engine, target, batch, objective, cfg, step, micro, rank, noise, 
 
 @torch.no_grad()
 def evaluate(engine, target, eval_set, eval_sampler, objective, cfg, rank, device, use_flex):
-    """Held-out loss, accuracies and DDTree acceptance over up to eval_batches per rank, on clean features."""
+    """Held-out loss, random-anchor metrics and replayed tau over up to eval_batches per rank, on clean
+    features."""
     engine.module.eval()
     summed = defaultdict(lambda: 0)
     loader = make_loader(eval_set, eval_sampler, epoch=0, num_workers=0, prefetch_factor=2)
@@ -214,6 +217,10 @@ def evaluate(engine, target, eval_set, eval_sampler, objective, cfg, rank, devic
             features = context_features(target, input_ids, engine.module.target_layer_ids)
             _, metrics = training_step(engine.module, target, features, input_ids, loss_mask, objective,
                                        step_generator(cfg.run.seed, i, rank, 7), use_flex)
+            metrics.update(replayed_tau(engine.module, target, features, input_ids, loss_mask,
+                                        cfg.train.tau_budgets, use_flex,
+                                        blocks_per_forward=objective.anchors_per_batch or 2048,
+                                        chunk_bytes=objective.chunk_bytes))
             for k, v in metrics.items():
                 summed[k] = summed[k] + v.float()
     engine.module.train()
@@ -291,6 +298,8 @@ def train(cfg, rank, world_size, device) -> int:
 
     target, tokenizer = build_target_and_tokenizer(cfg, device, dtype)
     drafter = build_drafter(cfg, target, tokenizer)
+    generate_prompts = generation_prompts(cfg, tokenizer, eval_set)
+    stops = stop_token_ids(target, tokenizer)
     use_flex = cfg.objective.attention == "flex" or (cfg.objective.attention == "auto" and device.type == "cuda")
     objective = ObjectiveConfig(block_size=drafter.block_size, mask_token_id=drafter.mask_token_id,
                                 num_anchors=cfg.objective.num_anchors, gamma=cfg.objective.gamma,
@@ -377,6 +386,9 @@ def train(cfg, rank, world_size, device) -> int:
                     if eval_sampler is not None and (step % cfg.train.eval_every == 0 or last):
                         run_eval(engine, target, eval_set, eval_sampler, objective, cfg, rank, device,
                                  use_flex, step, log)
+                    if generate_prompts and (step % cfg.train.generate_every == 0 or last):
+                        run_generation(engine, target, generate_prompts, stops, cfg, rank, world_size, step,
+                                       log)
                     if step % cfg.train.save_every == 0:
                         save(step)
                         last_saved = step
@@ -395,9 +407,35 @@ def run_eval(engine, target, eval_set, eval_sampler, objective, cfg, rank, devic
     if not metrics:
         return
     log.log({"step": step, **metrics}, prefix="eval")
-    budget = objective.ddtree_budget
-    log.print(f"eval step={step} loss={metrics['loss']:.4f} acc={metrics['acc']:.3f} "
-              f"streak={metrics['streak']:.2f} ddtree@{budget}={metrics[f'ddtree_accept@{budget}']:.2f}")
+    log.print(eval_line({"step": step, **metrics}))
+
+
+def generation_prompts(cfg, tokenizer, eval_set) -> list[list[int]] | None:
+    """The fixed prompt set of the generation step (None when train.generate_every is 0)."""
+    if not cfg.train.generate_every:
+        return None
+    if cfg.train.generate_prompts is None:
+        return held_out_prompts(eval_set, cfg.train.generate_max_prompts, cfg.data.seed)
+    if tokenizer is None:
+        raise ConfigError("train.generate_prompts needs the target's tokenizer (set target.path), "
+                          "or null for the held-out prompts")
+    thinking = bool(cfg.target.chat_template_kwargs.get("enable_thinking", False))
+    return bench_prompts(cfg.train.generate_prompts, tokenizer, thinking, cfg.train.generate_max_prompts)
+
+
+def run_generation(engine, target, prompts, stops, cfg, rank, world_size, step, log):
+    """The drafter as it is now, served on the fixed prompts (split over ranks, time-bounded). Ranks
+    decode different numbers of steps, so a sharded drafter is first gathered into a plain copy."""
+    drafter = engine.module
+    if engine.sharded:
+        drafter = drafter_from_state_dict(drafter.config, engine.full_state_dict()).to(target.device, target.dtype)
+    summed = all_reduce_sum(generation_tau(
+        target, drafter, prompts, rank, world_size, budgets=cfg.train.tau_budgets,
+        max_new_tokens=cfg.train.generate_max_new_tokens, max_seconds=cfg.train.generate_max_seconds,
+        stop_token_ids=stops))
+    metrics = {"step": step, **finalize_metrics(summed), "gen_responses": int(summed["gen_tau_dflash"][1])}
+    log.log(metrics, prefix="generate")
+    log.print(eval_line(metrics, "generate"))
 
 
 # ----------------------------------------------------------------------------- logging
@@ -408,7 +446,7 @@ class Window:
 
     def __init__(self, num_buckets: int, device: torch.device, timers: Timers):
         self.metrics = defaultdict(lambda: 0)
-        self.per_bucket = torch.zeros(num_buckets, 3, 2, device=device)  # (loss, acc, streak) x [sum, count]
+        self.per_bucket = torch.zeros(num_buckets, 3, 2, device=device)  # (loss, acc, anchor_streak) x [sum, count]
         self.tokens = torch.zeros(2, dtype=torch.float64)  # real, computed (padding included)
         self.timers, self.data_wait = timers, 0.0
         self.queue, self.grad_norms = [], []
@@ -417,7 +455,7 @@ class Window:
     def add(self, metrics, batch):
         for k, v in metrics.items():
             self.metrics[k] = self.metrics[k] + v
-        self.per_bucket[batch["bucket"]] += torch.stack([metrics["loss"], metrics["acc"], metrics["streak"]])
+        self.per_bucket[batch["bucket"]] += torch.stack([metrics["loss"], metrics["acc"], metrics["anchor_streak"]])
         self.tokens += torch.tensor([float(batch["lengths"].sum()), float(batch["input_ids"].numel())],
                                     dtype=torch.float64)
 
@@ -439,7 +477,7 @@ class Window:
         timers = {"data_wait": self.data_wait, **self.timers.seconds}
         return {
             "step": state["step"], "epoch": state["epoch"], **m,
-            "ddtree_accept": m[f"ddtree_accept@{budget}"], "ddtree_budget": budget,
+            "ddtree_budget": budget,
             "lr": self.lr, "noise": self.noise,
             "grad_norm": float(np.mean(self.grad_norms)) if self.grad_norms else math.nan,
             "skipped_steps": state["skipped_steps"],
@@ -450,7 +488,7 @@ class Window:
             "time_split_s": {k: v / steps for k, v in timers.items()},
             "prefetch_queue": [round(float(q), 1) for q in queue_depths],
             "per_bucket": {name: (per_bucket[:, i, 0] / per_bucket[:, i, 1]).tolist()
-                           for i, name in enumerate(("loss", "acc", "streak"))},
+                           for i, name in enumerate(("loss", "acc", "anchor_streak"))},
             "bucket_batch_pct": [b["batch_pct"] for b in stats["buckets"]],
             "seq_len": {"min": stats["length_min"], "mean": stats["length_mean"], "max": stats["length_max"]},
             "epoch_progress": state["epoch"] + state["micro_step_in_epoch"] / max(1, micro_per_epoch),

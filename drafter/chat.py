@@ -286,6 +286,11 @@ def render_prompt(tokenizer, messages: list[dict], enable_thinking: bool,
                   add_generation_prompt=True)
 
 
+def prompt_token_ids(tokenizer, messages: list[dict], enable_thinking: bool) -> list[int]:
+    """Token ids of `render_prompt` (the chat template adds any special tokens itself)."""
+    return tokenizer(render_prompt(tokenizer, messages, enable_thinking), add_special_tokens=False).input_ids
+
+
 @functools.lru_cache(maxsize=8)
 def turn_end_regex(tokenizer) -> re.Pattern:
     """Whitespace then one of the tokenizer's special added tokens (the turn closers)."""

@@ -40,9 +40,9 @@ STEP_DIR = re.compile(r"^step_(\d+)$")
 RESUMABLE_KEYS = ("run.name", "run.out_dir", "train.epochs", "train.max_steps", "train.schedule_steps", "train.log_every",
                   "train.save_every", "train.eval_every", "train.eval_batches", "train.keep_last",
                   "train.resume", "train.max_bad_steps", "train.threads_per_rank", "train.profile_timing",
-                  "train.dist_timeout_minutes",
-                  "train.ds_config", "train.generate", "data.num_workers", "data.prefetch_factor", "fsdp",
-                  "wandb")
+                  "train.dist_timeout_minutes", "train.ds_config", "train.tau_budgets", "train.generate_every",
+                  "train.generate_prompts", "train.generate_max_prompts", "train.generate_max_new_tokens",
+                  "train.generate_max_seconds", "data.num_workers", "data.prefetch_factor", "fsdp", "wandb")
 RUN_FILES = ("checkpoints", "metrics.jsonl", "config.yaml", "wandb")  # what a run writes in out_dir
 
 
@@ -76,7 +76,7 @@ def run_identity(cfg) -> dict:
     """The run-defining config: every key but RESUMABLE_KEYS (and their sub-keys), flattened."""
     flat = _flat(OmegaConf.to_container(cfg, resolve=True))
     return {key: value for key, value in flat.items()
-            if not any(key == k or key.startswith(k + ".") or key.startswith(k + "_") for k in RESUMABLE_KEYS)}
+            if not any(key == k or key.startswith(k + ".") for k in RESUMABLE_KEYS)}
 
 
 # ---------------------------------------------------------------------------------------------

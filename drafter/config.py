@@ -101,6 +101,14 @@ class TrainConfig:
     threads_per_rank: Optional[int] = None  # CPU only; null: cores / local ranks
     profile_timing: Optional[bool] = None   # per-stage timers; null: on where free (CPU), off on CUDA (syncs)
     dist_timeout_minutes: float = 30.0      # forming the world, and any one collective (a checkpoint save)
+    # Served tau (drafter/served.py): replayed on the held-out split at every eval; real generation
+    # of a fixed prompt set every generate_every steps and at the end.
+    tau_budgets: list[int] = field(default_factory=lambda: [64])  # DDTree budgets of tau_/gen_tau_ddtree@B
+    generate_every: int = 500        # 0: never
+    generate_prompts: Optional[str] = None  # JSONL or hub benchmark; null: prompt side of held-out rows
+    generate_max_prompts: int = 64   # per generation, all ranks together
+    generate_max_new_tokens: int = 256
+    generate_max_seconds: float = 60.0  # per rank and generation: no prompt starts after it
 
 
 @dataclass
@@ -167,10 +175,11 @@ CHOICES = {
 POSITIVE = ("drafter.num_layers", "objective.num_anchors", "objective.ddtree_budget", "optim.grad_accum",
             "data.max_length", "data.num_buckets", "data.tokens_per_batch", "data.max_run",
             "data.prefetch_factor", "train.epochs", "train.log_every", "train.save_every",
-            "train.eval_every", "train.eval_batches", "train.keep_last", "train.max_bad_steps")
+            "train.eval_every", "train.eval_batches", "train.keep_last", "train.max_bad_steps",
+            "train.generate_max_prompts", "train.generate_max_new_tokens")
 POSITIVE_OR_NULL = ("objective.anchors_per_batch", "objective.gamma", "train.max_steps", "train.schedule_steps",
                     "train.threads_per_rank")
-NON_NEGATIVE = ("run.seed", "objective.ddtree_blocks", "optim.weight_decay", "optim.grad_clip",
+NON_NEGATIVE = ("run.seed", "objective.ddtree_blocks", "optim.weight_decay", "optim.grad_clip", "train.generate_every",
                 "noise.start", "noise.end", "noise.warmup_steps", "data.num_workers", "data.seed")
 FRACTIONS = ("optim.warmup_ratio", "optim.min_lr_ratio")  # in [0, 1]
 
@@ -201,7 +210,7 @@ def validate(cfg) -> list[str]:
             problems.append(f"{key}={get(key)!r} must be in [0, 1]")
     if not 0 <= cfg.data.eval_fraction < 1:
         problems.append(f"data.eval_fraction={cfg.data.eval_fraction!r} must be in [0, 1)")
-    for key in ("optim.lr", "optim.eps", "train.dist_timeout_minutes"):
+    for key in ("optim.lr", "optim.eps", "train.dist_timeout_minutes", "train.generate_max_seconds"):
         if not get(key) > 0:
             problems.append(f"{key}={get(key)!r} must be > 0")
     betas = list(cfg.optim.betas)
@@ -214,6 +223,8 @@ def validate(cfg) -> list[str]:
     layer_ids = cfg.drafter.target_layer_ids
     if layer_ids is not None and (not layer_ids or min(layer_ids) < 0 or len(set(layer_ids)) != len(layer_ids)):
         problems.append(f"drafter.target_layer_ids={list(layer_ids)} must be distinct layer indices >= 0 (or null)")
+    if not cfg.train.tau_budgets or min(cfg.train.tau_budgets) < 1:
+        problems.append(f"train.tau_budgets={list(cfg.train.tau_budgets)} must be tree budgets >= 1")
     bounds = cfg.data.bucket_boundaries
     if bounds is not None and (not bounds or bounds[0] < 1 or any(b <= a for a, b in zip(bounds, bounds[1:]))):
         problems.append(f"data.bucket_boundaries={list(bounds)} must be increasing positive lengths (or null)")

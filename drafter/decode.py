@@ -68,6 +68,14 @@ class StageTimer:
         self.seconds[stage] += time.perf_counter() - start
 
 
+def stop_token_ids(target, tokenizer=None) -> list[int]:
+    """The target's end-of-sequence ids: its generation config's, else the tokenizer's."""
+    eos = target.generation_config.eos_token_id
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    return [eos] if isinstance(eos, int) else list(eos or [])
+
+
 def pick(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """The target's token per row of logits [..., V]: argmax, or a sample at `temperature`."""
     if temperature <= 0:

@@ -7,6 +7,8 @@ and torch FSDP2 (`fully_shard`, `torch.distributed.checkpoint`). The training lo
                                   every rank, else update with this step's learning rate
     engine.save(dir) / load(dir)  collective: weights and optimizer state, in the engine's format
     engine.full_state_dict()      collective: every rank gets the full weights (CPU tensors)
+    engine.sharded                whether engine.module holds only a shard of the weights (its forward
+                                  is then a collective: every rank must call it the same number of times)
     engine.num_parameters, engine.description
 
 The learning rate is set by the caller at every step (drafter.config.lr_factor of the trainer's
@@ -131,6 +133,7 @@ class DeepSpeedEngine:
         self.engine, _, _, _ = deepspeed.initialize(model=drafter, model_parameters=_trainable(drafter),
                                                     config=ds_config)
         self.module = self.engine.module
+        self.sharded = self.stage == 3
 
     def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss)  # scales by 1 / gradient_accumulation_steps
@@ -189,6 +192,7 @@ class FSDPEngine:
             fully_shard(layer, **shard)
         fully_shard(drafter, **shard)
         self.module = drafter
+        self.sharded = True
         self.optimizer = torch.optim.AdamW(_trainable(drafter), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                            eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
         self.grad_clip, self.accum, self.micro = cfg.optim.grad_clip, cfg.optim.grad_accum, 0

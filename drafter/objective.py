@@ -240,8 +240,8 @@ class ObjectiveConfig:
     mask_token_id: int
     num_anchors: int = 512
     gamma: float | None = None  # None: the paper's value for the block size
-    ddtree_budget: int = 64     # budget B of the ddtree_accept@B metric
-    ddtree_blocks: int = 16     # blocks per step sampled for ddtree_accept@B
+    ddtree_budget: int = 64     # budget B of the anchor_ddtree@B metric
+    ddtree_blocks: int = 16     # blocks per step sampled for anchor_ddtree@B
     anchors_per_batch: int | None = None  # cap on blocks per micro-batch (all sequences together)
     chunk_bytes: int = 256 * 2**20
 
@@ -271,7 +271,7 @@ def training_step(drafter, target, features, input_ids, loss_mask, cfg: Objectiv
     k = min(cfg.ddtree_budget, head.shape[0])
     topk_logprobs, topk_ids = top_logprobs(
         hidden.detach().reshape(-1, block_size, width)[sampled, 1:].reshape(-1, width), head, k, chunk_rows)
-    metrics[f"ddtree_accept@{cfg.ddtree_budget}"] = ddtree_accept_metric(
+    metrics[f"anchor_ddtree@{cfg.ddtree_budget}"] = ddtree_accept_metric(
         topk_logprobs.view(len(sampled), block_size - 1, k), topk_ids.view(len(sampled), block_size - 1, k),
         blocks.labels.view(-1, block_size)[sampled, 1:], cfg.ddtree_budget, sampled_valid)
     metrics["loss"] = torch.stack([loss.detach(), loss.new_ones(())])
@@ -300,11 +300,13 @@ def rank_metrics(label_rank: torch.Tensor, blocks: Blocks) -> dict[str, torch.Te
     acc / top4_acc / top8_acc: P(label is the drafter's top-1 / in its top-4 / top-8), over supervised
         slots, overall and per block position (`acc_pos` etc. hold a [sum, count] row per slot 1..B-1).
         Ranks order ties as argmax does (lower token id first), so a label tied with a lower id is a miss.
-    streak: mean tokens one greedy single-path verify would commit per block = 1 (bonus) + the number
-        of leading slots whose label is the drafter's top-1. It estimates DFlash tau under teacher
-        forcing; blocks cut short by the sequence end count only their supervised slots (a lower bound).
-    ddtree_streak4 / ddtree_streak8: the same where a slot counts as accepted if its label is in the
-        drafter's top-4 / top-8, an optimistic stand-in for a tree with 4 / 8 children everywhere.
+    anchor_streak: mean over the step's random anchors of the tokens one greedy single-path verify
+        would commit there = 1 (bonus) + the number of leading slots whose label is the drafter's
+        top-1; blocks cut short by the sequence end count only their supervised slots. This is not
+        DFlash tau: serving visits one anchor every L tokens, so anchors inside long accepted runs
+        weigh L times less there (drafter/served.py replays serving: tau_dflash).
+    anchor_top4_streak / anchor_top8_streak: the same where a slot counts as accepted if its label is
+        in the drafter's top-4 / top-8, an optimistic stand-in for a tree with 4 / 8 children everywhere.
     """
     supervised = blocks.weights[..., 1:] > 0
     rank = label_rank[..., 1:]
@@ -313,7 +315,7 @@ def rank_metrics(label_rank: torch.Tensor, blocks: Blocks) -> dict[str, torch.Te
         hit = (rank < k) & supervised
         metrics[name] = _mean(hit, supervised)
         metrics[f"{name}_pos"] = torch.stack([hit.float().sum((0, 1)), supervised.float().sum((0, 1))], 1)
-    for name, k in (("streak", 1), ("ddtree_streak4", 4), ("ddtree_streak8", 8)):
+    for name, k in (("anchor_streak", 1), ("anchor_top4_streak", 4), ("anchor_top8_streak", 8)):
         accepted = ((rank < k) & supervised).long().cumprod(-1).sum(-1)
         metrics[name] = _mean(accepted + 1, blocks.valid)
     return metrics
@@ -321,13 +323,15 @@ def rank_metrics(label_rank: torch.Tensor, blocks: Blocks) -> dict[str, torch.Te
 
 def ddtree_accept_metric(topk_logprobs, topk_ids, labels, budget: int,
                          valid: torch.Tensor | None = None) -> torch.Tensor:
-    """ddtree_accept@B: exact teacher-forced DDTree acceptance at budget B, as [sum, count].
+    """anchor_ddtree@B: exact teacher-forced DDTree acceptance at budget B per random anchor, as
+    [sum, count].
 
     For each sampled complete block, build the best-first tree of B nodes from the block's per-position
     marginals (top-k per position suffices: no depth holds more than B nodes) and walk it along the
-    labels; the value is the tokens that verify would commit (accepted depth + 1 bonus). It estimates
-    DDTree tau at budget B when the drafter's context is the target's own text. Blocks where `valid`
-    [blocks] is False count for nothing.
+    labels; the value is the tokens that verify would commit (accepted depth + 1 bonus). Averaged over
+    random anchors it overstates DDTree tau as `anchor_streak` overstates DFlash tau (see rank_metrics);
+    drafter/served.py's tau_ddtree@B is the served figure. Blocks where `valid` [blocks] is False
+    count for nothing.
     """
     if labels.shape[0] == 0:
         return topk_logprobs.new_zeros(2)

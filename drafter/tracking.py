@@ -18,15 +18,27 @@ def human_duration(seconds: float) -> str:
 
 
 def console_line(m: dict) -> str:
-    """`[3m] step=31 loss=4.0696 acc=0.000 streak=1.0 lr=6.85e-06 noise=0.1000 gnorm=1.23 | tgt=0.63b/s
-    dft=0.62b/s (24.6Ktok/s) | q_pre=[50, 50] | epoch~0.01 ETA=5.2d`"""
+    """`[3m] step=31 loss=4.0696 acc=0.000 anchor_streak=1.00 anchor_ddtree@32=1.00 lr=6.85e-06
+    noise=0.1000 gnorm=1.23 | tgt=0.63b/s dft=0.62b/s (24.6Ktok/s) | q_pre=[50, 50] | epoch~0.01 ETA=5.2d`"""
+    anchor_ddtree = f"anchor_ddtree@{m['ddtree_budget']}"
     return (f"[{human_duration(m['elapsed_s'])}] step={m['step']} loss={m['loss']:.4f} acc={m['acc']:.3f} "
-            f"streak={m['streak']:.2f} ddtree@{m['ddtree_budget']}={m['ddtree_accept']:.2f} "
+            f"anchor_streak={m['anchor_streak']:.2f} {anchor_ddtree}={m[anchor_ddtree]:.2f} "
             f"lr={m['lr']:.2e} noise={m['noise']:.4f} gnorm={m['grad_norm']:.2f} | "
             f"tgt={m['target_batches_per_s']:.2f}b/s dft={m['drafter_batches_per_s']:.2f}b/s "
             f"({m['tokens_per_s'] / 1000:.1f}Ktok/s) | q_pre={m['prefetch_queue']} | "
             f"epoch~{m['epoch_progress']:.2f} ETA={human_duration(m['eta_s'])}"
             + (f" | skipped={m['skipped_steps']}" if m["skipped_steps"] else ""))
+
+
+def eval_line(m: dict, title: str = "eval") -> str:
+    """The console line of an eval or generation record: each group of numbers the record holds,
+    e.g. `eval step=300 | held-out loss=2.103 acc=0.4512 anchor_streak=4.52 anchor_ddtree@32=5.83 |
+    replayed tau_dflash=1.623 tau_ddtree@32=2.41 | generated gen_tau_dflash=1.6 gen_seconds=4.1`"""
+    groups = {"held-out": [k for k in ("loss", "acc") if k in m] + [k for k in m if k.startswith("anchor_")],
+              "replayed": [k for k in m if k.startswith("tau_")],
+              "generated": [k for k in m if k.startswith("gen_")]}
+    return " | ".join([f"{title} step={m['step']}"] + [name + " " + " ".join(f"{k}={m[k]:.4g}" for k in keys)
+                                                     for name, keys in groups.items() if keys])
 
 
 class RunLogger:

@@ -27,8 +27,8 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from drafter.benchmarks import load_prompts
-from drafter.chat import render_prompt
-from drafter.decode import SAMPLING, STAGES, generate
+from drafter.chat import prompt_token_ids
+from drafter.decode import SAMPLING, STAGES, generate, stop_token_ids
 from drafter.lossless import BF16_TIE_TOLERANCE, first_divergence, lossless_verdict, near_tie_share
 from drafter.model import DFlashDraftModel
 from drafter.target import load_target
@@ -114,8 +114,7 @@ class Evaluator:
         self.tokenizer = AutoTokenizer.from_pretrained(self.target_path)
         thinking = recorded.get("chat_template_kwargs", {}).get("enable_thinking", False)
         self.enable_thinking = thinking if args.enable_thinking is None else args.enable_thinking == "true"
-        eos = self.target.generation_config.eos_token_id or self.tokenizer.eos_token_id
-        self.stop_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        self.stop_token_ids = stop_token_ids(self.target, self.tokenizer)
         self.methods = ["ar", "dflash"] + [f"ddtree@{b}" for b in args.budgets]
         self.args, self.dtype = args, dtype
 
@@ -128,9 +127,8 @@ class Evaluator:
                         synchronize_stages=self.args.sync_stages, tree_backend=self.args.tree_backend)
 
     def prompt_ids(self, messages: list[dict]) -> torch.Tensor:
-        text = render_prompt(self.tokenizer, messages, self.enable_thinking)
-        ids = self.tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
-        return ids.to(self.target.device)
+        ids = prompt_token_ids(self.tokenizer, messages, self.enable_thinking)
+        return torch.tensor([ids], dtype=torch.long, device=self.target.device)
 
     def run_prompt(self, prompt, method: str) -> list[dict]:
         """One record per user turn; later turns follow this method's own earlier answers."""

@@ -41,7 +41,8 @@ def write_run(tmp_path: Path, **train) -> Path:
         "data": {"path": str(tmp_path / "data"), "eval_fraction": 0.1, "max_length": 128, "num_buckets": 3,
                  "tokens_per_batch": 384, "num_workers": 1, "prefetch_factor": 2},
         "train": {"epochs": 3, "max_steps": 24, "log_every": 1, "save_every": 6, "eval_every": 12,
-                  "eval_batches": 2, "threads_per_rank": 1, **train},
+                  "eval_batches": 2, "threads_per_rank": 1, "tau_budgets": [4, 16], "generate_every": 1000,
+                  "generate_max_prompts": 4, "generate_max_new_tokens": 8, "generate_max_seconds": 5, **train},
         "wandb": {"enabled": False},
     }
     path = tmp_path / "tiny.yaml"

@@ -150,7 +150,7 @@ def test_loss_weights_follow_configured_gamma(drafter, target, gamma):
 
 
 def test_training_step_metrics_are_those_of_its_logits(drafter, target):
-    """The rank metrics and ddtree_accept@B from training_step equal those computed from the dense
+    """The rank metrics and anchor_ddtree@B from training_step equal those computed from the dense
     logits of the same anchors and sampled blocks (the row layout of the loss and the top-k rows)."""
     ids, loss_mask = padded_batch([40, 33, 21], seed=8)
     features = context_features(target, ids, drafter.target_layer_ids)
@@ -171,7 +171,7 @@ def test_training_step_metrics_are_those_of_its_logits(drafter, target):
     assert sampled_valid.all()
     block_logits = logits.view(-1, B, logits.shape[-1])[sampled, 1:]
     committed = teacher_forced_accept(build_tree(block_logits, 12), blocks.labels.view(-1, B)[sampled, 1:])
-    torch.testing.assert_close(metrics["ddtree_accept@12"], torch.tensor([committed.sum().item(), 5.0]))
+    torch.testing.assert_close(metrics["anchor_ddtree@12"], torch.tensor([committed.sum().item(), 5.0]))
 
 
 def test_default_gamma_by_block_size():
@@ -214,9 +214,9 @@ def test_streak_and_accuracy_metrics_on_known_ranks():
     blocks = build_blocks(ids, loss_mask, anchors, valid, 5, MASK_ID, gamma=7.0)
     ranks = torch.tensor([[[0, 0, 0, 5, 0], [0, 3, 0, 0, 9], [0, 0, 0, 0, 0]]])
     m = finalize_metrics(rank_metrics(ranks, blocks))
-    assert m["streak"] == pytest.approx((1 + 2 + 1 + 0) / 2)  # (2 accepted + bonus), (0 + bonus)
-    assert m["ddtree_streak4"] == pytest.approx((1 + 2 + 1 + 3) / 2)
-    assert m["ddtree_streak8"] == pytest.approx((1 + 4 + 1 + 3) / 2)
+    assert m["anchor_streak"] == pytest.approx((1 + 2 + 1 + 0) / 2)  # (2 accepted + bonus), (0 + bonus)
+    assert m["anchor_top4_streak"] == pytest.approx((1 + 2 + 1 + 3) / 2)
+    assert m["anchor_top8_streak"] == pytest.approx((1 + 4 + 1 + 3) / 2)
     assert m["acc"] == pytest.approx(5 / 8)
     assert m["top4_acc"] == pytest.approx(6 / 8) and m["top8_acc"] == pytest.approx(7 / 8)
     assert m["acc_pos"] == pytest.approx([0.5, 1.0, 0.5, 0.5])
@@ -237,11 +237,11 @@ def test_training_step_reports_all_metrics_and_learns(target):
         opt.step()
         losses.append(loss.item())
     m = finalize_metrics(metrics)
-    for key in ("loss", "acc", "top4_acc", "top8_acc", "streak", "ddtree_streak4", "ddtree_streak8",
-                "ddtree_accept@16"):
+    for key in ("loss", "acc", "top4_acc", "top8_acc", "anchor_streak", "anchor_top4_streak",
+                "anchor_top8_streak", "anchor_ddtree@16"):
         assert math.isfinite(m[key]), key
-    assert 1.0 <= m["streak"] <= m["ddtree_streak4"] <= m["ddtree_streak8"] <= B
-    assert 1.0 <= m["ddtree_accept@16"] <= B
+    assert 1.0 <= m["anchor_streak"] <= m["anchor_top4_streak"] <= m["anchor_top8_streak"] <= B
+    assert 1.0 <= m["anchor_ddtree@16"] <= B
     assert sum(losses[-5:]) < 0.8 * sum(losses[:5])
 
 
@@ -338,7 +338,7 @@ def test_a_micro_step_waits_on_the_host_once(target, monkeypatch):
     assert len(counter.events) == 1, counter.events
     assert counter.events[0].startswith("aten._local_scalar_dense at ")
     assert "drafter/objective.py" in counter.events[0]
-    assert metrics["ddtree_accept@16"][1] == cfg.ddtree_blocks  # the metric saw its blocks
+    assert metrics["anchor_ddtree@16"][1] == cfg.ddtree_blocks  # the metric saw its blocks
 
 
 def test_sampled_blocks_are_distinct_complete_ones_in_a_fixed_shape():
@@ -428,7 +428,7 @@ def test_ddtree_accept_on_a_hand_built_case():
 
 
 def test_training_step_ddtree_accept_is_each_blocks_own_walk(trained):
-    """ddtree_accept@B from the training step equals, block by block, an independent count (no tree
+    """anchor_ddtree@B from the training step equals, block by block, an independent count (no tree
     builder, no top-k rows) over every complete block, so a block paired with another block's labels
     or marginals shows."""
     drafter, target = trained.drafter, trained.target
@@ -448,4 +448,4 @@ def test_training_step_ddtree_accept_is_each_blocks_own_walk(trained):
     walks = [independent_ddtree_accept(logits[b, a, 1:], blocks.labels[b, a, 1:].tolist(), 16)
              for b, a in complete.nonzero().tolist()]
     assert len(set(walks)) > 3  # blocks differ, so a mispairing changes the sum
-    assert metrics["ddtree_accept@16"].tolist() == [sum(walks), len(walks)]
+    assert metrics["anchor_ddtree@16"].tolist() == [sum(walks), len(walks)]

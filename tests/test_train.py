@@ -36,9 +36,9 @@ def test_two_rank_run_learns_logs_and_exports(reference_run):
     records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train] == list(range(1, 25))
-    for key in ("loss", "acc", "top4_acc", "top8_acc", "streak", "ddtree_streak4", "ddtree_streak8",
-                "ddtree_accept@16", "lr", "noise", "grad_norm", "per_bucket", "pad_efficiency",
-                "tokens_per_s", "time_split_s", "prefetch_queue", "eta_s"):
+    for key in ("loss", "acc", "top4_acc", "top8_acc", "anchor_streak", "anchor_top4_streak",
+                "anchor_top8_streak", "anchor_ddtree@16", "lr", "noise", "grad_norm", "per_bucket",
+                "pad_efficiency", "tokens_per_s", "time_split_s", "prefetch_queue", "eta_s"):
         assert key in train[-1], key
     assert len(train[-1]["prefetch_queue"]) == 2  # one queue depth per rank
     assert any(r["kind"] == "eval" for r in records)
@@ -54,10 +54,19 @@ def test_two_rank_run_learns_logs_and_exports(reference_run):
 
 
 @pytest.mark.slow
-def test_checkpoint_saves_do_not_change_the_trajectory(reference_run, tmp_path):
+def test_saves_evaluation_and_generation_do_not_change_the_trajectory(reference_run, tmp_path):
+    """The reference saves every 6 steps, evaluates at 12 and 24 and generates at the end; this run
+    never saves, evaluates and generates every 6 steps: the same losses."""
     _, cfg, _ = reference_run
-    run_to_end(cfg, f"run.out_dir={tmp_path / 'nosave'}", "train.save_every=1000")
-    assert train_losses(tmp_path / "nosave") == train_losses(reference_run[0] / "run")
+    run = tmp_path / "nosave"
+    run_to_end(cfg, f"run.out_dir={run}", "train.save_every=1000", "train.eval_every=6", "train.generate_every=6")
+    assert train_losses(run) == train_losses(reference_run[0] / "run")
+    generated = records(run, "generate")
+    assert [r["step"] for r in generated] == [6, 12, 18, 24]
+    assert all(r["gen_responses"] == 4 and r["gen_tau_dflash"] >= 1 and "gen_tau_ddtree@16" in r for r in generated)
+    evals = records(run, "eval")
+    assert [r["step"] for r in evals] == [6, 12, 18, 24]
+    assert all(1 <= r["tau_dflash"] <= 8 and 1 <= r["tau_ddtree@16"] <= 8 for r in evals)  # block size 8
 
 
 @pytest.mark.slow

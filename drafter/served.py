@@ -1,0 +1,233 @@
+"""Served acceptance length (tau) during training: replayed under teacher forcing, and generated.
+
+tau is the tokens committed per target verify forward, bonus included (RESEARCH.md section 3). The
+random-anchor metrics of `objective.rank_metrics` (`anchor_streak`, ...) are not tau: they average the
+accepted length over uniformly random anchors, while serving lands on one anchor every L(p) tokens,
+so a run of L accepted tokens is one step when served but L anchors, each with a long streak, there.
+
+Replay (`replay_steps`, `replayed_tau`). One masked drafter forward per chunk of anchors scores a block
+at every response position p (the training forward: the block sees the target's features of
+positions < p); `anchor_acceptance` turns each block into the drafted tokens a verify at p would
+accept when the target's tokens are the text's: for `dflash` the leading slots where the drafter's
+argmax is the text's token, for `ddtree@B` the depth reached by walking the best-first tree of B
+nodes (built from the block's marginals) along the text. Then serving is replayed as
+`drafter.decode.generate` runs it, once per response, i.e. per maximal run [s, e) of supervised
+positions (one assistant turn; every turn is a response, as eval/ddtree_accept.py counts turns):
+the prefill yields token s, so the first step's anchor is p = s; a step at p commits
+min(accepted(p) + 1, e - 1 - p) tokens (the drafted tokens accepted and the bonus, cut at the turn's
+last token, which is its stop token) and moves p there; the response ends at p = e - 1.
+tau of a response = mean tokens per step; `tau_<method>` = mean over responses with at least one
+step (eval/ddtree_accept.py's `tau`).
+
+When the text is the target's own greedy output this is the served tau at temperature 0, step for
+step (tests/test_served.py). Otherwise it is the tau the drafter would get if the target had written
+that text. One known gap: `generate`'s `dflash` shortens its last blocks when fewer than B positions
+remain before `max_new_tokens` (as the public loop does), which replay does not model; a response
+cut by `max_new_tokens` can differ in its last steps.
+
+Generation (`generation_tau`): the target and the drafter decode a fixed prompt set through
+`generate` at temperature 0, this rank's share of it, bounded in time; it returns [sum, count] pairs
+for the caller to all-reduce.
+"""
+import time
+
+import numpy as np
+import torch
+
+from drafter.benchmarks import load_prompts
+from drafter.chat import prompt_token_ids
+from drafter.ddtree import build_tree, teacher_forced_accept
+from drafter.decode import generate
+from drafter.objective import build_blocks, chunk_rows_for, drafter_hidden
+
+
+def method_names(budgets) -> list[str]:
+    """`dflash` and `ddtree@B` for every budget, in that order."""
+    budgets = [int(b) for b in budgets]
+    if any(b < 1 for b in budgets):
+        raise ValueError(f"tree budgets must be >= 1, got {budgets}")
+    return ["dflash"] + [f"ddtree@{b}" for b in budgets]
+
+
+# ---------------------------------------------------------------------------------------------
+# Replay under teacher forcing
+# ---------------------------------------------------------------------------------------------
+
+def every_anchor(loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(anchors [b, A], valid [b, A]): every position p with p and p + 1 supervised, in order;
+    rows with fewer get `valid=False` filler anchors at 0."""
+    mask = loss_mask.bool()
+    candidates = torch.zeros_like(mask)
+    candidates[:, :-1] = mask[:, :-1] & mask[:, 1:]
+    count = candidates.sum(1)
+    width = max(int(count.max()), 1)
+    order = torch.argsort((~candidates).to(torch.uint8), dim=1, stable=True)[:, :width]
+    valid = torch.arange(width, device=mask.device) < count[:, None]
+    return torch.where(valid, order, 0), valid
+
+
+@torch.no_grad()
+def anchor_acceptance(drafter, target, features, input_ids, loss_mask, budgets, attention: str, *,
+                      blocks_per_forward: int = 2048, chunk_bytes: int = 256 * 2**20,
+                      tree_backend: str = "auto") -> dict[str, torch.Tensor]:
+    """Drafted tokens a verify at each anchor would accept, per method: {method: [b, T] long on the
+    CPU}, -1 where p is no anchor. The labels are the text as it goes on, past the response's end
+    too (`serve_walk` cuts every step at that end).
+
+    features [b, T, K*H] are `target.context_features` of input_ids (right-padded batch). At most
+    `blocks_per_forward` blocks (all rows together) go through the drafter at once, and at most
+    `chunk_bytes` of fp32 logits exist at once.
+    """
+    methods = method_names(budgets)
+    b, T = input_ids.shape
+    block_size = drafter.block_size
+    head = target.get_output_embeddings()
+    rows_per_chunk = chunk_rows_for(head.weight.shape[0] * (block_size - 1), chunk_bytes)
+    anchors, valid = every_anchor(loss_mask)
+    per_row = max(1, blocks_per_forward // b)
+    accepted = {m: torch.full((b, T), -1, dtype=torch.long) for m in methods}
+    for first in range(0, anchors.shape[1], per_row):
+        chunk, chunk_valid = anchors[:, first:first + per_row], valid[:, first:first + per_row]
+        if not chunk_valid.any():
+            continue
+        blocks = build_blocks(input_ids, loss_mask, chunk, chunk_valid, block_size, drafter.mask_token_id,
+                              gamma=1.0)
+        hidden = drafter_hidden(drafter, target, features, blocks, attention)[chunk_valid][:, 1:]
+        labels = blocks.labels[chunk_valid][:, 1:]
+        rows, positions = chunk_valid.nonzero(as_tuple=True)
+        positions = chunk[rows, positions]
+        for start in range(0, len(labels), rows_per_chunk):
+            part = slice(start, start + rows_per_chunk)
+            # as DFlashDraftModel.draft_logits computes them at serving time
+            logits = head(hidden[part].to(target.dtype)).float()
+            where = (rows[part].cpu(), positions[part].cpu())
+            matches = (logits.argmax(-1) == labels[part]).long().cumprod(-1).sum(-1)
+            accepted["dflash"][where] = matches.cpu()
+            for method in methods[1:]:
+                tree = build_tree(logits, int(method.split("@")[1]), tree_backend)
+                accepted[method][where] = (teacher_forced_accept(tree, labels[part]) - 1).cpu()
+    return accepted
+
+
+def response_spans(loss_mask_row: list[int]) -> list[tuple[int, int]]:
+    """[start, end) of each maximal run of supervised positions (one assistant turn each)."""
+    spans, start = [], None
+    for position, supervised in enumerate(list(loss_mask_row) + [0]):
+        if supervised and start is None:
+            start = position
+        elif not supervised and start is not None:
+            spans.append((start, position))
+            start = None
+    return spans
+
+
+def serve_walk(accepted: list[int], start: int, end: int) -> list[int]:
+    """Tokens committed per step when serving the response at [start, end): the prefill gives the
+    token at `start`, a step at anchor p commits accepted[p] + 1 (the bonus included), at most up
+    to the response's last token end - 1."""
+    steps, p = [], start
+    while p < end - 1:
+        if accepted[p] < 0:
+            raise ValueError(f"position {p} of the response at [{start}, {end}) was not scored")
+        step = min(accepted[p] + 1, end - 1 - p)
+        steps.append(step)
+        p += step
+    return steps
+
+
+def replay_steps(drafter, target, features, input_ids, loss_mask, budgets, attention: str,
+                 **chunking) -> dict[str, list[list[int]]]:
+    """Tokens per step of every response of the batch (row by row, turn by turn), per method, as
+    `generate` would commit them serving that text (module docstring). `chunking`: see
+    `anchor_acceptance`."""
+    accepted = anchor_acceptance(drafter, target, features, input_ids, loss_mask, budgets, attention,
+                                 **chunking)
+    spans = [response_spans(row) for row in loss_mask.tolist()]
+    walks = {}
+    for method, table in accepted.items():
+        table = table.tolist()
+        walks[method] = [serve_walk(table[row], start, end)
+                         for row, row_spans in enumerate(spans) for start, end in row_spans]
+    return walks
+
+
+def mean_tau(steps_per_response: list[list[int]]) -> torch.Tensor:
+    """[sum over responses of the response's mean tokens per step, responses] (float64); responses
+    without a step (a single token) are left out, as eval/ddtree_accept.py does."""
+    taus = [sum(steps) / len(steps) for steps in steps_per_response if steps]
+    return torch.tensor([sum(taus), len(taus)], dtype=torch.float64)
+
+
+def replayed_tau(drafter, target, features, input_ids, loss_mask, budgets, attention: str,
+                 **chunking) -> dict[str, torch.Tensor]:
+    """{`tau_dflash`, `tau_ddtree@B`: [sum, count]} over the batch's responses, to be summed over
+    batches and ranks and divided (objective.finalize_metrics)."""
+    steps = replay_steps(drafter, target, features, input_ids, loss_mask, budgets, attention, **chunking)
+    return {f"tau_{method}": mean_tau(responses) for method, responses in steps.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Generation
+# ---------------------------------------------------------------------------------------------
+
+def held_out_prompts(dataset, max_prompts: int, seed: int) -> list[list[int]]:
+    """The prompt side (tokens before the first supervised position) of up to `max_prompts` rows of a
+    prepared dataset, taken in a seeded shuffle of its rows (a numpy Generator of its own: the
+    global RNGs are not touched). Rows whose first token is supervised are skipped."""
+    prompts = []
+    for index in np.random.default_rng(seed).permutation(len(dataset)):
+        if len(prompts) == max_prompts:
+            break
+        row = dataset[int(index)]
+        first = next((i for i, supervised in enumerate(row["loss_mask"]) if supervised), 0)
+        if first > 0:
+            prompts.append(list(row["input_ids"][:first]))
+    return prompts
+
+
+def bench_prompts(spec: str, tokenizer, enable_thinking: bool, max_prompts: int) -> list[list[int]]:
+    """Token ids of the first user turn (after any history) of up to `max_prompts` prompts of a
+    benchmark (`drafter.benchmarks.load_prompts`: a hub name or a JSONL file), rendered as
+    eval/ddtree_accept.py renders them. Later turns of multi-turn prompts are not used."""
+    _, prompts = load_prompts(spec, max_prompts)
+    return [prompt_token_ids(tokenizer, list(p.history) + [{"role": "user", "content": p.turns[0]}],
+                             enable_thinking) for p in prompts]
+
+
+def generation_tau(target, drafter, prompts: list[list[int]], rank: int, world_size: int, *, budgets,
+                   max_new_tokens: int, max_seconds: float, stop_token_ids=(),
+                   tree_backend: str = "auto") -> dict[str, torch.Tensor]:
+    """Served tau on this rank's share of `prompts` (prompts[rank::world_size]) at temperature 0.
+
+    Each prompt is decoded by every method (`dflash`, `ddtree@B`) through `drafter.decode.generate`;
+    no prompt starts once `max_seconds` have passed, so a call lasts at most max_seconds plus one
+    prompt. Returns {`gen_tau_dflash`, `gen_tau_ddtree@B`: [sum of per-response tau, responses],
+    `gen_seconds`: [seconds, 1]} (float64, CPU) for the caller to all-reduce (sum) and divide; a rank
+    that decoded nothing contributes zeros. No collective runs here. The drafter is put in eval mode
+    and given back in the mode it came in; the global torch, CUDA and numpy RNGs are not used.
+    """
+    methods = method_names(budgets)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    clock = time.perf_counter()
+    device = target.device
+    steps = {method: [] for method in methods}
+    was_training = drafter.training
+    drafter.eval()
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            for prompt in prompts[rank::world_size]:
+                if time.perf_counter() - clock >= max_seconds:
+                    break
+                ids = torch.tensor([prompt], dtype=torch.long, device=device)
+                for method in methods:
+                    name, _, budget = method.partition("@")
+                    result = generate(target, ids, max_new_tokens, stop_token_ids, method=name,
+                                      drafter=drafter, budget=int(budget) if budget else None,
+                                      temperature=0.0, tree_backend=tree_backend)
+                    steps[method].append(result.acceptance_lengths)
+    finally:
+        drafter.train(was_training)
+    out = {f"gen_tau_{method}": mean_tau(responses) for method, responses in steps.items()}
+    out["gen_seconds"] = torch.tensor([time.perf_counter() - clock, 1.0], dtype=torch.float64)
+    return out
