@@ -344,7 +344,8 @@ def check_train_step(target, drafter, device, run, args) -> dict:
         "tokens_per_s": run["batch"] * run["seq_len"] * args.steps / total["step_s"],
         "blocks_per_s": blocks / total["step_s"],
         "step_s": total["step_s"] / args.steps,
-        "time_split_s": {k.removesuffix("_s"): total[k] / args.steps for k in ("target_s", "drafter_s", "optimizer_s")},
+        "time_split_s": {k.removesuffix("_s"): total[k] / args.steps
+                         for k in ("target_s", "drafter_s", "optimizer_s")},
         "peak_memory_gib": peak_memory_gib(device),
         "peak_memory_kind": "cuda_max_allocated" if device.type == "cuda" else "cpu_max_rss",
         "tflop_per_step": {k: v / args.steps / 1e12 for k, v in flops_by_part.items()},
@@ -464,8 +465,8 @@ def check_lossless(target, drafter, device, run) -> dict:
                 divergences.append(first_divergence(output.output_ids, reference.output_ids, reference.margins))
                 lengths += output.acceptance_lengths
             verdict = lossless_verdict(divergences)
-            figures[method] = {"verdict": verdict, "tau": sum(lengths) / len(lengths), "longest_step": max(lengths),
-                               "divergences": [None if d is None else {
+            figures[method] = {"verdict": verdict, "tau": sum(lengths) / len(lengths),
+                               "longest_step": max(lengths), "divergences": [None if d is None else {
                                    "position": d.position, "reference_token": d.reference_token, "token": d.token,
                                    "margin": d.margin, "tie": d.tie} for d in divergences]}
             require(verdict != "no", f"{method}: a divergence that is not a tie: {figures[method]}")
@@ -507,7 +508,8 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if cuda else torch.float32
     run = TINY_RUN if args.tiny else FULL_RUN
     device_name = torch.cuda.get_device_name(device) if cuda else "cpu"
-    log(f"device {device_name}; building target and drafter ({'tiny' if args.tiny else 'Qwen3-8B'} shapes, {dtype})")
+    shapes = "tiny" if args.tiny else "Qwen3-8B"
+    log(f"device {device_name}; building target and drafter ({shapes} shapes, {dtype})")
     target, drafter = build_models(args.tiny, device, dtype)
     drafter.train()
 

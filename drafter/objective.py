@@ -112,7 +112,8 @@ def attention_kernel(setting: str, device: torch.device | str) -> str:
     if setting == "auto":
         return "flex_compiled" if torch.device(device).type == "cuda" else "dense"
     if setting not in ATTENTION_KERNELS:
-        raise ValueError(f"objective.attention={setting!r}: expected auto or one of {', '.join(ATTENTION_KERNELS)}")
+        raise ValueError(f"objective.attention={setting!r}: expected auto or one of "
+                         f"{', '.join(ATTENTION_KERNELS)}")
     return setting
 
 

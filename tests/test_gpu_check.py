@@ -38,7 +38,8 @@ def test_tiny_run_passes_and_reports_every_figure(capsys):
 def test_a_failed_check_makes_the_script_exit_nonzero(monkeypatch, capsys):
     dense_block_mask = objective.dense_block_mask
     # the reference the compiled path is held to hides one context position too many
-    monkeypatch.setattr(objective, "dense_block_mask", lambda anchors, *shape: dense_block_mask(anchors - 1, *shape))
+    monkeypatch.setattr(objective, "dense_block_mask",
+                        lambda anchors, *shape: dense_block_mask(anchors - 1, *shape))
     assert gpu_check.main(TINY) == 1
     report = last_json_line(capsys)
     assert report["checks"]["flex_vs_dense"].startswith("FAIL: logits_rel_error")

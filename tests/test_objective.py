@@ -360,8 +360,8 @@ def test_sampled_blocks_are_distinct_complete_ones_in_a_fixed_shape():
     torch.testing.assert_close(chosen[sorted(complete)] / 300, torch.full((5,), 2 / 5), rtol=0, atol=0.1)
     # the metric counts valid blocks only
     logprobs = torch.zeros(7, 5, 1)
-    value = ddtree_accept_metric(logprobs, torch.zeros(7, 5, 1, dtype=torch.long), torch.zeros(7, 5, dtype=torch.long),
-                                 budget=4, valid=torch.tensor([True] * 3 + [False] * 4))
+    ids, labels = torch.zeros(7, 5, 1, dtype=torch.long), torch.zeros(7, 5, dtype=torch.long)
+    value = ddtree_accept_metric(logprobs, ids, labels, budget=4, valid=torch.tensor([True] * 3 + [False] * 4))
     assert value.tolist() == [3 * 5.0, 3.0]  # each valid block: 4 accepted + the bonus
 
 
