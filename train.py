@@ -31,7 +31,7 @@ from drafter.engine import DeepSpeedEngine, EngineConfigError, FSDPEngine, deeps
 from drafter.decode import stop_token_ids
 from drafter.launch import LaunchError, init_distributed
 from drafter.model import DFlashDraftModel, drafter_config, drafter_from_state_dict, resolve_mask_token_id
-from drafter.objective import ObjectiveConfig, finalize_metrics, training_step
+from drafter.objective import ObjectiveConfig, attention_kernel, finalize_metrics, training_step
 from drafter.sampler import BucketSampler, bucket_table, make_loader, sampler_from_config
 from drafter.served import bench_prompts, generation_tau, held_out_prompts, replayed_tau
 from drafter.target import context_features, load_target, random_qwen3, target_config
@@ -184,7 +184,7 @@ class Timers:
 
 # ----------------------------------------------------------------------------- training
 
-def micro_step(engine, target, batch, objective, cfg, step, micro, rank, noise, device, use_flex, timers):
+def micro_step(engine, target, batch, objective, cfg, step, micro, rank, noise, device, attention, timers):
     """Forward + backward of one micro batch; returns its metrics ([sum, count] tensors, on the device:
     nothing here waits for the device)."""
     input_ids = batch["input_ids"].to(device, non_blocking=True)
@@ -196,7 +196,7 @@ def micro_step(engine, target, batch, objective, cfg, step, micro, rank, noise, 
                                  step_generator(cfg.run.seed, step, rank, 1 + micro, device))
     timers.lap("target")
     loss, metrics = training_step(drafter, target, features, input_ids, loss_mask, objective,
-                                  step_generator(cfg.run.seed, step, rank, -1 - micro), use_flex)
+                                  step_generator(cfg.run.seed, step, rank, -1 - micro), attention)
     # A non-finite loss makes every gradient NaN, so the engine's global check skips the step on all ranks.
     loss = loss * torch.where(torch.isfinite(loss.detach()), 1.0, math.nan)
     engine.backward(loss)
@@ -205,7 +205,7 @@ def micro_step(engine, target, batch, objective, cfg, step, micro, rank, noise, 
 
 
 @torch.no_grad()
-def evaluate(engine, target, eval_set, eval_sampler, objective, cfg, rank, device, use_flex):
+def evaluate(engine, target, eval_set, eval_sampler, objective, cfg, rank, device, attention):
     """Held-out loss, random-anchor metrics and replayed tau over up to eval_batches per rank, on clean
     features."""
     engine.module.eval()
@@ -216,9 +216,9 @@ def evaluate(engine, target, eval_set, eval_sampler, objective, cfg, rank, devic
             input_ids, loss_mask = batch["input_ids"].to(device), batch["loss_mask"].to(device)
             features = context_features(target, input_ids, engine.module.target_layer_ids)
             _, metrics = training_step(engine.module, target, features, input_ids, loss_mask, objective,
-                                       step_generator(cfg.run.seed, i, rank, 7), use_flex)
+                                       step_generator(cfg.run.seed, i, rank, 7), attention)
             metrics.update(replayed_tau(engine.module, target, features, input_ids, loss_mask,
-                                        cfg.train.tau_budgets, use_flex,
+                                        cfg.train.tau_budgets, attention,
                                         blocks_per_forward=objective.anchors_per_batch or 2048,
                                         chunk_bytes=objective.chunk_bytes))
             for k, v in metrics.items():
@@ -269,6 +269,9 @@ def train(cfg, rank, world_size, device) -> int:
         set_cpu_threads(cfg)
     stop = StopRequest()
     dtype = training_dtype(cfg, device)
+    if device.type == "cpu" and attention_kernel(cfg.objective.attention, device) != "dense":
+        raise ConfigError(f"objective.attention={cfg.objective.attention}: flex_attention has no backward on "
+                          "the CPU in this torch; train with dense there (auto)")
     text_config = target_config(cfg.target.path, cfg.target.random)
     ds_config = engine_settings(cfg, world_size, device, dtype, text_config.hidden_size)
 
@@ -300,7 +303,7 @@ def train(cfg, rank, world_size, device) -> int:
     drafter = build_drafter(cfg, target, tokenizer)
     generate_prompts = generation_prompts(cfg, tokenizer, eval_set)
     stops = stop_token_ids(target, tokenizer)
-    use_flex = cfg.objective.attention == "flex" or (cfg.objective.attention == "auto" and device.type == "cuda")
+    attention = attention_kernel(cfg.objective.attention, device)
     objective = ObjectiveConfig(block_size=drafter.block_size, mask_token_id=drafter.mask_token_id,
                                 num_anchors=cfg.objective.num_anchors, gamma=cfg.objective.gamma,
                                 ddtree_budget=cfg.objective.ddtree_budget,
@@ -325,7 +328,7 @@ def train(cfg, rank, world_size, device) -> int:
         log.print(note)
     log.print(f"run {cfg.run.name}: {world_size} ranks on {device.type}, {engine.description}, drafter "
               f"{engine.num_parameters / 1e6:.2f}M params, {total_steps} steps ({steps_per_epoch}/epoch), "
-              f"attention={'flex' if use_flex else 'dense'}")
+              f"attention={attention}")
     log.print(bucket_summary(stats))
 
     def save(step):
@@ -354,7 +357,7 @@ def train(cfg, rank, world_size, device) -> int:
                         window.data_wait += time.perf_counter() - t_wait
                         window.queue.append(loader.queue_depth())
                         metrics = micro_step(engine, target, batch, objective, cfg, step, micro, rank, noise,
-                                             device, use_flex, window.timers)
+                                             device, attention, window.timers)
                         window.add(metrics, batch)
                         state["micro_step_in_epoch"] += 1
                     window.timers.start()
@@ -385,7 +388,7 @@ def train(cfg, rank, world_size, device) -> int:
                         return 0
                     if eval_sampler is not None and (step % cfg.train.eval_every == 0 or last):
                         run_eval(engine, target, eval_set, eval_sampler, objective, cfg, rank, device,
-                                 use_flex, step, log)
+                                 attention, step, log)
                     if generate_prompts and (step % cfg.train.generate_every == 0 or last):
                         run_generation(engine, target, generate_prompts, stops, cfg, rank, world_size, step,
                                        log)
@@ -402,8 +405,8 @@ def train(cfg, rank, world_size, device) -> int:
         log.close()
 
 
-def run_eval(engine, target, eval_set, eval_sampler, objective, cfg, rank, device, use_flex, step, log):
-    metrics = evaluate(engine, target, eval_set, eval_sampler, objective, cfg, rank, device, use_flex)
+def run_eval(engine, target, eval_set, eval_sampler, objective, cfg, rank, device, attention, step, log):
+    metrics = evaluate(engine, target, eval_set, eval_sampler, objective, cfg, rank, device, attention)
     if not metrics:
         return
     log.log({"step": step, **metrics}, prefix="eval")

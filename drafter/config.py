@@ -168,7 +168,7 @@ def load_config(path: str, overrides: list[str] = ()) -> DictConfig:
 
 DTYPE_ALIASES = {"auto": "auto", "bf16": "bf16", "bfloat16": "bf16", "fp32": "fp32", "float32": "fp32"}
 CHOICES = {
-    "objective.attention": ("auto", "dense", "flex"),
+    "objective.attention": ("auto", "dense", "flex", "flex_compiled"),
     "train.engine": ("deepspeed", "fsdp"),
     "wandb.mode": (None, "online", "offline", "disabled"),
 }

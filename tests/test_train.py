@@ -234,7 +234,7 @@ def test_a_json_contradiction_stops_train_py_before_any_model_loads(tmp_path):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("objective.attention=flexx", "objective.attention='flexx' is not one of auto, dense, flex"),
+    ("objective.attention=flexx", "objective.attention='flexx' is not one of auto, dense, flex, flex_compiled"),
     ("target.dtype=float16", "target.dtype='float16' is not one of auto, bf16"),
     ("train.engine=megatron", "train.engine='megatron' is not one of deepspeed, fsdp"),
     ("wandb.mode=loud", "wandb.mode='loud' is not one of null, online, offline, disabled"),
