@@ -100,6 +100,32 @@ def run_to_end(cfg: Path, *overrides: str, expect: int | None = 0, **kwargs) -> 
     return out
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (torchrun starts its workers in sessions of their own, so signalling
+    the launcher's process group does not reach them)."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:  # the task ended
+                continue
+            found += children
+            todo += children
+    return found
+
+
+def kill_job(proc: subprocess.Popen, signum: int, launcher: bool = True) -> None:
+    """`signum` to every process the launcher started (and to the launcher itself unless told not
+    to), as a scheduler signals a job."""
+    for pid in [proc.pid] * launcher + descendants(proc.pid):
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
 def records(out_dir: Path, kind: str = "train") -> list[dict]:
     lines = (out_dir / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if r["kind"] == kind]

@@ -13,6 +13,7 @@ agrees to rel 1e-6.
 """
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -21,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from runs import REPO, launch, records, run_to_end, train_losses, wait_for_step
+from runs import REPO, kill_job, launch, records, run_to_end, train_losses, wait_for_step
 
 pytestmark = pytest.mark.slow
 ENGINE_RTOL = 1e-4
@@ -106,10 +107,11 @@ def test_fsdp_sigkill_then_resume_reproduces_the_uninterrupted_losses(reference_
     run = tmp_path / "killed"
     proc = launch(cfg, f"run.out_dir={run}", "train.engine=fsdp", launcher="torchrun")
     wait_for_step(run, 14, proc)
-    os.killpg(proc.pid, signal.SIGKILL)
+    kill_job(proc, signal.SIGKILL)
     proc.wait()
+    assert not (run / "checkpoints" / "step_24").exists()
     out = run_to_end(cfg, f"run.out_dir={run}", "train.engine=fsdp", launcher="torchrun")
-    assert "resumed from" in out
+    assert re.search(r"resumed from \S+ at step (12|18) ", out), out[-3000:]
     assert [r["step"] for r in records(run)] == list(range(1, 25))
     assert_same_trajectory(train_losses(run), train_losses(fsdp_run[0]), range(1, 25), 1e-6)
 
@@ -146,10 +148,6 @@ def test_gradient_accumulation_with_hard_coded_batch_keys_matches_fsdp(reference
     assert [r["grad_norm"] for r in ds] == pytest.approx([r["grad_norm"] for r in fsdp], rel=1e-3)
 
 
-def children(pid: int) -> list[int]:
-    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-
-
 def test_srun_tasks_form_one_world_and_stop_on_sigusr1(reference_run, tmp_path):
     """Two `srun` tasks (SLURM variables, no RANK): one world, the reference trajectory; SLURM's
     --signal=USR1@N early warning saves and exits, before evaluating that step."""
@@ -157,8 +155,7 @@ def test_srun_tasks_form_one_world_and_stop_on_sigusr1(reference_run, tmp_path):
     run = tmp_path / "run"
     proc = launch(cfg, f"run.out_dir={run}", "train.eval_every=1", "train.save_every=1000", launcher="slurm")
     wait_for_step(run, 4, proc)
-    for task in children(proc.pid):  # srun signals the tasks
-        os.kill(task, signal.SIGUSR1)
+    kill_job(proc, signal.SIGUSR1, launcher=False)  # srun signals the tasks (here: not the shell that waits)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-3000:]
     assert "2 ranks on cpu" in out
