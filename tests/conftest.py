@@ -28,6 +28,27 @@ def make_drafter(target, num_layers=2, block_size=8, seed=1, **kw) -> DFlashDraf
     return randomize_(DFlashDraftModel(cfg), seed).eval()
 
 
+def fit_drafter(drafter, target, input_ids, loss_mask, cfg, steps: int, lr: float) -> list[float]:
+    """`steps` AdamW steps of the project's own training step (`training_step` on `context_features`,
+    anchors seeded by the step): the losses. The drafter is left in eval mode."""
+    from drafter.objective import training_step
+    from drafter.target import context_features
+
+    features = context_features(target, input_ids, drafter.target_layer_ids)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=lr)
+    drafter.train()
+    losses = []
+    for step in range(steps):
+        loss, _ = training_step(drafter, target, features, input_ids, loss_mask, cfg,
+                                torch.Generator().manual_seed(step), attention="dense")
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    drafter.eval()
+    return losses
+
+
 @pytest.fixture(scope="session")
 def reference_run(tmp_path_factory):
     """An uninterrupted two-rank ZeRO-2 run through the deepspeed launcher: 24 steps, saves every 6."""
@@ -64,23 +85,15 @@ def trained(target) -> TrainedDrafter:
     step (`training_step` on `context_features`) over the target's greedy continuations of 8 random
     prompts. Served on those prompts its tau is about 5 (DFlash, block 8); a random drafter's is 1."""
     from drafter.decode import generate
-    from drafter.objective import ObjectiveConfig, training_step
-    from drafter.target import context_features
+    from drafter.objective import ObjectiveConfig
 
     prompts = torch.randint(0, 250, (8, 8), generator=torch.Generator().manual_seed(20))
     sequences = torch.stack([torch.cat([p, torch.tensor(generate(target, p[None], 40).output_ids)])
                              for p in prompts])
     loss_mask = torch.zeros_like(sequences)
     loss_mask[:, prompts.shape[1]:] = 1
-    drafter = make_drafter(target, num_layers=2, block_size=8).train()
-    features = context_features(target, sequences, drafter.target_layer_ids)
+    drafter = make_drafter(target, num_layers=2, block_size=8)
     cfg = ObjectiveConfig(block_size=8, mask_token_id=MASK_ID, num_anchors=16, ddtree_budget=16)
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
-    for step in range(30):
-        loss, _ = training_step(drafter, target, features, sequences, loss_mask, cfg,
-                                torch.Generator().manual_seed(step), attention="dense")
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    drafter.eval().requires_grad_(False)
+    fit_drafter(drafter, target, sequences, loss_mask, cfg, steps=30, lr=1e-2)
+    drafter.requires_grad_(False)
     return TrainedDrafter(target, drafter, prompts, sequences)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import MASK_ID, make_drafter
+from conftest import MASK_ID, fit_drafter, make_drafter
 from drafter import ddtree, model, objective
 from drafter.ddtree import build_tree, teacher_forced_accept
 from drafter.host_sync import HostSyncCounter
@@ -223,19 +223,13 @@ def test_streak_and_accuracy_metrics_on_known_ranks():
 
 
 def test_training_step_reports_all_metrics_and_learns(target):
-    drafter = make_drafter(target, num_layers=1).train()
+    drafter = make_drafter(target, num_layers=1)
     ids, loss_mask = padded_batch([48, 48, 30], seed=6)
-    features = context_features(target, ids, drafter.target_layer_ids)
     cfg = ObjectiveConfig(block_size=B, mask_token_id=MASK_ID, num_anchors=8, ddtree_budget=16)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
-    losses = []
-    for step in range(25):
-        loss, metrics = training_step(drafter, target, features, ids, loss_mask, cfg,
-                                      torch.Generator().manual_seed(step), attention="dense")
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = fit_drafter(drafter, target, ids, loss_mask, cfg, steps=25, lr=3e-3)
+    features = context_features(target, ids, drafter.target_layer_ids)
+    _, metrics = training_step(drafter, target, features, ids, loss_mask, cfg, torch.Generator().manual_seed(24),
+                               attention="dense")
     m = finalize_metrics(metrics)
     for key in ("loss", "acc", "top4_acc", "top8_acc", "anchor_streak", "anchor_top4_streak",
                 "anchor_top8_streak", "anchor_ddtree@16"):

@@ -9,12 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from drafter.benchmarks import load_prompts
-
-from conftest import MASK_ID, make_drafter
+from conftest import MASK_ID, fit_drafter, make_drafter
 from drafter.benchmarks import load_prompts
 from drafter.decode import generate
-from drafter.objective import ObjectiveConfig, finalize_metrics, training_step
+from drafter.objective import ObjectiveConfig, finalize_metrics
 from drafter.served import (anchor_acceptance, bench_prompts, every_anchor, generation_tau,
                             held_out_prompts, mean_tau, replay_steps, replayed_tau, response_spans,
                             serve_walk)
@@ -88,17 +86,10 @@ def world(target):
     for i, (ids, mask) in enumerate(rows):
         input_ids[i, :len(ids)], loss_mask[i, :len(mask)] = torch.tensor(ids), torch.tensor(mask)
 
-    drafter = make_drafter(target, num_layers=1, block_size=B).double().train()
-    features = context_features(target, input_ids, drafter.target_layer_ids)
+    drafter = make_drafter(target, num_layers=1, block_size=B).double()
     cfg = ObjectiveConfig(block_size=B, mask_token_id=MASK_ID, num_anchors=48, ddtree_budget=8)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
-    for step in range(20):
-        loss, _ = training_step(drafter, target, features, input_ids, loss_mask, cfg,
-                                torch.Generator().manual_seed(step), attention="dense")
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    drafter.eval()
+    fit_drafter(drafter, target, input_ids, loss_mask, cfg, steps=20, lr=3e-3)
+    features = context_features(target, input_ids, drafter.target_layer_ids)
     served = {}
     for method in METHODS:
         name, _, budget = method.partition("@")
