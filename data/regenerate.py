@@ -29,11 +29,11 @@ line left by a crash, so nothing is duplicated or lost. Side files next to it (n
 Server requests are retried with exponential backoff and jitter on 429, 5xx, connection errors,
 timeouts (--timeout) and replies that are not a well-formed chat completion (a body that is not JSON,
 `message: null`, content or reasoning that is not a string); other 4xx fail the row at once. A failed
-row is written to OUT.errors.jsonl and tried again by the next run; an unexpected error in one row
-fails that row only (`internal_error`). Ctrl-C or SIGTERM stops the run within seconds: every answer already received
-is written, queued conversations are not started, requests in flight are abandoned (the next run
-does them), the summary is written (`interrupted: true`) and the exit status is 130. A second
-signal stops at once.
+row is written to OUT.errors.jsonl and tried again by the next run; an unexpected error in one
+row fails that row only (`internal_error`). Ctrl-C or SIGTERM stops the run within seconds: every
+answer already received is written, queued conversations are not started, requests in flight are
+abandoned (the next run does them), the summary is written (`interrupted: true`) and the exit
+status is 130. A second signal stops at once.
 """
 import argparse
 import hashlib

@@ -508,17 +508,17 @@ def test_answers_that_loop_are_counted_and_dropped_on_request(target, tokenizer,
     loop = "the value of " * 30
     path = write_jsonl(tmp_path / "rows.jsonl", [
         {"messages": [user("Explain"), assistant("It is " + loop)], "truncated": True},  # cut mid-loop
-        {"messages": [user("Explain"), assistant("It is " + loop + "the value.")]},    # loops, then ends
+        {"messages": [user("Explain"), assistant("It is " + loop)]},          # loops up to its end of turn
         {"messages": [user("Explain"), assistant(loop + "and so it ends here, in a plain sentence.")]},
         {"messages": [user("Explain"), assistant("Hello world!")]},
     ])
     out, stats = run(target, tmp_path, [path])
-    assert stats["flags"]["loop"] == {"rows": 1, "examples": [f"{path}:1"]} and stats["kept"] == 4
+    assert stats["flags"]["loop"] == {"rows": 2, "examples": [f"{path}:1", f"{path}:2"]} and stats["kept"] == 4
     assert stats["loop_rule"] == prepare.LOOP_RULE
 
     kept, stats = run(target, tmp_path, [path], "dropped", "--drop-loops")
-    assert stats["dropped"] == {"loop": 1} and "loop" not in stats["flags"]
-    assert kept.to_dict() == out.select([1, 2, 3]).to_dict()
+    assert stats["dropped"] == {"loop": 2} and "loop" not in stats["flags"]
+    assert kept.to_dict() == out.select([2, 3]).to_dict()
 
 
 @pytest.mark.parametrize("period", [1, 3, 10, 16])
