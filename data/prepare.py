@@ -16,8 +16,9 @@ in OUT/stats.json (`settings.chat_template_kwargs`), which train.py checks again
 
 Rows of data/regenerate.py marked `truncated` (an answer hit --max-tokens) are kept without their
 closing tokens supervised (flag `truncated`). An answer whose tail repeats a short n-gram is a loop
-(flag `loop`; dropped with --drop-loops): for some period p <= 16 tokens, each of the answer's last
-max(32, 3p) tokens (its closing token excluded) equals the token p before it.
+(flag `loop`; dropped with --drop-loops): its last 48 tokens (closing token excluded) hold at most 16
+distinct 4-grams of their 45. A repeated n-gram of up to 16 tokens has exactly n distinct 4-grams;
+the slack allows a few breaks (line wraps); answers shorter than 48 tokens never count.
 
 Output: `datasets.load_from_disk(OUT)` has columns `input_ids`, `loss_mask` (0/1, int8), `length` and
 `group` (the row's group for the held-out split: see `chat.row_group`); `OUT/stats.json` holds the
@@ -67,9 +68,9 @@ OUTPUT_COLUMNS = ["input_ids", "loss_mask", "length", "group"]
 WRITTEN_BY = "data/prepare.py"  # stats.json's mark: this directory is ours to replace
 MIN_SUPERVISED_RUN = 2
 EXAMPLES_PER_REASON = 5
-LOOP_MAX_PERIOD, LOOP_MIN_TAIL, LOOP_MIN_REPEATS = 16, 32, 3
-LOOP_RULE = (f"for some period p <= {LOOP_MAX_PERIOD} tokens, each of the answer's last "
-             f"max({LOOP_MIN_TAIL}, {LOOP_MIN_REPEATS}p) tokens (closing token excluded) equals the token p before it")
+LOOP_WINDOW, LOOP_NGRAM, LOOP_MAX_DISTINCT = 48, 4, 16
+LOOP_RULE = (f"the answer's last {LOOP_WINDOW} tokens (closing token excluded) hold at most "
+             f"{LOOP_MAX_DISTINCT} distinct {LOOP_NGRAM}-grams")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -170,11 +171,10 @@ def supervised_runs(input_ids: list[int], loss_mask: list[int]) -> list[list[int
 
 def repeating_tail(ids: list[int]) -> bool:
     """Whether the tail of `ids` repeats a short n-gram (LOOP_RULE)."""
-    for period in range(1, LOOP_MAX_PERIOD + 1):
-        tail = max(LOOP_MIN_TAIL, LOOP_MIN_REPEATS * period)
-        if len(ids) >= tail + period and ids[-tail:] == ids[-tail - period:-period]:
-            return True
-    return False
+    if len(ids) < LOOP_WINDOW:
+        return False
+    tail = ids[-LOOP_WINDOW:]
+    return len({tuple(tail[i:i + LOOP_NGRAM]) for i in range(LOOP_WINDOW - LOOP_NGRAM + 1)}) <= LOOP_MAX_DISTINCT
 
 
 def digest(*parts) -> str:

@@ -509,7 +509,7 @@ def test_answers_that_loop_are_counted_and_dropped_on_request(target, tokenizer,
     path = write_jsonl(tmp_path / "rows.jsonl", [
         {"messages": [user("Explain"), assistant("It is " + loop)], "truncated": True},  # cut mid-loop
         {"messages": [user("Explain"), assistant("It is " + loop)]},          # loops up to its end of turn
-        {"messages": [user("Explain"), assistant(loop + "and so it ends here, in a plain sentence.")]},
+        {"messages": [user("Explain"), assistant(loop + "and so it ends here, in a plain sentence that says what the value is and why it matters.")]},
         {"messages": [user("Explain"), assistant("Hello world!")]},
     ])
     out, stats = run(target, tmp_path, [path])
@@ -523,12 +523,19 @@ def test_answers_that_loop_are_counted_and_dropped_on_request(target, tokenizer,
 
 @pytest.mark.parametrize("period", [1, 3, 10, 16])
 def test_repeating_tail_rule(period):
-    tail = max(prepare.LOOP_MIN_TAIL, prepare.LOOP_MIN_REPEATS * period)
-    pattern = list(range(100, 100 + period))
-    periodic = (pattern * 100)[: tail + period]
+    window = prepare.LOOP_WINDOW
+    loop = (list(range(100, 100 + period)) * window)[:window]
     head = list(range(50))
-    assert prepare.repeating_tail(head + periodic)
-    assert not prepare.repeating_tail(head + periodic[1:])           # one token short of the rule
-    assert not prepare.repeating_tail(head + periodic + [7])         # the tail no longer repeats
+    assert prepare.repeating_tail(head + loop)
+    assert not prepare.repeating_tail(loop[1:])                             # one token short of the window
+    assert not prepare.repeating_tail(head + loop + list(range(200, 230)))  # the loop ended
     assert not prepare.repeating_tail(list(range(200)))
-    assert not prepare.repeating_tail((list(range(17)) * 10))       # period 17: not a short n-gram
+
+
+def test_repeating_tail_bounds_and_line_wraps():
+    window, distinct = prepare.LOOP_WINDOW, prepare.LOOP_MAX_DISTINCT
+    assert prepare.repeating_tail((list(range(distinct)) * window)[:window])          # 16 distinct 4-grams
+    assert not prepare.repeating_tail((list(range(distinct + 1)) * window)[:window])  # 17
+    # "self.name, self.name, self.name,\n    self.name, ...": 4 tokens, a line break every 3 times
+    wrapped = ([1, 2, 3, 4] * 3 + [9, 10]) * 5
+    assert prepare.repeating_tail(wrapped)
