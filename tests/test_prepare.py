@@ -506,10 +506,11 @@ def test_rows_record_their_group(target, tmp_path):
 
 def test_answers_that_loop_are_counted_and_dropped_on_request(target, tokenizer, tmp_path):
     loop = "the value of " * 30
+    ending = "and so it ends here, in a plain sentence that says what the value is and why it matters."
     path = write_jsonl(tmp_path / "rows.jsonl", [
         {"messages": [user("Explain"), assistant("It is " + loop)], "truncated": True},  # cut mid-loop
         {"messages": [user("Explain"), assistant("It is " + loop)]},          # loops up to its end of turn
-        {"messages": [user("Explain"), assistant(loop + "and so it ends here, in a plain sentence that says what the value is and why it matters.")]},
+        {"messages": [user("Explain"), assistant(loop + ending)]},                 # the loop ended
         {"messages": [user("Explain"), assistant("Hello world!")]},
     ])
     out, stats = run(target, tmp_path, [path])
