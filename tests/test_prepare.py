@@ -533,10 +533,10 @@ def test_repeating_tail_rule(period):
     assert not prepare.repeating_tail(list(range(200)))
 
 
-def test_repeating_tail_bounds_and_line_wraps():
-    window, distinct = prepare.LOOP_WINDOW, prepare.LOOP_MAX_DISTINCT
-    assert prepare.repeating_tail((list(range(distinct)) * window)[:window])          # 16 distinct 4-grams
-    assert not prepare.repeating_tail((list(range(distinct + 1)) * window)[:window])  # 17
+def test_repeating_tail_bounds_and_line_wraps():  # the rule as documented: 16 distinct 4-grams in 48 tokens
+    assert prepare.repeating_tail(list(range(16)) * 3)
+    assert not prepare.repeating_tail((list(range(17)) * 3)[:48])
+    assert not prepare.repeating_tail((list(range(16)) * 3)[:47])
     # "self.name, self.name, self.name,\n    self.name, ...": 4 tokens, a line break every 3 times
     wrapped = ([1, 2, 3, 4] * 3 + [9, 10]) * 5
     assert prepare.repeating_tail(wrapped)

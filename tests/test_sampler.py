@@ -277,6 +277,13 @@ def test_split_holdout_holds_out_whole_groups(seed):
     assert not np.array_equal(held, split_holdout(groups, 0.05, seed + 1)[1])
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_split_holdout_skips_groups_that_overshoot(seed):
+    groups = np.concatenate([np.repeat(np.arange(50), 30), 1000 + np.arange(30)])  # 50 of 30 rows, 30 single rows
+    _, held = split_holdout(groups, 0.01, seed)  # 15 rows: a group of 30 would land as far away as none
+    assert len(held) == 15 and (groups[held] >= 1000).all()
+
+
 # ---- collate and the DataLoader path -------------------------------------------------------
 
 def test_collate_pads_right_with_masks():
@@ -447,16 +454,16 @@ def test_plan_cli_cuts_to_grad_accum_and_holds_out_whole_groups(tmp_path, capsys
     from datasets import Dataset
 
     rng = np.random.default_rng(0)
-    groups = np.repeat([f"file{i}.py" for i in range(60)], 50)  # 60 documents of 50 rows
+    groups = np.repeat([f"file{i}.py" for i in range(60)], 70)  # 60 documents of 70 rows
     Dataset.from_dict({"length": rng.integers(1, 6000, len(groups)), "group": groups}).save_to_disk(
         str(tmp_path / "prepared"))
     out = tmp_path / "plan.json"
     plan_cli.main(["--dataset", str(tmp_path / "prepared"), "--cfg", "configs/v3.yaml", "--world-size", "2",
-                   "--json", str(out), "optim.grad_accum=4", "data.eval_fraction=0.05",
+                   "--json", str(out), "optim.grad_accum=4", "data.eval_fraction=0.04",
                    "data.tokens_per_batch=4096"])
     plan = json.loads(out.read_text())
     assert plan["num_steps"] % 4 == 0 and plan["steps_multiple"] == 4
-    assert plan["held_out"] % 50 == 0 and plan["held_out"] == 150
+    assert plan["held_out"] == 140  # 2 documents (168 rows were asked for; 3 documents are 210)
     assert plan["samples_planned"] + plan["dropped_samples"] + plan["cut_samples"] + plan["skipped_too_long"] \
         == plan["samples"] == len(groups) - plan["held_out"]
     report = capsys.readouterr().out
