@@ -322,11 +322,11 @@ TARGET_CONFIG = {"hidden_size": 96, "num_hidden_layers": 6, "num_attention_heads
                  "num_key_value_heads": 1, "head_dim": 32, "intermediate_size": 288}
 SEQ_LEN = 256
 BATCH_SIZE = 8
-TRAIN_STEPS = 1400
+TRAIN_STEPS = 1000
 PEAK_LR = 4e-3
 HELDOUT_ROWS = 64
 NUM_PROMPTS = 2000
-MAX_NEW_TOKENS = 128
+MAX_NEW_TOKENS = 64
 REGENERATE_BATCH_SIZE = 64
 NUM_BENCH = 48
 REPORT_NEW_TOKENS = 64
