@@ -26,18 +26,18 @@ from transformers import AutoTokenizer
 from drafter.checkpoint import (ResumeError, agree_on_checkpoint, check_resumable, load_checkpoint,
                                 remove_partial_saves, run_identity, save_checkpoint, set_aside_previous_run)
 from drafter.config import ConfigError, load_config, lr_factor, noise_std
-from drafter.data import load_datasets
+from drafter.data import DataError, load_datasets
 from drafter.engine import DeepSpeedEngine, EngineConfigError, FSDPEngine, deepspeed_config
 from drafter.decode import stop_token_ids
 from drafter.launch import LaunchError, init_distributed
 from drafter.model import DFlashDraftModel, drafter_config, drafter_from_state_dict, resolve_mask_token_id
 from drafter.objective import ObjectiveConfig, attention_kernel, finalize_metrics, training_step
-from drafter.sampler import BucketSampler, bucket_table, make_loader, sampler_from_config
+from drafter.sampler import BucketSampler, bucket_table, make_loader, plan_notes, sampler_from_config
 from drafter.served import bench_prompts, generation_tau, held_out_prompts, replayed_tau
 from drafter.target import context_features, load_target, random_qwen3, target_config
 from drafter.tracking import RunLogger, console_line, eval_line
 
-USER_ERRORS = (ConfigError, EngineConfigError, ResumeError, LaunchError)
+USER_ERRORS = (ConfigError, DataError, EngineConfigError, ResumeError, LaunchError)
 
 
 # ----------------------------------------------------------------------------- setup
@@ -275,15 +275,17 @@ def train(cfg, rank, world_size, device) -> int:
     text_config = target_config(cfg.target.path, cfg.target.random)
     ds_config = engine_settings(cfg, world_size, device, dtype, text_config.hidden_size)
 
-    train_set, eval_set = load_datasets(cfg.data, text_config.vocab_size)
-    sampler = sampler_from_config(np.asarray(train_set["length"]), cfg.data, world_size, rank)
+    train_set, eval_set = load_datasets(cfg.data, text_config.vocab_size, cfg.target.chat_template_kwargs)
+    sampler = sampler_from_config(np.asarray(train_set["length"]), cfg.data, world_size, rank,
+                                  steps_multiple=cfg.optim.grad_accum)
     # one bucket for the held-out split: small splits would lose most batches to per-bucket remainders
     eval_sampler = BucketSampler(np.asarray(eval_set["length"]), [cfg.data.max_length], cfg.data.tokens_per_batch,
                                  world_size, rank, cfg.data.seed) if len(eval_set) >= world_size else None
     steps_per_epoch = len(sampler) // cfg.optim.grad_accum
     if steps_per_epoch == 0:
-        raise ValueError(f"{cfg.data.path}: {len(train_set)} samples make no optimizer step per epoch at "
-                         f"{world_size} ranks x grad_accum {cfg.optim.grad_accum}: {sampler.stats(0)}")
+        left_out = "; ".join(plan_notes(sampler.stats(0)))
+        raise DataError(f"{cfg.data.path}: {len(train_set)} samples make no optimizer step per epoch at "
+                        f"{world_size} ranks x grad_accum {cfg.optim.grad_accum}: {left_out}")
     total_steps = cfg.train.epochs * steps_per_epoch
     if cfg.train.max_steps:
         total_steps = min(total_steps, cfg.train.max_steps)
@@ -342,13 +344,12 @@ def train(cfg, rank, world_size, device) -> int:
     accum = cfg.optim.grad_accum
     try:
         while state["step"] < total_steps and state["epoch"] < cfg.train.epochs:
-            epoch_len = len(sampler.epoch_plan(state["epoch"]))
-            usable = epoch_len - epoch_len % accum  # every rank plans the same count: all stop together
+            epoch_len = len(sampler.epoch_plan(state["epoch"]))  # whole optimizer steps, the same on every rank
             loader = make_loader(train_set, sampler, state["epoch"], state["micro_step_in_epoch"],
                                  cfg.data.num_workers, cfg.data.prefetch_factor,
                                  pin_memory=device.type == "cuda")
             with loader:
-                while state["micro_step_in_epoch"] < usable and state["step"] < total_steps:
+                while state["micro_step_in_epoch"] < epoch_len and state["step"] < total_steps:
                     step, t0 = state["step"], time.perf_counter()
                     noise = noise_std(cfg.noise, step)
                     for micro in range(accum):
@@ -395,7 +396,7 @@ def train(cfg, rank, world_size, device) -> int:
                     if step % cfg.train.save_every == 0:
                         save(step)
                         last_saved = step
-            if state["micro_step_in_epoch"] >= usable:
+            if state["micro_step_in_epoch"] >= epoch_len:
                 state["epoch"], state["micro_step_in_epoch"] = state["epoch"] + 1, 0
         if last_saved != state["step"]:
             save(state["step"])
@@ -503,8 +504,7 @@ class Window:
 def bucket_summary(stats) -> str:
     return "\n".join([*bucket_table(stats),
                       f"padding efficiency {stats['pad_efficiency']:.3f}, longest same-bucket run "
-                      f"{stats['max_same_bucket_run']}, {stats['dropped_samples']} samples dropped to even "
-                      f"out ranks"])
+                      f"{stats['max_same_bucket_run']}", *plan_notes(stats)])
 
 
 if __name__ == "__main__":

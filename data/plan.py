@@ -5,10 +5,12 @@
     python data/plan.py --cfg configs/v3.yaml --world-size 8            # the dataset at data.path
 
 Lengths come from a `.npy` array, a text file with one integer per line, or the `length` column of
-a dataset saved with save_to_disk. When data.eval_path is null the eval rows are held out first,
-exactly as training does. Prints the bucket table, padding efficiency, the longest same-bucket run
-and a picture of the bucket sequence over the epoch; --json writes the statistics and, for every
-global step, the bucket id of each rank.
+a dataset saved with save_to_disk (and its `group` column, when there is one). When data.eval_path is
+null the eval rows are held out first, exactly as training does (whole groups; rows without groups
+are one group each). The epoch is cut to a multiple of optim.grad_accum, as training does. Prints
+the bucket table, padding efficiency, the longest same-bucket run, every sample left out by cause,
+a warning for samples over the token budget and a picture of the bucket sequence over the epoch;
+--json writes the statistics and, for every global step, the bucket id of each rank.
 """
 
 import argparse
@@ -19,7 +21,7 @@ from pathlib import Path
 import numpy as np
 from omegaconf import OmegaConf
 
-from drafter.sampler import BucketSampler, bucket_table, sampler_from_config, split_holdout
+from drafter.sampler import BucketSampler, bucket_table, plan_notes, sampler_from_config, split_holdout
 
 SHADES = " .:-=+*#%@"  # share of a column's steps in a bucket, from none to all
 
@@ -41,8 +43,9 @@ def read_lengths_file(path: str) -> np.ndarray:
     return np.asarray(lengths, dtype=np.int64)
 
 
-def read_dataset_lengths(path: str) -> np.ndarray:
-    """The `length` column of a prepared dataset saved with save_to_disk."""
+def read_dataset(path: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """The `length` column of a prepared dataset saved with save_to_disk, and its `group` column
+    (None when it has none)."""
     from datasets import Dataset, load_from_disk
 
     dataset = load_from_disk(path)
@@ -50,7 +53,8 @@ def read_dataset_lengths(path: str) -> np.ndarray:
         raise ValueError(f"{path}: expected a single Dataset, found a {type(dataset).__name__}")
     if "length" not in dataset.column_names:
         raise ValueError(f"{path}: no 'length' column (columns: {dataset.column_names})")
-    return np.asarray(dataset.with_format("numpy")["length"])
+    groups = np.asarray(dataset["group"], dtype=object) if "group" in dataset.column_names else None
+    return np.asarray(dataset.with_format("numpy")["length"]), groups
 
 
 def bucket_picture(step_buckets: np.ndarray, num_buckets: int, width: int = 100) -> list[str]:
@@ -74,15 +78,14 @@ def format_report(stats: dict, sampler: BucketSampler, step_buckets: np.ndarray,
     ]
     lines += [
         "",
-        f"steps per epoch        {stats['num_steps']:,} (one batch per rank each, every rank in the same bucket)",
+        f"steps per epoch        {stats['num_steps']:,} micro-steps (one batch per rank each, every rank in the same "
+        f"bucket), {stats['num_steps'] // stats['steps_multiple']:,} optimizer steps",
         f"padding efficiency     {stats['pad_efficiency']:.4f} (real tokens / computed tokens)",
         f"sequence length        min {stats['length_min']}, mean {stats['length_mean']:.1f}, max {stats['length_max']}",
         f"longest same-bucket run {stats['max_same_bucket_run']} (cap {stats['run_cap']}"
         + (f", relaxed from {stats['max_run']}: one bucket holds too many steps" if stats["run_cap"] > stats["max_run"] else "")
         + ")",
-        f"skipped (too long)     {stats['skipped_too_long']:,} samples over {sampler.max_length} tokens",
-        f"dropped (remainder)    {stats['dropped_samples']:,} samples in {stats['dropped_batches']} batches "
-        f"(each bucket's batch count is cut to a multiple of the world size)",
+        *plan_notes(stats),
         "",
         f"bucket sequence over the epoch ({len(step_buckets):,} steps, left to right; shade = share of the column's steps):",
         *bucket_picture(step_buckets, sampler.num_buckets),
@@ -105,20 +108,23 @@ def main(argv: list[str] | None = None) -> dict:
 
     cfg = OmegaConf.merge(OmegaConf.load(args.cfg), OmegaConf.from_dotlist(args.overrides))
     data_cfg = cfg.data
+    groups = None
     if args.lengths:
         lengths = read_lengths_file(args.lengths)
     elif args.dataset:
-        lengths = read_dataset_lengths(args.dataset)
+        lengths, groups = read_dataset(args.dataset)
     elif not OmegaConf.is_missing(data_cfg, "path"):
-        lengths = read_dataset_lengths(data_cfg.path)
+        lengths, groups = read_dataset(data_cfg.path)
     else:
         parser.error("give --lengths or --dataset, or set data.path in the config")
 
     held_out = 0
     if data_cfg.eval_path is None:
-        train_rows, eval_rows = split_holdout(len(lengths), data_cfg.eval_fraction, data_cfg.seed)
+        train_rows, eval_rows = split_holdout(np.arange(len(lengths)) if groups is None else groups,
+                                              data_cfg.eval_fraction, data_cfg.seed)
         lengths, held_out = lengths[train_rows], len(eval_rows)
-    sampler = sampler_from_config(lengths, data_cfg, args.world_size)
+    grad_accum = OmegaConf.select(cfg, "optim.grad_accum", default=1)
+    sampler = sampler_from_config(lengths, data_cfg, args.world_size, steps_multiple=grad_accum)
     stats = sampler.stats(args.epoch)
     epoch_plan = sampler.epoch_plan(args.epoch)
     print(format_report(stats, sampler, epoch_plan.step_buckets, held_out))

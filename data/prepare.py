@@ -1,17 +1,30 @@
-"""Tokenise chat data for drafter training: input_ids, loss_mask (assistant tokens only), length.
+"""Tokenise chat data for drafter training: input_ids, loss_mask (assistant tokens only), length, group.
 
     python data/prepare.py --input chat.jsonl more.parquet owner/hub-dataset:train \\
         --target Qwen/Qwen3-8B --out prepared/v3 [--no-thinking] [--system-prompt TEXT] \\
-        [--max-length 3072] [--truncate] [--last-turn-only] [--num-proc 8]
+        [--max-length 3072] [--truncate] [--last-turn-only] [--drop-loops] [--num-proc 8]
 
 Inputs: JSONL, JSON (a list of rows), parquet files, directories of them, or hub dataset names; the
-row shapes and the drop reasons are listed in `drafter/chat.py`. Bad rows never stop the run: each
-is counted by reason and the first few are printed with their file and line.
+row shapes, repairs and drop reasons are listed in `drafter/chat.py`. Bad rows never stop the run:
+each is counted by reason and the first few are printed with their file and line. A file that cannot
+be read as a whole (a `.json` list cut short, say) stops the run naming it, before anything is written.
 
-Output: `datasets.load_from_disk(OUT)` has columns `input_ids`, `loss_mask` (0/1, int8) and
-`length`; `OUT/stats.json` holds the kept count, drop counts and first examples per reason, length
-figures and the settings (chat template choices included, for the training config);
-`OUT/length_hist.png` the length histogram.
+Thinking is one decision: with --no-thinking (the default) reasoning (`<think>` blocks) is removed
+from every answer, so a conversation is rendered exactly as the serving template renders it with
+enable_thinking=False; with --thinking the reasoning is kept and supervised. The choice is recorded
+in OUT/stats.json (`settings.chat_template_kwargs`), which train.py checks against its config.
+
+Rows of data/regenerate.py marked `truncated` (an answer hit --max-tokens) are kept without their
+closing tokens supervised (flag `truncated`). An answer whose tail repeats a short n-gram is a loop
+(flag `loop`; dropped with --drop-loops): its last 48 tokens (closing token excluded) hold at most 16
+distinct 4-grams of their 45. A repeated n-gram of up to 16 tokens has exactly n distinct 4-grams;
+the slack allows a few breaks (line wraps); answers shorter than 48 tokens never count.
+
+Output: `datasets.load_from_disk(OUT)` has columns `input_ids`, `loss_mask` (0/1, int8), `length` and
+`group` (the row's group for the held-out split: see `chat.row_group`); `OUT/stats.json` holds the
+kept count, drop counts and first examples per reason, the flags of kept rows with examples, length
+figures and the settings, and marks OUT as this tool's output: an existing --out without that mark is
+refused, one with it is replaced atomically. `OUT/length_hist.png` is the length histogram.
 
 Two cached `datasets` stages: reading + normalising rows (keyed by the input files' paths, sizes
 and mtimes) and tokenising (keyed by the rows, the tokenizer, the settings and this code), so a
@@ -24,6 +37,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -33,8 +47,11 @@ import numpy as np
 from drafter import chat
 
 RAW_FEATURES = datasets.Features({
-    "messages": datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")}),
+    "messages": datasets.Value("string"),  # JSON: tool-call arguments have no fixed schema
     "source": datasets.Value("string"),
+    "group": datasets.Value("string"),
+    "truncated": datasets.Value("bool"),
+    "flags": datasets.List(datasets.Value("string")),
     "reason": datasets.Value("string"),
 })
 TOKENIZED_FEATURES = datasets.Features({
@@ -43,11 +60,17 @@ TOKENIZED_FEATURES = datasets.Features({
     "length": datasets.Value("int32"),
     "supervised": datasets.Value("int32"),
     "source": datasets.Value("string"),
+    "group": datasets.Value("string"),
+    "flags": datasets.List(datasets.Value("string")),
     "reason": datasets.Value("string"),
 })
-OUTPUT_COLUMNS = ["input_ids", "loss_mask", "length"]
+OUTPUT_COLUMNS = ["input_ids", "loss_mask", "length", "group"]
+WRITTEN_BY = "data/prepare.py"  # stats.json's mark: this directory is ours to replace
 MIN_SUPERVISED_RUN = 2
 EXAMPLES_PER_REASON = 5
+LOOP_WINDOW, LOOP_NGRAM, LOOP_MAX_DISTINCT = 48, 4, 16
+LOOP_RULE = (f"the answer's last {LOOP_WINDOW} tokens (closing token excluded) hold at most "
+             f"{LOOP_MAX_DISTINCT} distinct {LOOP_NGRAM}-grams")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -55,16 +78,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--input", nargs="+", required=True,
                         help="JSONL/JSON/parquet files, directories of them, or hub dataset names")
     parser.add_argument("--target", required=True, help="target model path or hub id (its tokenizer)")
-    parser.add_argument("--out", required=True, help="output directory (replaced atomically)")
+    parser.add_argument("--out", required=True,
+                        help="output directory (new, or an earlier output of this tool: replaced atomically)")
     parser.add_argument("--system-prompt", default=None,
                         help="system turn added to conversations that have none")
     parser.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=False,
-                        help="enable_thinking for the chat template (default: off)")
+                        help="keep and supervise reasoning, rendered with enable_thinking=True "
+                             "(default: --no-thinking, reasoning removed)")
     parser.add_argument("--max-length", type=int, default=3072)
     parser.add_argument("--truncate", action="store_true",
                         help="keep the first --max-length tokens of longer samples (default: drop them)")
     parser.add_argument("--last-turn-only", action="store_true",
                         help="supervise only the last assistant turn (default: every assistant turn)")
+    parser.add_argument("--drop-loops", action="store_true",
+                        help="drop rows with an answer whose tail repeats a short n-gram (default: keep, counted)")
     parser.add_argument("--num-proc", type=int, default=min(8, os.cpu_count() or 1))
     parser.add_argument("--cache-dir", default=None, help="datasets cache (default: the HF cache)")
     return parser.parse_args(argv)
@@ -79,7 +106,10 @@ def conversation_rows(inputs: list[str]):
                 messages = chat.normalize_row(raw.value)
             except chat.BadRow as bad:
                 reason = bad.reason
-        yield {"messages": messages, "source": raw.source, "reason": reason}
+        truncated = isinstance(raw.value, dict) and raw.value.get("truncated") is True
+        yield {"messages": json.dumps(messages, ensure_ascii=False), "source": raw.source,
+               "group": chat.row_group(raw), "truncated": truncated,
+               "flags": ["lone_surrogate"] if raw.repaired else [], "reason": reason}
 
 
 @functools.lru_cache(maxsize=None)
@@ -90,20 +120,26 @@ def load_tokenizer(target: str):
 
 
 def tokenize_row(row: dict, target: str, enable_thinking: bool, system_prompt: str | None,
-                 max_length: int, truncate: bool, last_turn_only: bool) -> dict:
-    """Map function: a normalised row -> input_ids, loss_mask, length, and a drop reason or ""."""
-    result = {"input_ids": [], "loss_mask": [], "length": 0, "supervised": 0, "reason": row["reason"]}
+                 max_length: int, truncate: bool, last_turn_only: bool, drop_loops: bool) -> dict:
+    """Map function: a normalised row -> input_ids, loss_mask, length, flags, and a drop reason or ""."""
+    flags = list(row["flags"])
+    result = {"input_ids": [], "loss_mask": [], "length": 0, "supervised": 0, "reason": row["reason"],
+              "flags": flags}
     if result["reason"]:
         return result
-    messages = row["messages"]
+    messages = json.loads(row["messages"])
     assistant_turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if not assistant_turns:
         return result | {"reason": "no_assistant_turn"}
     # Turns after the last answer would only be unsupervised context.
     messages = chat.with_system_prompt(messages[: assistant_turns[-1] + 1], system_prompt)
+    if not enable_thinking:
+        messages, removed = chat.without_reasoning(messages)
+        flags += ["reasoning_removed"] if removed else []
+    flags += ["truncated"] if row["truncated"] else []
     try:
-        input_ids, loss_mask = chat.tokenize_conversation(load_tokenizer(target), messages,
-                                                          enable_thinking, last_turn_only)
+        input_ids, loss_mask = chat.tokenize_conversation(load_tokenizer(target), messages, enable_thinking,
+                                                          last_turn_only, closers=not row["truncated"])
     except chat.BadRow as bad:
         return result | {"reason": bad.reason}
     if len(input_ids) > max_length:
@@ -112,8 +148,33 @@ def tokenize_row(row: dict, target: str, enable_thinking: bool, system_prompt: s
         input_ids, loss_mask = input_ids[:max_length], loss_mask[:max_length]
     if chat.longest_run(loss_mask) < MIN_SUPERVISED_RUN:
         return result | {"reason": "too_little_supervision", "length": len(input_ids)}
+    answers = supervised_runs(input_ids, loss_mask)
+    if any(repeating_tail(ids if row["truncated"] else ids[:-1]) for ids in answers):
+        if drop_loops:
+            return result | {"reason": "loop", "length": len(input_ids)}
+        flags.append("loop")
     return result | {"input_ids": input_ids, "loss_mask": loss_mask, "length": len(input_ids),
                      "supervised": sum(loss_mask)}
+
+
+def supervised_runs(input_ids: list[int], loss_mask: list[int]) -> list[list[int]]:
+    """The token ids of each run of consecutive supervised tokens (one answer each)."""
+    runs, start = [], None
+    for i, bit in enumerate(loss_mask + [0]):
+        if bit and start is None:
+            start = i
+        elif not bit and start is not None:
+            runs.append(input_ids[start:i])
+            start = None
+    return runs
+
+
+def repeating_tail(ids: list[int]) -> bool:
+    """Whether the tail of `ids` repeats a short n-gram (LOOP_RULE)."""
+    if len(ids) < LOOP_WINDOW:
+        return False
+    tail = ids[-LOOP_WINDOW:]
+    return len({tuple(tail[i:i + LOOP_NGRAM]) for i in range(LOOP_WINDOW - LOOP_NGRAM + 1)}) <= LOOP_MAX_DISTINCT
 
 
 def digest(*parts) -> str:
@@ -137,46 +198,65 @@ def build(args: argparse.Namespace) -> tuple[datasets.Dataset, dict]:
         raw = datasets.Dataset.from_generator(
             conversation_rows, gen_kwargs={"inputs": args.input}, features=RAW_FEATURES,
             cache_dir=args.cache_dir, fingerprint=rows_fingerprint)
+    except datasets.exceptions.DatasetGenerationError as error:
+        if isinstance(error.__cause__, chat.InputError):  # a file that cannot be read as a whole
+            sys.exit(f"stopped, nothing written: {error.__cause__}")
+        raise
     except ValueError as error:  # datasets' words for a generator that yielded nothing
         if "corresponds to no data" not in str(error):
             raise
         sys.exit(f"no rows to prepare in {', '.join(args.input)}: the input is empty")
     settings = {"target": args.target, "enable_thinking": args.thinking,
                 "system_prompt": args.system_prompt, "max_length": args.max_length,
-                "truncate": args.truncate, "last_turn_only": args.last_turn_only}
+                "truncate": args.truncate, "last_turn_only": args.last_turn_only,
+                "drop_loops": args.drop_loops}
     tokenized = raw.map(
-        tokenize_row, fn_kwargs=settings, remove_columns=["messages"], features=TOKENIZED_FEATURES,
-        num_proc=num_proc,
+        tokenize_row, fn_kwargs=settings, remove_columns=["messages", "truncated"],
+        features=TOKENIZED_FEATURES, num_proc=num_proc,
         new_fingerprint=digest(rows_fingerprint, tokenizer_digest(load_tokenizer(args.target)),
                                settings, code_digest()),
         desc="tokenize")
     return tokenized, settings
 
 
+def first_sources(sources, indices: np.ndarray) -> list[str]:
+    return [sources[int(index)].as_py() for index in indices[:EXAMPLES_PER_REASON]]
+
+
 def summarize(tokenized: datasets.Dataset, settings: dict, inputs: list[str]) -> tuple[dict, np.ndarray]:
     """stats.json content and the indices of kept rows."""
-    reasons = np.asarray(tokenized.data.column("reason").to_pylist(), dtype=object)
+    table = tokenized.data
+    reasons = np.asarray(table.column("reason").to_pylist(), dtype=object)
     kept = np.flatnonzero(reasons == "")
+    sources = table.column("source")
     dropped = Counter(reasons[reasons != ""].tolist())
-    examples = {}
-    sources = tokenized.data.column("source")
-    for index in np.flatnonzero(reasons != ""):
-        bucket = examples.setdefault(reasons[index], [])
-        if len(bucket) < EXAMPLES_PER_REASON:
-            bucket.append(sources[int(index)].as_py())
-    lengths = np.asarray(tokenized.data.column("length").to_pylist(), dtype=np.int64)[kept]
-    supervised = np.asarray(tokenized.data.column("supervised").to_pylist(), dtype=np.int64)[kept]
+    examples = {reason: first_sources(sources, np.flatnonzero(reasons == reason)) for reason in sorted(dropped)}
+    row_flags = table.column("flags").to_pylist()
+    flagged = {}
+    for index in kept:
+        for flag in row_flags[index]:
+            flagged.setdefault(flag, []).append(index)
+    flags = {flag: {"rows": len(rows), "examples": first_sources(sources, np.asarray(rows))}
+             for flag, rows in sorted(flagged.items())}
+    lengths = np.asarray(table.column("length").to_pylist(), dtype=np.int64)[kept]
+    supervised = np.asarray(table.column("supervised").to_pylist(), dtype=np.int64)[kept]
+    groups = np.asarray(table.column("group").to_pylist(), dtype=object)[kept]
     stats = {
+        "written_by": WRITTEN_BY,
         "kept": int(len(kept)),
         "dropped": dict(sorted(dropped.items())),
-        "examples": dict(sorted(examples.items())),
+        "examples": examples,
+        "flags": flags,  # kept rows: lone_surrogate, reasoning_removed, truncated, loop
+        "loop_rule": LOOP_RULE,
         "rows": int(len(reasons)),
+        "groups": int(len(set(groups.tolist()))),
         "tokens": int(lengths.sum()),
         "supervised_tokens": int(supervised.sum()),
         "length": length_summary(lengths),
         # chat_template_kwargs spelled as the training config spells it
         "settings": settings | {
-            "inputs": inputs, "chat_template_kwargs": {"enable_thinking": settings["enable_thinking"]}},
+            "inputs": inputs, "files": chat.expand_inputs(inputs),
+            "chat_template_kwargs": {"enable_thinking": settings["enable_thinking"]}},
     }
     return stats, kept
 
@@ -208,34 +288,64 @@ def plot_lengths(lengths: np.ndarray, max_length: int, path: Path) -> None:
     plt.close(fig)
 
 
+def is_prepared_output(path: Path) -> bool:
+    """Whether `path` is a directory this tool wrote (its stats.json carries the mark)."""
+    try:
+        return json.loads((path / "stats.json").read_text()).get("written_by") == WRITTEN_BY
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def check_out(out: Path, inputs: list[str]) -> None:
+    """Refuse an --out that this tool may not replace, before any work."""
+    if out.exists() and not is_prepared_output(out):
+        sys.exit(f"--out {out} exists and is not an output of {WRITTEN_BY} (no stats.json with its mark): "
+                 "refusing to replace it; choose another --out, or remove it yourself")
+    for item in inputs:
+        if Path(item).exists() and out.resolve() in (Path(item).resolve(), *Path(item).resolve().parents):
+            sys.exit(f"--out {out} would replace the input {item}")
+
+
 def write_output(dataset: datasets.Dataset, stats: dict, out: Path) -> None:
-    """Write to a sibling temp directory, then swap it in: a crash never leaves a half-written OUT."""
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    dataset.save_to_disk(str(tmp))
-    (tmp / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
-    plot_lengths(np.asarray(dataset["length"], dtype=np.int64), stats["settings"]["max_length"],
-                 tmp / "length_hist.png")
-    shutil.rmtree(out, ignore_errors=True)
+    """Write into a new temporary sibling directory, then swap it in: a crash never leaves a
+    half-written OUT, and only a directory this tool wrote is ever removed."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        dataset.save_to_disk(str(tmp))
+        plot_lengths(np.asarray(dataset["length"], dtype=np.int64), stats["settings"]["max_length"],
+                     tmp / "length_hist.png")
+        (tmp / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")  # the mark, last
+    except BaseException:
+        shutil.rmtree(tmp)
+        raise
+    if not out.exists():
+        tmp.rename(out)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    out.rename(old / out.name)
     tmp.rename(out)
+    shutil.rmtree(old)
 
 
 def report(stats: dict) -> None:
-    print(f"kept {stats['kept']} of {stats['rows']} rows; {stats['tokens']} tokens, "
+    print(f"kept {stats['kept']} of {stats['rows']} rows ({stats['groups']} groups); {stats['tokens']} tokens, "
           f"{stats['supervised_tokens']} supervised; length {stats['length']}")
     for reason, count in stats["dropped"].items():
         print(f"dropped {count} {reason}: e.g. {', '.join(stats['examples'][reason])}")
+    for flag, flagged in stats["flags"].items():
+        print(f"kept {flagged['rows']} flagged {flag}: e.g. {', '.join(flagged['examples'])}")
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the workers are the parallelism
+    out = Path(args.out)
+    check_out(out, args.input)
     tokenized, settings = build(args)
     stats, kept = summarize(tokenized, settings, args.input)
     if stats["kept"] == 0:
         report(stats)
         sys.exit("no sample kept: see the drop reasons above")
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_output(tokenized.select(kept).select_columns(OUTPUT_COLUMNS), stats, out)
     report(stats)

@@ -12,31 +12,43 @@ history so far (system and user turns kept, earlier answers already regenerated)
 that ends with a user turn gets an answer appended. Reasoning returned separately by the server
 (`reasoning_content`) is kept inline as a leading `<think>` block.
 
-Output (`--out`, JSONL): one `{"id", "source", "messages", "truncated"}` row per conversation, in
-the OpenAI messages shape that prepare reads; `truncated` says an answer hit --max-tokens. `id`
-hashes the prompt side of the conversation, so identical prompts are done once. Rows are appended
-and flushed one at a time; a restart skips the ids already written and drops a partial last line
-left by a crash, so nothing is duplicated or lost. Side files next to it:
+Output (`--out`, JSONL): one `{"id", "source", "group", "messages", "truncated"}` row per
+conversation, in the OpenAI messages shape that prepare reads; `truncated` says an answer hit
+--max-tokens; `group` is the input row's group (`chat.row_group`: its `group` field, else its file
+and conversation id), which prepare keeps for the held-out split. `id` hashes the prompt side of the
+conversation, so identical prompts are done once. Assistant turns before the first user turn answer
+nothing and are left out (counted as `leading_assistant_dropped`); conversations with tool calls or
+tool turns are not regenerated (invalid `tool_turns`: the tools cannot be run here). Rows are
+appended and flushed one at a time; a restart skips the ids already written and drops a partial last
+line left by a crash, so nothing is duplicated or lost. Side files next to it (never read as input):
   OUT.errors.jsonl    rows that failed after retries, this run: {"id", "source", "reason", "detail"}
   OUT.summary.json    accounting: ok + failed + skipped_existing + remaining == total
                       (total = distinct valid conversations; invalid rows counted by reason)
   OUT.settings.json   generation settings; resuming with different ones is refused
 
-Server requests are retried with exponential backoff and jitter on 429, 5xx, connection errors and
-unreadable replies; other 4xx fail the row at once. Failed rows are tried again by the next run.
+Server requests are retried with exponential backoff and jitter on 429, 5xx, connection errors,
+timeouts (--timeout) and replies that are not a well-formed chat completion (a body that is not JSON,
+`message: null`, content or reasoning that is not a string); other 4xx fail the row at once. A failed
+row is written to OUT.errors.jsonl and tried again by the next run; an unexpected error in one
+row fails that row only (`internal_error`). Ctrl-C or SIGTERM stops the run within seconds: every
+answer already received is written, queued conversations are not started, requests in flight are
+abandoned (the next run does them), the summary is written (`interrupted: true`) and the exit
+status is 130. A second signal stops at once.
 """
 import argparse
 import hashlib
 import http.client
 import itertools
 import json
+import queue
 import random
+import signal
 import sys
-import time
+import threading
+import traceback
 import urllib.error
 import urllib.request
 from collections import Counter
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,6 +100,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 class Job:
     id: str
     source: str
+    group: str
     prompt: list[dict]  # the conversation with assistant contents blanked: only their places matter
 
 
@@ -98,19 +111,24 @@ class Jobs:
     examples: dict
     duplicates: int
     rows: int
+    leading_assistant_dropped: int = 0
 
 
-def load_jobs(inputs: list[str], system_prompt: str | None) -> Jobs:
-    """Distinct valid conversations of `inputs`, in order; invalid rows counted by reason."""
+def load_jobs(inputs: list[str], system_prompt: str | None, exclude: tuple[str, ...] = ()) -> Jobs:
+    """Distinct valid conversations of `inputs` (files in `exclude` left out), in order; invalid
+    rows counted by reason."""
     jobs = Jobs([], Counter(), {}, 0, 0)
     seen = set()
-    for raw in chat.read_rows(inputs):
+    for raw in chat.read_rows(inputs, exclude):
         jobs.rows += 1
         try:
             if raw.reason:
                 raise chat.BadRow(raw.reason)
             messages = chat.with_system_prompt(chat.normalize_row(raw.value), system_prompt)
-            if not any(m["role"] == "user" for m in messages):
+            if chat.uses_tools(messages):
+                raise chat.BadRow("tool_turns")
+            first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
+            if first_user is None:
                 raise chat.BadRow("no_user_turn")
         except chat.BadRow as bad:
             jobs.invalid[bad.reason] += 1
@@ -118,14 +136,16 @@ def load_jobs(inputs: list[str], system_prompt: str | None) -> Jobs:
             if len(bucket) < EXAMPLES_PER_REASON:
                 bucket.append(raw.source)
             continue
+        leading_answers = [i for i, m in enumerate(messages[:first_user]) if m["role"] == "assistant"]
+        jobs.leading_assistant_dropped += bool(leading_answers)
         prompt = [m if m["role"] != "assistant" else {"role": "assistant", "content": ""}
-                  for m in messages]
+                  for i, m in enumerate(messages) if i not in leading_answers]
         job_id = hashlib.sha256(json.dumps(prompt, sort_keys=True).encode()).hexdigest()[:24]
         if job_id in seen:
             jobs.duplicates += 1
             continue
         seen.add(job_id)
-        jobs.todo.append(Job(job_id, raw.source, prompt))
+        jobs.todo.append(Job(job_id, raw.source, chat.row_group(raw), prompt))
     return jobs
 
 
@@ -160,6 +180,10 @@ class RowFailed(Exception):
         self.reason, self.detail = reason, detail
 
 
+class Stopped(Exception):
+    """The run is stopping (a signal): the row is neither done nor failed."""
+
+
 # ---------------------------------------------------------------------------------------------
 # Backends
 # ---------------------------------------------------------------------------------------------
@@ -167,26 +191,30 @@ class RowFailed(Exception):
 class ServerBackend:
     """One chat completion at a time per call, over an OpenAI-compatible HTTP API (stdlib only)."""
 
-    def __init__(self, args: argparse.Namespace):
+    def __init__(self, args: argparse.Namespace, stop: threading.Event):
         self.url = args.base_url.rstrip("/") + "/chat/completions"
         self.body = {"model": args.model, "temperature": args.temperature,
                      "max_tokens": args.max_tokens,
                      "chat_template_kwargs": {"enable_thinking": args.thinking}}
         self.max_retries, self.backoff, self.timeout = args.max_retries, args.backoff, args.timeout
+        self.stop = stop
 
     def answer(self, history: list[dict]) -> tuple[str, bool]:
-        """(answer, truncated) for `history`; raises RowFailed once retries are exhausted."""
+        """(answer, truncated) for `history`; raises RowFailed once retries are exhausted, Stopped
+        when the run stops."""
         request = json.dumps(self.body | {"messages": history}).encode()
         for attempt in itertools.count():
+            if self.stop.is_set():
+                raise Stopped
             try:
                 return parse_completion(self._post(request))
             except RetryableError as error:
                 if attempt >= self.max_retries:
                     raise RowFailed(error.reason, error.detail) from error
                 delay = min(MAX_BACKOFF, self.backoff * 2 ** attempt) * random.uniform(0.5, 1.5)
-                time.sleep(max(error.retry_after, delay))
+                self.stop.wait(max(error.retry_after, delay))
 
-    def _post(self, body: bytes) -> dict:
+    def _post(self, body: bytes):
         request = urllib.request.Request(self.url, data=body,
                                          headers={"Content-Type": "application/json"})
         try:
@@ -198,11 +226,11 @@ class ServerBackend:
                 raise RetryableError(f"http_{error.code}", detail,
                                      retry_after_seconds(error.headers.get("Retry-After"))) from error
             raise RowFailed(f"http_{error.code}", detail) from error
-        except (urllib.error.URLError, OSError, http.client.HTTPException) as error:  # refused, cut
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as error:  # refused, cut, timeout
             raise RetryableError("connection", str(error)) from error
         try:
-            return json.loads(payload)
-        except ValueError as error:
+            return chat.parse_json(payload.decode("utf-8"))[0]
+        except (ValueError, RecursionError) as error:  # not UTF-8, not JSON
             raise RetryableError("bad_response", payload[:200].decode("utf-8", "replace")) from error
 
 
@@ -220,15 +248,20 @@ def retry_after_seconds(header: str | None) -> float:
         return 0.0
 
 
-def parse_completion(response: dict) -> tuple[str, bool]:
-    """The answer text of a chat completion (reasoning inline) and whether it hit max_tokens."""
-    try:
-        choice = response["choices"][0]
-        message = choice["message"]
-    except (KeyError, IndexError, TypeError) as error:
-        raise RetryableError("bad_response", json.dumps(response)[:200]) from error
-    content = message.get("content") or ""
-    reasoning = message.get("reasoning_content") or message.get("reasoning") or ""
+def parse_completion(response) -> tuple[str, bool]:
+    """The answer text of a chat completion (reasoning inline) and whether it hit max_tokens.
+    A reply that is not a well-formed completion raises RetryableError("bad_response")."""
+    choices = response.get("choices") if isinstance(response, dict) else None
+    choice = choices[0] if isinstance(choices, list) and choices else None
+    message = choice.get("message") if isinstance(choice, dict) else None
+    if not isinstance(message, dict):
+        raise RetryableError("bad_response", f"no choices[0].message object: {json.dumps(response)[:200]}")
+    content = message.get("content")
+    reasoning = next((message[key] for key in ("reasoning_content", "reasoning")
+                      if message.get(key) is not None), "")
+    if not isinstance(content, (str, type(None))) or not isinstance(reasoning, str):
+        raise RetryableError("bad_response", f"content or reasoning is not a string: {json.dumps(message)[:200]}")
+    content = content or ""
     answer = chat.join_reasoning(reasoning, content) if reasoning.strip() else content
     if not answer.strip():
         raise RowFailed("empty_answer", json.dumps(response)[:200])
@@ -323,12 +356,15 @@ class Recorder:
         self.failures = Counter()
 
     def ok(self, job: Job, rewrite: Rewrite) -> None:
-        row = {"id": job.id, "source": job.source, "messages": rewrite.history,
+        row = {"id": job.id, "source": job.source, "group": job.group, "messages": rewrite.history,
                "truncated": rewrite.truncated}
         self.rows.write(json.dumps(row, ensure_ascii=False) + "\n")
         self.rows.flush()
         self.counts["ok"] += 1
         self.counts["truncated"] += rewrite.truncated
+
+    def record(self, job: Job, outcome: "Rewrite | RowFailed") -> None:
+        self.ok(job, outcome) if isinstance(outcome, Rewrite) else self.failed(job, outcome)
 
     def failed(self, job: Job, failure: RowFailed) -> None:
         row = {"id": job.id, "source": job.source, "reason": failure.reason, "detail": failure.detail}
@@ -363,38 +399,54 @@ def check_settings(out: Path, settings: dict) -> None:
 # Runs
 # ---------------------------------------------------------------------------------------------
 
-def run_server(backend: ServerBackend, todo: list[Job], recorder: Recorder, concurrency: int) -> None:
-    """A bounded window of conversations in flight; the main thread alone writes."""
-    queue = iter(todo)
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        in_flight = {}
+def run_server(backend: ServerBackend, todo: list[Job], recorder: Recorder, concurrency: int,
+               stop: threading.Event) -> None:
+    """`concurrency` daemon threads rewrite the queued conversations; the main thread alone writes.
+    Once `stop` is set nothing new starts, and what has arrived is written without waiting for the
+    requests in flight (daemon threads do not hold up the process's exit)."""
+    queued, results = queue.Queue(), queue.Queue()
+    for job in todo:
+        queued.put(job)
 
-        def refill():
-            while len(in_flight) < 2 * concurrency and (job := next(queue, None)) is not None:
-                in_flight[pool.submit(rewrite_with_server, backend, job)] = job
+    def work():
+        while not stop.is_set():
+            try:
+                job = queued.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                outcome = rewrite_with_server(backend, job)
+            except Stopped:
+                return
+            except RowFailed as failure:
+                outcome = failure
+            except Exception as error:  # a bug or an unforeseen reply: this row fails, the run goes on
+                detail = "".join(traceback.format_exception_only(error)).strip()
+                outcome = RowFailed("internal_error", detail[:300])
+            results.put((job, outcome))
 
-        refill()
+    for _ in range(min(concurrency, len(todo))):
+        threading.Thread(target=work, daemon=True).start()
+    received = 0
+    while received < len(todo) and not stop.is_set():
         try:
-            while in_flight:
-                finished, _ = wait(in_flight, return_when=FIRST_COMPLETED)
-                for future in finished:
-                    job = in_flight.pop(future)
-                    try:
-                        recorder.ok(job, future.result())
-                    except RowFailed as failure:
-                        recorder.failed(job, failure)
-                refill()
-        except BaseException:  # Ctrl-C or a bug: start nothing new; finished rows are already saved
-            for future in in_flight:
-                future.cancel()
-            raise
+            recorder.record(*results.get(timeout=0.2))
+            received += 1
+        except queue.Empty:
+            continue
+    while not results.empty():  # stopping: what has already arrived is written
+        recorder.record(*results.get_nowait())
 
 
-def run_local(backend: LocalBackend, todo: list[Job], recorder: Recorder, batch_size: int) -> None:
-    """Batches of conversations advanced turn by turn: one generate call per turn index."""
+def run_local(backend: LocalBackend, todo: list[Job], recorder: Recorder, batch_size: int,
+              stop: threading.Event) -> None:
+    """Batches of conversations advanced turn by turn: one generate call per turn index. Once
+    `stop` is set no new generate call starts; the batch in progress is not written."""
     for start in range(0, len(todo), batch_size):
         active = {job.id: (job, Rewrite(job.prompt)) for job in todo[start:start + batch_size]}
         while active:
+            if stop.is_set():
+                return
             prompts = {}
             for job_id, (job, rewrite) in list(active.items()):
                 try:
@@ -415,23 +467,52 @@ def run_local(backend: LocalBackend, todo: list[Job], recorder: Recorder, batch_
                     del active[job_id]
 
 
+class StopOnSignal:
+    """Within the block, a first SIGINT or SIGTERM sets the event it yields (the run winds down in
+    seconds, writing what it has); a second one raises KeyboardInterrupt."""
+
+    def __init__(self):
+        self.event = threading.Event()
+        self.previous = {}
+
+    def _handle(self, signum, frame):
+        if self.event.is_set():
+            raise KeyboardInterrupt
+        print(f"{signal.Signals(signum).name}: writing the answers received and stopping "
+              "(signal again to stop at once)", file=sys.stderr, flush=True)
+        self.event.set()
+
+    def __enter__(self) -> threading.Event:
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+        return self.event
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     out = Path(args.out)
+    try:
+        jobs = load_jobs(args.input, args.system_prompt, exclude=(str(out),))
+    except chat.InputError as error:
+        sys.exit(f"stopped, nothing written: {error}")
     out.parent.mkdir(parents=True, exist_ok=True)
     settings = {key: getattr(args, key) for key in
                 ("backend", "model", "target", "thinking", "system_prompt", "temperature", "max_tokens")}
     check_settings(out, settings)
-    jobs = load_jobs(args.input, args.system_prompt)
     done = completed_ids(out)
     todo = [job for job in jobs.todo if job.id not in done]
     this_run = todo[: args.max_rows] if args.max_rows is not None else todo
     recorder = Recorder(out)
     try:
-        if args.backend == "server":
-            run_server(ServerBackend(args), this_run, recorder, args.concurrency)
-        else:
-            run_local(LocalBackend(args), this_run, recorder, args.batch_size)
+        with StopOnSignal() as stop:
+            if args.backend == "server":
+                run_server(ServerBackend(args, stop), this_run, recorder, args.concurrency, stop)
+            else:
+                run_local(LocalBackend(args), this_run, recorder, args.batch_size, stop)
     finally:
         recorder.close()
     summary = {
@@ -439,13 +520,15 @@ def main(argv=None) -> dict:
         "ok": recorder.counts["ok"],
         "failed": recorder.counts["failed"],
         "skipped_existing": len(jobs.todo) - len(todo),
-        "remaining": len(todo) - len(this_run),
+        "remaining": len(todo) - recorder.counts["ok"] - recorder.counts["failed"],
+        "interrupted": stop.is_set(),
         "failures": dict(recorder.failures),
         "truncated": recorder.counts["truncated"],
         "rows_read": jobs.rows,
         "invalid": dict(jobs.invalid),
         "invalid_examples": jobs.examples,
         "duplicates": jobs.duplicates,
+        "leading_assistant_dropped": jobs.leading_assistant_dropped,
     }
     side_file(out, "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps({k: v for k, v in summary.items() if k != "invalid_examples"}))
@@ -455,4 +538,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(130 if main()["interrupted"] else 0)

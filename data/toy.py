@@ -12,10 +12,12 @@ Output (each step is skipped when its output exists; --force rebuilds everything
   corpus.json          the file lists of the three sets
   target/              tokenizer + Qwen3ForCausalLM (AutoTokenizer / AutoModelForCausalLM load it),
                        target/training.json: size, tokens, speed, final training loss
-  prompts.jsonl        {"messages": [user turn]} chats from the prompt files
+  prompts.jsonl        {"messages": [user turn], "group": source file} chats from the prompt files
   bench.jsonl          {"prompt": user text} held-out prompts from the bench files
   regenerated.jsonl    the target's own answers (data/regenerate.py, local backend, greedy)
-  train_data/          data/prepare.py's tokenised drafter training set
+  train_data/          data/prepare.py's tokenised drafter training set, answers that loop dropped
+                       (--drop-loops); its group column is the source file, so the drafter's
+                       held-out split holds out whole files
   report.json          held-out loss, distinct 4-gram share of greedy bench answers, samples
 """
 
@@ -320,11 +322,11 @@ TARGET_CONFIG = {"hidden_size": 96, "num_hidden_layers": 6, "num_attention_heads
                  "num_key_value_heads": 1, "head_dim": 32, "intermediate_size": 288}
 SEQ_LEN = 256
 BATCH_SIZE = 8
-TRAIN_STEPS = 1400
+TRAIN_STEPS = 1000
 PEAK_LR = 4e-3
 HELDOUT_ROWS = 64
 NUM_PROMPTS = 2000
-MAX_NEW_TOKENS = 128
+MAX_NEW_TOKENS = 64
 REGENERATE_BATCH_SIZE = 64
 NUM_BENCH = 48
 REPORT_NEW_TOKENS = 64
@@ -342,8 +344,10 @@ def read_texts(root: Path, rel_paths: list[str]) -> list[str]:
     return [(root / rel_path).read_text(encoding="utf-8") for rel_path in rel_paths]
 
 
-def completion_heads(texts: list[str]) -> list[str]:
-    return [head for text in texts for head, _ in function_examples(text, **EXAMPLE_LIMITS)]
+def completion_heads(files: dict[str, str]) -> list[tuple[str, str]]:
+    """(file, head) of every function example of `files` (relative path -> source text)."""
+    return [(rel_path, head) for rel_path, text in files.items()
+            for head, _ in function_examples(text, **EXAMPLE_LIMITS)]
 
 
 def sample_in_order(items: list, count: int, seed: int) -> list:
@@ -365,10 +369,15 @@ def step_corpus(out: Path) -> None:
     (out / "corpus.json").write_text(json.dumps(corpus, indent=1) + "\n")
 
 
-def split_texts(out: Path, split: str) -> list[str]:
-    """The texts of one set of the corpus recorded in out/corpus.json."""
+def split_files(out: Path, split: str) -> dict[str, str]:
+    """Relative path -> text of the files of one set of the corpus recorded in out/corpus.json."""
     corpus = json.loads((out / "corpus.json").read_text())
-    return read_texts(Path(corpus["stdlib"]), corpus["splits"][split])
+    rel_paths = corpus["splits"][split]
+    return dict(zip(rel_paths, read_texts(Path(corpus["stdlib"]), rel_paths)))
+
+
+def split_texts(out: Path, split: str) -> list[str]:
+    return list(split_files(out, split).values())
 
 
 def step_target(out: Path) -> None:
@@ -402,16 +411,17 @@ def step_target(out: Path) -> None:
 
 
 def step_prompts(out: Path) -> None:
-    heads = completion_heads(split_texts(out, "prompt"))
-    rows = [{"messages": completion_messages(head)}
-            for head in sample_in_order(heads, NUM_PROMPTS, SEED)]
+    heads = completion_heads(split_files(out, "prompt"))
+    # the source file is the group: the held-out split keeps a file's functions together
+    rows = [{"messages": completion_messages(head), "group": rel_path}
+            for rel_path, head in sample_in_order(heads, NUM_PROMPTS, SEED)]
     write_jsonl(out / "prompts.jsonl", rows)
 
 
 def step_bench(out: Path) -> None:
-    heads = completion_heads(split_texts(out, "bench"))
+    heads = completion_heads(split_files(out, "bench"))
     rows = [{"prompt": completion_messages(head)[0]["content"]}
-            for head in sample_in_order(heads, NUM_BENCH, SEED)]
+            for _, head in sample_in_order(heads, NUM_BENCH, SEED)]
     write_jsonl(out / "bench.jsonl", rows)
 
 
@@ -438,7 +448,7 @@ def step_regenerate(out: Path) -> None:
 
 def step_prepare(out: Path) -> None:
     run_cli("prepare.py", ["--input", str(out / "regenerated.jsonl"), "--target", str(out / "target"),
-                           "--out", str(out / "train_data"), "--no-thinking", "--num-proc", "1",
+                           "--out", str(out / "train_data"), "--no-thinking", "--drop-loops", "--num-proc", "1",
                            "--cache-dir", str(out / "datasets_cache")])
 
 

@@ -4,43 +4,69 @@ Shared by `data/prepare.py` (tokenise + loss mask), `data/regenerate.py` (the ta
 answers) and prompt formatting for evaluation, so that all three see a conversation the same way.
 
 Input rows (one JSON object each) come in these shapes; all become a list of
-`{"role": "system"|"user"|"assistant", "content": str}` messages:
+`{"role": "system"|"user"|"assistant"|"tool", "content": str}` messages:
   ShareGPT     {"conversations": [{"from": "human"|"gpt"|"system"|"user"|"assistant", "value": str}]}
   OpenAI       {"messages": [{"role": ..., "content": str | [{"type": "text", "text": str}, ...]}]}
                (also UltraChat-200k and Nemotron-Post-Training v1/v2, whose other columns such as
-               `reasoning`, `uuid`, `category` are ignored; an assistant `reasoning_content` string
-               is folded into the content as a leading `<think>` block)
+               `reasoning`, `category` are ignored; an assistant `reasoning_content` string
+               is folded into the content as a leading `<think>` block). Tool use in the OpenAI
+               shape is kept: an assistant turn's `tool_calls` (normalised to
+               `[{"type": "function", "function": {"name", "arguments"}}]`, content may be empty)
+               and `tool` turns (`function` is an alias), which the target's chat template renders.
   UltraChat    {"data": [user, assistant, user, ...]} (alternating strings)
   Llama-Nemotron {"input": str | messages, "output": str, "system_prompt": str (optional)}
 
 Source labels are "path:N", N being the 1-based line of a JSONL file or the 1-based row of a JSON
-list, a parquet file or a hub dataset.
+list, a parquet file or a hub dataset. A row's group (`row_group`, what the held-out split keeps
+together) is its string field `group` when it has one, else "path#ID" with ID its `id`,
+`conversation_id` or `uuid` field, else "path#N".
+
+Repairs (the row is kept): a UTF-8 byte-order mark at the start of a file is skipped; a lone UTF-16
+surrogate (a `"\\ud83d"` escape with no partner, which UTF-8 and Arrow cannot hold) becomes U+FFFD
+and the row is flagged `lone_surrogate`.
 
 Reasons a row is dropped (stable strings; counted in prepare's stats.json and regenerate's summary):
   encoding               a JSONL line that is not valid UTF-8
   malformed_json         a JSONL line that does not parse as JSON
+  nesting_too_deep       a JSONL line nested deeper than Python's JSON parser goes
   not_a_conversation     a row that is not an object or holds no conversation in a known shape
-  unknown_role           a turn whose role is not system/user/assistant (or an alias of one)
+  unknown_role           a turn whose role is not system/user/assistant/tool (or an alias of one)
   non_string_content     a turn whose content is neither a string nor a list of text parts
   empty_content          a turn whose content is empty or blank (for an assistant: its answer)
+  bad_tool_call          an assistant `tool_calls` entry without a function name, or with arguments
+                         that are neither a string nor an object
+  tools_unsupported      tool calls or tool turns that the target's chat template does not render
+  tool_turns             tool calls or tool turns: regenerate cannot run the tools (regenerate)
+  special_token_text     an answer holding the text of a special token (a literal `<|im_end|>`),
+                         which would become a turn boundary mid-answer (prepare)
+  extra_think_tags       an answer with more than one `<think>` or `</think>` tag (prepare)
   no_assistant_turn      nothing to supervise (prepare)
   no_user_turn           nothing to answer (regenerate)
   template_error         the tokenizer's chat template raised on the conversation
   span_not_found         an assistant answer could not be located in the rendered conversation
   too_long               more than --max-length tokens, without --truncate (prepare)
   too_little_supervision fewer than 2 consecutive supervised tokens (prepare)
+  loop                   with --drop-loops: an answer whose tail repeats a short n-gram (prepare)
+
+A file that cannot be read as a whole (a missing or unreadable file, a `.json` array cut short, an
+unsupported type) raises `InputError` naming it. Given a directory, only its data files are read:
+hidden entries, data/regenerate.py's side files (`*.errors.jsonl`, `*.summary.json`,
+`*.settings.json`) and saved `datasets` directories (data/prepare.py outputs) are skipped.
 
 Loss mask (which tokens the drafter learns to predict): for every assistant turn (or only the
 last one), the answer text, any whitespace after it and the special token that closes the turn
-(`<|im_end|>` for Qwen): at serving time the drafter must propose that token too. When the
-message carries reasoning that the template renders, the span starts at its `<think>` tag, which
-the target generates itself. The answer's indentation is supervised; its leading newlines are not
-(templates strip them, or they cannot be told from the header's). Template text is never
-supervised: role headers, and the empty `<think>\\n\\n</think>\\n\\n` that Qwen3 templates insert
-for thinking-off turns (at serving time it is part of the prompt). Spans are found as character
-offsets in the rendered text and mapped to tokens with the tokenizer's offset mapping: a token is
-supervised when its first character lies inside a span (a token that merges template whitespace
-with the answer's first characters is therefore not).
+(`<|im_end|>` for Qwen): at serving time the drafter must propose that token too. In a row that
+data/regenerate.py marks `truncated` (an answer hit --max-tokens) no closing token is supervised:
+the target never chose to end there. When the message carries reasoning
+that the template renders, the span starts at its `<think>` tag, which the target generates
+itself. A tool-call turn is supervised as the template renders it (its calls included). The
+answer's indentation is supervised; its leading newlines are not (templates strip them, or they
+cannot be told from the header's). Template text is never supervised: role headers, and the empty
+`<think>\\n\\n</think>\\n\\n` that Qwen3 templates insert for thinking-off turns (at serving time it
+is part of the prompt). Spans are found as character offsets in the rendered text and mapped to
+tokens with the tokenizer's offset mapping: a token is supervised when its first character lies
+inside a span (a token that merges template whitespace with the answer's first characters is
+therefore not).
 """
 import bisect
 import functools
@@ -56,9 +82,13 @@ ROLE_ALIASES = {
     "system": "system",
     "user": "user", "human": "user",
     "assistant": "assistant", "gpt": "assistant", "chatgpt": "assistant", "model": "assistant",
+    "tool": "tool", "function": "tool",
 }
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+# data/regenerate.py writes these next to its output; they are never conversations.
+SIDE_FILE_SUFFIXES = (".errors.jsonl", ".summary.json", ".settings.json")
+CONVERSATION_ID_FIELDS = ("id", "conversation_id", "uuid")
 
 
 class BadRow(Exception):
@@ -69,31 +99,54 @@ class BadRow(Exception):
         self.reason = reason
 
 
+class InputError(ValueError):
+    """A file that cannot be read as a whole; the message names it and says what is wrong."""
+
+
 @dataclass(frozen=True)
 class RawRow:
-    """One input row: the parsed JSON value, or `reason` when it could not even be read."""
+    """One input row: the parsed JSON value, or `reason` when it could not even be read.
+    `repaired`: lone surrogates in it were replaced by U+FFFD."""
     source: str
     value: Any = None
     reason: str | None = None
+    repaired: bool = False
 
 
 # ---------------------------------------------------------------------------------------------
 # Reading
 # ---------------------------------------------------------------------------------------------
 
-def expand_inputs(inputs: list[str]) -> list[str]:
-    """Files stay as given (in order); a directory becomes its data files, sorted; a name that is
-    not a local path nor a data file name is taken as a hub dataset `owner/name[:split]`."""
+def expand_inputs(inputs: list[str], exclude: tuple[str, ...] = ()) -> list[str]:
+    """Files stay as given (in order); a directory becomes its data files, sorted (see the module
+    docstring for what is skipped); a name that is not a local path nor a data file name is taken
+    as a hub dataset `owner/name[:split]`. Files that resolve to one of `exclude` are left out."""
+    excluded = {Path(path).resolve() for path in exclude}
     expanded = []
     for item in inputs:
         path = Path(item)
         if path.is_dir():
-            expanded += sorted(str(p) for p in path.rglob("*") if p.suffix in FILE_SUFFIXES)
+            expanded += sorted(str(p) for p in path.rglob("*") if is_data_file(p, path))
         elif path.suffix in FILE_SUFFIXES and not path.is_file():
             raise FileNotFoundError(f"{item}: no such file")
         else:
             expanded.append(item)
-    return expanded
+    return [item for item in expanded if Path(item).resolve() not in excluded]
+
+
+def is_data_file(path: Path, root: Path) -> bool:
+    """Whether a file found under directory `root` is input data."""
+    parts = path.relative_to(root).parts
+    folders = [root.joinpath(*parts[:depth]) for depth in range(len(parts))]
+    return (path.is_file() and path.suffix in FILE_SUFFIXES
+            and not path.name.endswith(SIDE_FILE_SUFFIXES)
+            and not any(part.startswith(".") for part in parts)
+            and not any(is_saved_dataset(folder) for folder in folders))
+
+
+def is_saved_dataset(directory: Path) -> bool:
+    """A `datasets` save_to_disk directory (data/prepare.py writes these)."""
+    return (directory / "dataset_info.json").is_file() and (directory / "state.json").is_file()
 
 
 def input_signature(inputs: list[str]) -> list[list]:
@@ -110,10 +163,10 @@ def input_signature(inputs: list[str]) -> list[list]:
     return signature
 
 
-def read_rows(inputs: list[str]) -> Iterator[RawRow]:
-    """Every row of every input, in order. A bad row comes back with a reason; only a missing or
-    unreadable file raises."""
-    for item in expand_inputs(inputs):
+def read_rows(inputs: list[str], exclude: tuple[str, ...] = ()) -> Iterator[RawRow]:
+    """Every row of every input, in order. A bad row comes back with a reason; a file that cannot
+    be read as a whole raises InputError (FileNotFoundError when missing)."""
+    for item in expand_inputs(inputs, exclude):
         path = Path(item)
         if path.suffix == ".jsonl":
             yield from read_jsonl(path)
@@ -122,9 +175,33 @@ def read_rows(inputs: list[str]) -> Iterator[RawRow]:
         elif path.suffix == ".parquet":
             yield from read_parquet(path)
         elif path.exists():
-            raise ValueError(f"{item}: unsupported file type (expected {', '.join(FILE_SUFFIXES)})")
+            raise InputError(f"{item}: unsupported file type (expected {', '.join(FILE_SUFFIXES)})")
         else:
             yield from read_hub(item)
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def parse_json(text: str) -> tuple[Any, bool]:
+    """(value, repaired) of a JSON text; lone UTF-16 surrogates in its strings become U+FFFD.
+    Raises json.JSONDecodeError, or RecursionError for nesting deeper than the parser goes."""
+    value = json.loads(text)
+    if not _SURROGATE_ESCAPE.search(text):  # the only way a lone surrogate gets into a str
+        return value, False
+    repaired = without_lone_surrogates(value)
+    return repaired, repaired != value
+
+
+def without_lone_surrogates(value: Any) -> Any:
+    """`value` with every lone surrogate in its strings (keys included) replaced by U+FFFD."""
+    if isinstance(value, str):
+        return value.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    if isinstance(value, list):
+        return [without_lone_surrogates(item) for item in value]
+    if isinstance(value, dict):
+        return {without_lone_surrogates(k): without_lone_surrogates(v) for k, v in value.items()}
+    return value
 
 
 def read_jsonl(path: Path) -> Iterator[RawRow]:
@@ -133,29 +210,42 @@ def read_jsonl(path: Path) -> Iterator[RawRow]:
         for line_number, raw in enumerate(f, start=1):
             source = f"{path}:{line_number}"
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if line_number == 1 else "utf-8")
             except UnicodeDecodeError:
                 yield RawRow(source, reason="encoding")
                 continue
             if not line.strip():
                 continue
             try:
-                yield RawRow(source, json.loads(line))
+                value, repaired = parse_json(line)
             except json.JSONDecodeError:
                 yield RawRow(source, reason="malformed_json")
+            except RecursionError:
+                yield RawRow(source, reason="nesting_too_deep")
+            else:
+                yield RawRow(source, value, repaired=repaired)
 
 
 def read_json(path: Path) -> Iterator[RawRow]:
-    """A JSON file holding a list of rows; a file that is really JSON Lines is read as such."""
+    """A JSON file holding a list of rows; a file that is really JSON Lines is read as such. A
+    list that does not parse (a download cut short) or a value that is not a list raises."""
     try:
-        rows = json.loads(path.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        text = path.read_bytes().decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise InputError(f"{path}: not valid UTF-8 ({error})") from None
+    try:
+        rows = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as error:
+        if text.lstrip().startswith("["):
+            raise InputError(f"{path}: not a complete JSON list ({error}); is the file cut short?") from None
         yield from read_jsonl(path)
         return
     if not isinstance(rows, list):
-        raise ValueError(f"{path}: a .json input must hold a list of rows, found {type(rows).__name__}")
+        raise InputError(f"{path}: a .json input must hold a list of rows, found {type(rows).__name__}")
+    may_hold_surrogates = _SURROGATE_ESCAPE.search(text) is not None
     for index, row in enumerate(rows, start=1):
-        yield RawRow(f"{path}:{index}", row)
+        repaired = without_lone_surrogates(row) if may_hold_surrogates else row
+        yield RawRow(f"{path}:{index}", repaired, repaired=repaired != row)
 
 
 def read_parquet(path: Path, batch_size: int = 1024) -> Iterator[RawRow]:
@@ -164,7 +254,7 @@ def read_parquet(path: Path, batch_size: int = 1024) -> Iterator[RawRow]:
     try:
         parquet = pq.ParquetFile(path)
     except Exception as error:  # pyarrow's errors do not name the file
-        raise ValueError(f"{path}: not a readable parquet file ({error})") from error
+        raise InputError(f"{path}: not a readable parquet file ({error})") from error
     index = 0
     for batch in parquet.iter_batches(batch_size=batch_size):
         for row in batch.to_pylist():
@@ -215,7 +305,7 @@ def _input_output_turns(row: dict) -> list:
     return head + turns + [{"role": "assistant", "content": row["output"]}]
 
 
-def normalize_turn(turn: Any) -> dict[str, str]:
+def normalize_turn(turn: Any) -> dict:
     if not isinstance(turn, dict):
         raise BadRow("not_a_conversation", f"a turn is a {type(turn).__name__}, not an object")
     # `or`: a parquet schema merged from both spellings holds None in the unused pair of columns
@@ -223,14 +313,55 @@ def normalize_turn(turn: Any) -> dict[str, str]:
     role = ROLE_ALIASES.get(raw_role.lower()) if isinstance(raw_role, str) else None
     if role is None:
         raise BadRow("unknown_role", repr(raw_role))
-    content = content_text(turn.get("content") if turn.get("content") is not None else turn.get("value"))
+    raw_content = turn.get("content") if turn.get("content") is not None else turn.get("value")
+    tool_calls = turn.get("tool_calls") if role == "assistant" else None
+    if role == "tool" or (tool_calls and raw_content is None):
+        raw_content = "" if raw_content is None else raw_content  # a call or a result may be empty
+    content = content_text(raw_content)
     reasoning = turn.get("reasoning_content")
     if role == "assistant" and isinstance(reasoning, str) and reasoning.strip():
         content = join_reasoning(reasoning, content)
+    if role == "tool":
+        return {"role": "tool", "content": content}
+    if tool_calls:
+        return {"role": "assistant", "content": content, "tool_calls": normalize_tool_calls(tool_calls)}
     body = split_reasoning(content)[1] if role == "assistant" else content
     if not body.strip():
         raise BadRow("empty_content", f"{role} turn")
     return {"role": role, "content": content}
+
+
+def normalize_tool_calls(calls: Any) -> list[dict]:
+    """OpenAI `tool_calls` as `[{"type": "function", "function": {"name", "arguments"}}]`, the
+    arguments kept as given (a JSON string or an object); raises BadRow("bad_tool_call")."""
+    if not isinstance(calls, list):
+        raise BadRow("bad_tool_call", f"tool_calls is a {type(calls).__name__}, not a list")
+    normalized = []
+    for call in calls:
+        function = call.get("function", call) if isinstance(call, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        arguments = function.get("arguments", {}) if isinstance(function, dict) else None
+        if not (isinstance(name, str) and name.strip()) or not isinstance(arguments, (str, dict)):
+            raise BadRow("bad_tool_call", json.dumps(call, default=str)[:100])
+        normalized.append({"type": "function", "function": {"name": name, "arguments": arguments}})
+    return normalized
+
+
+def uses_tools(messages: list[dict]) -> bool:
+    return any(m["role"] == "tool" or "tool_calls" in m for m in messages)
+
+
+def row_group(raw: RawRow) -> str:
+    """The group a row belongs to for the held-out split (see the module docstring)."""
+    value = raw.value if isinstance(raw.value, dict) else {}
+    if isinstance(value.get("group"), str) and value["group"]:
+        return value["group"]
+    file, _, number = raw.source.rpartition(":")
+    for field in CONVERSATION_ID_FIELDS:
+        conversation_id = value.get(field)
+        if isinstance(conversation_id, (str, int)) and not isinstance(conversation_id, bool) and conversation_id != "":
+            return f"{file}#{conversation_id}"
+    return f"{file}#{number}"
 
 
 def content_text(content: Any) -> str:
@@ -292,11 +423,43 @@ def prompt_token_ids(tokenizer, messages: list[dict], enable_thinking: bool) -> 
 
 
 @functools.lru_cache(maxsize=8)
+def special_token_regex(tokenizer) -> re.Pattern:
+    """One of the tokenizer's special added tokens (the turn closers among them)."""
+    specials = {token.content for token in tokenizer.added_tokens_decoder.values() if token.special}
+    return re.compile("|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True)))
+
+
+@functools.lru_cache(maxsize=8)
 def turn_end_regex(tokenizer) -> re.Pattern:
     """Whitespace then one of the tokenizer's special added tokens (the turn closers)."""
-    specials = {token.content for token in tokenizer.added_tokens_decoder.values() if token.special}
-    alternatives = "|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True))
-    return re.compile(rf"\s*(?:{alternatives})")
+    return re.compile(rf"\s*(?:{special_token_regex(tokenizer).pattern})")
+
+
+def check_answers(tokenizer, messages: list[dict]) -> None:
+    """Raise BadRow for answers whose text the template or tokenizer would read as structure: a
+    special token's text (it would end the turn mid-answer) or more than one think tag."""
+    specials = special_token_regex(tokenizer)
+    for message in messages:
+        if message["role"] != "assistant":
+            continue
+        found = specials.search(message["content"])
+        if found:
+            raise BadRow("special_token_text", found.group())
+        if message["content"].count(THINK_OPEN) > 1 or message["content"].count(THINK_CLOSE) > 1:
+            raise BadRow("extra_think_tags")
+
+
+def without_reasoning(messages: list[dict]) -> tuple[list[dict], bool]:
+    """(messages with each assistant turn's `<think>` block removed, whether any held reasoning)."""
+    stripped, removed = [], False
+    for message in messages:
+        reasoning, answer = split_reasoning(message["content"]) if message["role"] == "assistant" else (None, "")
+        if reasoning is None:
+            stripped.append(message)
+            continue
+        removed |= bool(reasoning)
+        stripped.append(message | {"content": answer.lstrip("\n")})
+    return stripped, removed
 
 
 def find_answer(text: str, answer: str, start: int, turn_end: re.Pattern) -> tuple[int, int] | None:
@@ -311,25 +474,49 @@ def find_answer(text: str, answer: str, start: int, turn_end: re.Pattern) -> tup
     return None
 
 
-def assistant_spans(text: str, messages: list[dict], turn_end: re.Pattern) -> list[tuple[int, int]]:
+def rendered_answer(tokenizer, messages: list[dict], index: int, enable_thinking: bool) -> str:
+    """The answer of assistant turn `index` as the template renders it after the generation prompt
+    (tool calls included), up to the turn closer and without a leading think block: the text the
+    target writes for it. Raises BadRow("tools_unsupported") when the calls are not rendered."""
+    prompt = render(tokenizer, messages[:index], enable_thinking, add_generation_prompt=True)
+    through = render(tokenizer, messages[:index + 1], enable_thinking)
+    closer = turn_end_regex(tokenizer).search(through, len(prompt))
+    if not through.startswith(prompt) or closer is None:
+        raise BadRow("tools_unsupported", "the tool-call turn does not follow the generation prompt")
+    answer = split_reasoning(through[len(prompt):closer.start()])[1]
+    for call in messages[index]["tool_calls"]:
+        if call["function"]["name"] not in answer:
+            raise BadRow("tools_unsupported", f"the template does not render the call to {call['function']['name']!r}")
+    return answer
+
+
+def assistant_spans(text: str, messages: list[dict], turn_end: re.Pattern,
+                    answers: dict[int, str] | None = None, closers: bool = True) -> list[tuple[int, int]]:
     """Character spans [start, end) of the supervised part of each assistant turn in `text`.
 
-    Walks the messages in order with a cursor past each located turn, so that an answer is never
-    matched inside an earlier turn (a user turn quoting it, say).
+    `answers` overrides the answer text of some turns (tool calls, as `rendered_answer` gives them);
+    `closers=False` leaves each turn's closing whitespace and token out of its span. Walks the
+    messages in order with a cursor past each located turn, so that an answer is never matched
+    inside an earlier turn (a user turn quoting it, say).
     """
     spans, cursor = [], 0
-    for message in messages:
+    for index, message in enumerate(messages):
         if message["role"] != "assistant":
             content = message["content"].strip()
             found = text.find(content, cursor)
             if found >= 0:
                 cursor = found + len(content)
+            elif message["role"] == "tool":
+                raise BadRow("tools_unsupported", "the template does not render a tool turn's content")
             continue
         reasoning, answer = split_reasoning(message["content"])
+        answer = (answers or {}).get(index, answer)
         span = find_answer(text, answer.strip(), cursor, turn_end)
         if span is None:
             raise BadRow("span_not_found", answer.strip()[:60])
         start, end = span
+        if not closers:
+            end = start + len(answer.strip())
         # The answer's own indentation (code) is the target's output too, when the template kept it.
         indent = answer[: len(answer) - len(answer.lstrip())].rsplit("\n", 1)[-1]
         if indent and start - len(indent) >= cursor and text[start - len(indent):start] == indent:
@@ -340,7 +527,7 @@ def assistant_spans(text: str, messages: list[dict], turn_end: re.Pattern) -> li
                 tag = text.rfind(THINK_OPEN, cursor, thought)
                 start = tag if tag >= 0 else thought
         spans.append((start, end))
-        cursor = end
+        cursor = span[1]
     return spans
 
 
@@ -356,10 +543,20 @@ def tokens_in_spans(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]
 
 
 def tokenize_conversation(tokenizer, messages: list[dict], enable_thinking: bool,
-                          last_turn_only: bool = False) -> tuple[list[int], list[int]]:
-    """(input_ids, loss_mask) of a full conversation; raises BadRow (template_error, span_not_found)."""
-    text = render(tokenizer, messages, enable_thinking)
-    spans = assistant_spans(text, messages, turn_end_regex(tokenizer))
+                          last_turn_only: bool = False, closers: bool = True) -> tuple[list[int], list[int]]:
+    """(input_ids, loss_mask) of a full conversation; raises BadRow (template_error,
+    span_not_found, special_token_text, extra_think_tags, tools_unsupported). `closers=False`:
+    no turn's closing token is supervised (a row whose answer was cut off)."""
+    check_answers(tokenizer, messages)
+    try:
+        text = render(tokenizer, messages, enable_thinking)
+        answers = {index: rendered_answer(tokenizer, messages, index, enable_thinking)
+                   for index, message in enumerate(messages) if "tool_calls" in message}
+    except BadRow as bad:
+        if bad.reason == "template_error" and uses_tools(messages):
+            raise BadRow("tools_unsupported", str(bad)) from bad
+        raise
+    spans = assistant_spans(text, messages, turn_end_regex(tokenizer), answers, closers)
     if last_turn_only:
         spans = spans[-1:]
     encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)

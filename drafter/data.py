@@ -1,19 +1,29 @@
 """Prepared datasets for training: loading data/prepare.py outputs, checked up front, and the
 held-out split."""
+import json
+import warnings
+from pathlib import Path
+
 import datasets
 import numpy as np
 import pyarrow.compute as pc
 
 from drafter.sampler import split_holdout
 
+TRAINING_COLUMNS = ["input_ids", "loss_mask", "length"]
+
+
+class DataError(ValueError):
+    """A prepared dataset that training cannot use, named with the reason (a user error, not a bug)."""
+
 
 def load_prepared(path: str, vocab_size: int) -> datasets.Dataset:
     """A data/prepare.py output, checked up front (columns, lengths, token ids) so that bad data stops
     the run at start-up with the row named, not hours in."""
     dataset = datasets.load_from_disk(path)
-    missing = {"input_ids", "loss_mask", "length"} - set(dataset.column_names)
+    missing = set(TRAINING_COLUMNS) - set(dataset.column_names)
     if missing:
-        raise ValueError(f"{path}: missing columns {sorted(missing)} (make it with data/prepare.py)")
+        raise DataError(f"{path}: missing columns {sorted(missing)} (make it with data/prepare.py)")
     table = dataset.data.table
     ids_len = pc.list_value_length(table.column("input_ids")).to_numpy(zero_copy_only=False)
     mask_len = pc.list_value_length(table.column("loss_mask")).to_numpy(zero_copy_only=False)
@@ -21,20 +31,56 @@ def load_prepared(path: str, vocab_size: int) -> datasets.Dataset:
     for what, bad in (("length column != len(input_ids)", length != ids_len),
                       ("len(loss_mask) != len(input_ids)", mask_len != ids_len)):
         if bad.any():
-            raise ValueError(f"{path}: row {int(np.flatnonzero(bad)[0])}: {what} ({int(bad.sum())} rows)")
+            raise DataError(f"{path}: row {int(np.flatnonzero(bad)[0])}: {what} ({int(bad.sum())} rows)")
     flat_ids = pc.list_flatten(table.column("input_ids")).to_numpy(zero_copy_only=False)
     bad = (flat_ids < 0) | (flat_ids >= vocab_size)
     if bad.any():
         rows = pc.list_parent_indices(table.column("input_ids")).to_numpy(zero_copy_only=False)[bad]
-        raise ValueError(f"{path}: row {int(rows[0])}: token id {int(flat_ids[bad][0])} outside the target "
+        raise DataError(f"{path}: row {int(rows[0])}: token id {int(flat_ids[bad][0])} outside the target "
                          f"vocabulary [0, {vocab_size}) ({len(np.unique(rows))} rows)")
     return dataset
 
 
-def load_datasets(data_cfg, vocab_size: int):
-    """(train, eval) prepared datasets with input_ids / loss_mask / length columns."""
+def check_prepared_thinking(path: str, chat_template_kwargs) -> None:
+    """Raise DataError when the dataset at `path` was prepared with another enable_thinking than the
+    training config's `target.chat_template_kwargs` (the drafter would learn text the target does
+    not write when served); warn when the dataset does not record it (not made by data/prepare.py,
+    or by a version before the record)."""
+    stats_path = Path(path) / "stats.json"
+    try:
+        prepared = json.loads(stats_path.read_text())["settings"]["chat_template_kwargs"]["enable_thinking"]
+    except (OSError, ValueError, KeyError, TypeError):
+        warnings.warn(f"{path}: no settings.chat_template_kwargs.enable_thinking in {stats_path}, so thinking "
+                      "on/off cannot be checked against the config; rerun data/prepare.py to record it",
+                      stacklevel=2)
+        return
+    configured = dict(chat_template_kwargs or {}).get("enable_thinking")
+    if prepared != configured:
+        raise DataError(f"{path} was prepared with enable_thinking={prepared} ({stats_path}) but the config has "
+                         f"target.chat_template_kwargs.enable_thinking={configured}: the drafter would learn text "
+                         "the target does not write when served; prepare the data again or fix the config")
+
+
+def row_groups(dataset: datasets.Dataset, path: str) -> np.ndarray:
+    """The `group` of every row, or one group per row (with a warning) for a dataset without them."""
+    if "group" in dataset.column_names:
+        return np.asarray(dataset["group"], dtype=object)
+    warnings.warn(f"{path}: no 'group' column (prepared before groups were recorded): the eval split "
+                  "holds out random rows, which may share documents with training rows", stacklevel=2)
+    return np.arange(len(dataset))
+
+
+def load_datasets(data_cfg, vocab_size: int, chat_template_kwargs):
+    """(train, eval) prepared datasets with input_ids / loss_mask / length columns. Thinking is
+    checked against `chat_template_kwargs` (the config's target.chat_template_kwargs); without
+    data.eval_path the eval split holds out whole groups (see sampler.split_holdout)."""
+    paths = [data_cfg.path] + ([data_cfg.eval_path] if data_cfg.eval_path else [])
+    for path in paths:
+        check_prepared_thinking(path, chat_template_kwargs)
     train = load_prepared(data_cfg.path, vocab_size)
     if data_cfg.eval_path:
-        return train, load_prepared(data_cfg.eval_path, vocab_size)
-    train_rows, eval_rows = split_holdout(len(train), data_cfg.eval_fraction, data_cfg.seed)
+        return (train.select_columns(TRAINING_COLUMNS),
+                load_prepared(data_cfg.eval_path, vocab_size).select_columns(TRAINING_COLUMNS))
+    train_rows, eval_rows = split_holdout(row_groups(train, data_cfg.path), data_cfg.eval_fraction, data_cfg.seed)
+    train = train.select_columns(TRAINING_COLUMNS)
     return train.select(train_rows), train.select(eval_rows)

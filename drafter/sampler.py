@@ -15,6 +15,11 @@ One epoch is planned up front, as a pure function of (seed, epoch):
 4. The steps of all buckets are interleaved (`interleave_buckets`) so every bucket is spread in
    proportion over the whole epoch, all buckets end together, and no bucket runs more than
    `max_run` steps in a row.
+5. The epoch's last (steps mod steps_multiple) steps are cut (counted in `stats`), so that it
+   holds whole optimizer steps of `steps_multiple` micro-steps (gradient accumulation).
+
+A sample longer than tokens_per_batch goes alone in its batch, over the budget; `stats` counts
+them and `plan_notes` warns about them. `plan_notes` lists every sample a plan leaves out, by cause.
 
 Resuming at (epoch, step) replays the same plan from that step. The DataLoader path
 (`make_loader`) loads and collates each planned batch in worker processes and prefetches on a
@@ -188,8 +193,10 @@ class EpochPlan:
     step_buckets: np.ndarray  # [steps] bucket id of each step (same on every rank)
     samples: np.ndarray  # sample indices, batch after batch, step-major then rank
     offsets: np.ndarray  # [steps * world_size + 1] batch boundaries in `samples`
-    dropped_batches: int
+    dropped_batches: int  # to even out ranks
     dropped_samples: int
+    cut_steps: int  # the last steps, to a multiple of steps_multiple
+    cut_samples: int
     run_cap: int  # the max_run that was enforced (relaxed if the requested one was infeasible)
 
     def __len__(self) -> int:
@@ -209,15 +216,16 @@ class BucketSampler:
     """Plans epochs of same-bucket, token-budget batches for `world_size` ranks (see module doc).
 
     `lengths[i]` is the token count of dataset row i; `boundaries` the bucket upper bounds
-    (make_buckets), the last one the longest sample allowed. Plans are pure functions of
+    (make_buckets), the last one the longest sample allowed; `steps_multiple` the gradient
+    accumulation (each epoch's step count is a multiple of it). Plans are pure functions of
     (seed, epoch); the last one is cached. len(sampler) is the number of steps of epoch 0: other
     epochs pack slightly differently and can differ by a few steps (len(sampler.epoch_plan(e))).
     """
 
     def __init__(self, lengths, boundaries, tokens_per_batch: int, world_size: int = 1, rank: int = 0,
-                 seed: int = 0, max_run: int = 3, sort_window: int = SORT_WINDOW):
-        if tokens_per_batch < 1 or max_run < 1 or sort_window < 1:
-            raise ValueError("tokens_per_batch, max_run and sort_window must be >= 1")
+                 seed: int = 0, max_run: int = 3, sort_window: int = SORT_WINDOW, steps_multiple: int = 1):
+        if min(tokens_per_batch, max_run, sort_window, steps_multiple) < 1:
+            raise ValueError("tokens_per_batch, max_run, sort_window and steps_multiple must be >= 1")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
         self.lengths = _validate_lengths(lengths)
@@ -229,9 +237,12 @@ class BucketSampler:
         self.seed = int(seed)
         self.max_run = int(max_run)
         self.sort_window = int(sort_window)
+        self.steps_multiple = int(steps_multiple)
         self.padded = padded_length(self.lengths, cap=self.max_length)
         self.sample_buckets = np.searchsorted(self.boundaries, self.lengths, side="left")
         self.skipped = np.flatnonzero(self.sample_buckets == self.num_buckets)
+        self.over_budget = np.flatnonzero((self.sample_buckets < self.num_buckets)
+                                          & (self.padded > self.tokens_per_batch))
         self._cached_plan: EpochPlan | None = None
 
     @property
@@ -285,6 +296,10 @@ class BucketSampler:
         step_batches = np.empty((len(step_buckets), self.world_size), dtype=np.int64)
         for bucket, batches in enumerate(bucket_step_batches):
             step_batches[step_buckets == bucket] = batches
+        usable = len(step_buckets) - len(step_buckets) % self.steps_multiple
+        cut_samples = int(batch_sizes[step_batches[usable:]].sum())
+        cut_steps = len(step_buckets) - usable
+        step_buckets, step_batches = step_buckets[:usable], step_batches[:usable]
 
         slots = step_batches.reshape(-1)
         sizes = batch_sizes[slots]
@@ -293,7 +308,7 @@ class BucketSampler:
         for array in (step_buckets, samples, offsets):
             array.flags.writeable = False  # plans are cached and shared: nobody may edit one
         self._cached_plan = EpochPlan(epoch, self.world_size, step_buckets, samples, offsets,
-                                      dropped_batches, dropped_samples, run_cap)
+                                      dropped_batches, dropped_samples, cut_steps, cut_samples, run_cap)
         return self._cached_plan
 
     def batches_for_rank(self, epoch: int, start_step: int = 0) -> Iterator[PlannedBatch]:
@@ -304,7 +319,9 @@ class BucketSampler:
 
     def stats(self, epoch: int = 0) -> dict:
         """Plan statistics for logging: per-bucket counts and share of batches, sequence lengths,
-        padding efficiency (real tokens / computed tokens, padding included), skips and drops."""
+        padding efficiency (real tokens / computed tokens, padding included), every sample left
+        out by cause (skipped too long, dropped to even out ranks, cut for accumulation) and the
+        samples longer than the token budget."""
         plan = self.epoch_plan(epoch)
         lengths = self.lengths[plan.samples]
         starts = plan.offsets[:-1]
@@ -334,9 +351,15 @@ class BucketSampler:
             "tokens_per_batch": self.tokens_per_batch,
             "samples": len(self.lengths),
             "samples_planned": len(plan.samples),
+            "max_length": self.max_length,
             "skipped_too_long": len(self.skipped),
             "dropped_samples": plan.dropped_samples,
             "dropped_batches": plan.dropped_batches,
+            "steps_multiple": self.steps_multiple,
+            "cut_steps": plan.cut_steps,
+            "cut_samples": plan.cut_samples,
+            "over_budget": len(self.over_budget),
+            "over_budget_longest": int(self.lengths[self.over_budget].max()) if len(self.over_budget) else 0,
             "pad_efficiency": float(lengths.sum() / computed) if computed else 1.0,
             "length_min": int(lengths.min()) if not empty else 0,
             "length_mean": float(lengths.mean()) if not empty else 0.0,
@@ -359,21 +382,50 @@ def bucket_table(stats: dict) -> list[str]:
     return lines
 
 
-def split_holdout(num_samples: int, eval_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """(train, eval) row indices, each sorted: a seeded random eval_fraction of the rows held out."""
+def plan_notes(stats: dict) -> list[str]:
+    """Lines naming every sample a plan leaves out, by cause, and a warning for samples over the
+    token budget (data/plan.py and train.py print them once, under the bucket table)."""
+    lines = [
+        f"skipped (too long)     {stats['skipped_too_long']:,} samples over max_length {stats['max_length']:,} tokens",
+        f"dropped (ranks)        {stats['dropped_samples']:,} samples in {stats['dropped_batches']:,} batches "
+        f"(each bucket's batch count cut to a multiple of the world size, {stats['world_size']})",
+        f"cut (accumulation)     {stats['cut_samples']:,} samples in the last {stats['cut_steps']:,} steps "
+        f"(the epoch cut to a multiple of grad_accum, {stats['steps_multiple']})",
+    ]
+    if stats["over_budget"]:
+        lines.append(f"warning: {stats['over_budget']:,} samples are longer than tokens_per_batch "
+                     f"({stats['tokens_per_batch']:,}; the longest {stats['over_budget_longest']:,}): each goes "
+                     "alone in a batch over the token budget; raise tokens_per_batch or lower max_length")
+    return lines
+
+
+def split_holdout(groups, eval_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train, eval) row indices, each sorted. `groups` holds one label per row; whole groups are
+    held out: in a seeded random order, each group that brings the held-out count closer to
+    round(eval_fraction * rows) is taken. Rows of one source document never straddle the split."""
     if not 0.0 <= eval_fraction < 1.0:
         raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
-    shuffled = _rng(seed, _HOLDOUT_STREAM).permutation(num_samples)
-    num_eval = int(round(num_samples * eval_fraction))
-    return np.sort(shuffled[num_eval:]), np.sort(shuffled[:num_eval])
+    _, row_group, sizes = np.unique(np.asarray(groups), return_inverse=True, return_counts=True)
+    target = int(round(len(row_group) * eval_fraction))
+    held, count = [], 0
+    for group in _rng(seed, _HOLDOUT_STREAM).permutation(len(sizes)):
+        if count >= target:
+            break
+        if abs(count + sizes[group] - target) < target - count:
+            held.append(group)
+            count += int(sizes[group])
+    is_held = np.isin(row_group, held)
+    return np.flatnonzero(~is_held), np.flatnonzero(is_held)
 
 
-def sampler_from_config(lengths, data_cfg, world_size: int = 1, rank: int = 0) -> BucketSampler:
-    """A BucketSampler for the training lengths under the `data:` config section."""
+def sampler_from_config(lengths, data_cfg, world_size: int = 1, rank: int = 0,
+                        steps_multiple: int = 1) -> BucketSampler:
+    """A BucketSampler for the training lengths under the `data:` config section; `steps_multiple`
+    is the gradient accumulation (optim.grad_accum)."""
     boundaries = make_buckets(lengths, data_cfg["num_buckets"], data_cfg["max_length"],
                               data_cfg["bucket_boundaries"])
     return BucketSampler(lengths, boundaries, data_cfg["tokens_per_batch"], world_size, rank,
-                         data_cfg["seed"], data_cfg["max_run"])
+                         data_cfg["seed"], data_cfg["max_run"], steps_multiple=steps_multiple)
 
 
 def collate(rows: Sequence[dict], bucket: int, max_length: int | None = None,

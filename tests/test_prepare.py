@@ -105,15 +105,15 @@ def test_every_shape_is_read_and_only_answers_are_supervised(target, tokenizer, 
     pq.write_table(pa.Table.from_pydict({key: [row.get(key) for row in parquet_rows]
                                          for key in sorted(columns)}), parquet)
 
-    out, stats = run(target, tmp_path, [jsonl, str(json_file), str(parquet)])
+    out, stats = run(target, tmp_path, [jsonl, str(json_file), str(parquet)], "out", "--thinking")
 
     assert stats["kept"] == len(rows) and stats["dropped"] == {}
-    assert out.column_names == ["input_ids", "loss_mask", "length"]
+    assert out.column_names == ["input_ids", "loss_mask", "length", "group"]
     for sample, (row, expected) in zip(out, rows):
         assert supervised_runs(tokenizer, sample) == expected
         assert sample["length"] == len(sample["input_ids"]) == len(sample["loss_mask"])
         rendered = tokenizer.apply_chat_template(chat.normalize_row(row), tokenize=False,
-                                                 enable_thinking=False)
+                                                 enable_thinking=True)
         assert tokenizer.decode(sample["input_ids"]) == rendered
     assert stats["supervised_tokens"] == sum(sum(s["loss_mask"]) for s in out)
     assert stats["tokens"] == sum(out["length"])
@@ -126,7 +126,7 @@ def test_bad_rows_are_counted_by_reason_with_file_and_line(target, tmp_path):
         good,                                                                   # 1
         '{"messages": [',                                                      # 2 malformed_json
         b'{"messages": [{"role": "user", "content": "caf\xe9"}]}',             # 3 encoding
-        {"messages": [{"role": "tool", "content": "x"}, assistant("y")]},      # 4 unknown_role
+        {"messages": [{"role": "robot", "content": "x"}, assistant("y")]},     # 4 unknown_role
         {"conversations": [{"from": "human", "value": "  "},
                            {"from": "gpt", "value": "y"}]},                    # 5 empty_content
         {"messages": [user("q"), assistant(None)]},                            # 6 non_string_content
@@ -292,3 +292,251 @@ def test_loss_mask_marks_tokens_by_first_character():
     # a token straddling a span's start or end belongs to the span its first character is in
     assert chat.tokens_in_spans(offsets, [(0, 4), (9, 12)]) == [1, 1, 0, 0, 1]
     assert chat.tokens_in_spans(offsets, [(4, 7)]) == [0, 0, 1, 0, 0]
+
+
+# --- issue 9: real corpora ---------------------------------------------------------------------
+
+def test_repairable_and_unreadable_rows_never_end_the_run(target, tokenizer, tmp_path):
+    good = {"messages": [user("Hi there"), assistant("Hello world!")]}
+    lines = [
+        b"\xef\xbb\xbf" + json.dumps(good).encode(),                            # 1 BOM: kept
+        '{"messages": [{"role": "user", "content": "Hi \\ud83d there"}, '
+        '{"role": "assistant", "content": "Hello \\ud83d world!"}]}',           # 2 repaired
+        '{"note": "\\udc00", "messages": [{"role": "user", "content": "Hi"}, '
+        '{"role": "assistant", "content": "A smile \\ud83d\\ude00 here"}]}',    # 3 lone one in a side field
+        "[" * 100_000 + "]" * 100_000,                                          # 4 nesting_too_deep
+        "[1, 2]",                                                               # 5 not_a_conversation
+        "7",                                                                    # 6 not_a_conversation
+        good,                                                                   # 7
+    ]
+    path = write_jsonl(tmp_path / "odd.jsonl", lines)
+    json_list = tmp_path / "odd.json"  # a JSON list with a BOM and a lone surrogate
+    json_list.write_bytes(b"\xef\xbb\xbf" + json.dumps(
+        [{"messages": [user("Bye \udfff now"), assistant("Bye bye!")]}]).encode())
+
+    out, stats = run(target, tmp_path, [path, str(json_list)])
+
+    assert stats["dropped"] == {"nesting_too_deep": 1, "not_a_conversation": 2}
+    assert stats["examples"]["nesting_too_deep"] == [f"{path}:4"]
+    assert stats["kept"] == len(out) == 5
+    assert stats["flags"]["lone_surrogate"] == {
+        "rows": 3, "examples": [f"{path}:2", f"{path}:3", f"{json_list}:1"]}
+    texts = [tokenizer.decode(sample["input_ids"]) for sample in out]
+    assert "Hi \ufffd there" in texts[1] and supervised_runs(tokenizer, out[1]) == ["Hello \ufffd world!" + END]
+    assert "A smile \U0001F600 here" in texts[2]  # a surrogate pair is one character, not a repair
+    assert "Bye \ufffd now" in texts[4]
+    assert out[0]["input_ids"] == out[3]["input_ids"]  # the BOM line reads like any other
+
+
+def test_a_json_list_cut_short_stops_before_anything_is_written(target, tmp_path):
+    good = write_jsonl(tmp_path / "good.jsonl", [{"messages": [user("Hi"), assistant("Hello world!")]}])
+    earlier, _ = run(target, tmp_path, [good], "out")
+    cut = tmp_path / "download.json"
+    cut.write_text(json.dumps([{"messages": [user("Hi"), assistant(f"Answer {i}.")]} for i in range(20)],
+                              indent=1)[:700])
+    with pytest.raises(SystemExit, match=r"download\.json: not a complete JSON list .*cut short"):
+        run(target, tmp_path, [good, str(cut)], "out")
+    assert datasets.load_from_disk(str(tmp_path / "out")).to_dict() == earlier.to_dict()  # untouched
+    with pytest.raises(SystemExit, match="download.json"):
+        run(target, tmp_path, [str(cut)], "new")
+    assert not (tmp_path / "new").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "download.json", "good.jsonl", "out"]
+
+
+def test_a_directory_input_reads_only_data_files(target, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    write_jsonl(data / "chat.jsonl", [{"messages": [user("Hi"), assistant("Hello world!")]}])
+    write_jsonl(data / "regen.jsonl", [{"id": "x", "source": "s", "truncated": False,
+                                        "messages": [user("Bye"), assistant("Bye bye!")]}])
+    # data/regenerate.py's side files, a hidden folder and an earlier prepare output
+    write_jsonl(data / "regen.errors.jsonl", [{"id": "y", "source": "s", "reason": "http_500", "detail": ""}])
+    (data / "regen.summary.json").write_text(json.dumps({"total": 2, "ok": 1}))
+    (data / "regen.settings.json").write_text(json.dumps({"backend": "server"}))
+    (data / ".cache").mkdir()
+    write_jsonl(data / ".cache" / "junk.jsonl", ["not json"])
+    prepare.main(["--input", str(data / "chat.jsonl"), "--target", target, "--out", str(data / "prepared"),
+                  "--cache-dir", str(tmp_path / "cache"), "--num-proc", "1"])
+
+    out, stats = run(target, tmp_path, [str(data)])
+
+    assert stats["settings"]["files"] == [str(data / "chat.jsonl"), str(data / "regen.jsonl")]
+    assert stats["rows"] == stats["kept"] == len(out) == 2 and stats["dropped"] == {}
+
+
+def test_out_that_prepare_did_not_write_is_refused_and_left_alone(target, tmp_path):
+    path = write_jsonl(tmp_path / "rows.jsonl", [{"messages": [user("Hi"), assistant("Hello world!")]}])
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    (tmp_path / "out.tmp").mkdir()  # the old code's scratch name, here a user's folder
+    (tmp_path / "out.tmp" / "notes.txt").write_text("keep me too")
+    with pytest.raises(SystemExit, match="mine exists and is not an output of data/prepare.py"):
+        run(target, tmp_path, [path], "mine")
+    with pytest.raises(SystemExit, match="not an output of data/prepare.py"):
+        run(target, tmp_path, [path], "rows.jsonl")
+    assert (mine / "notes.txt").read_text() == "keep me"
+
+    first, _ = run(target, tmp_path, [path], "out")
+    second, stats = run(target, tmp_path, [path], "out", "--system-prompt", "Be brief.")  # replaced
+    assert second[0]["input_ids"] != first[0]["input_ids"] and stats["written_by"] == "data/prepare.py"
+    assert (tmp_path / "out.tmp" / "notes.txt").read_text() == "keep me too"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "mine", "out", "out.tmp", "rows.jsonl"]
+
+
+TOOL_TEMPLATE = (  # renders tool calls and tool turns (the toy template does neither)
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{{- '<|im_start|>assistant\\n' + message['content'] -}}"
+    "{%- for call in message.get('tool_calls', []) -%}"
+    "{{- '<call>' + call['function']['name'] + ' ' + call['function']['arguments'] + '</call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+def test_tool_calls_are_supervised_when_the_template_renders_them(target, tmp_path):
+    tool_target = tmp_path / "tool_target"
+    tool_tokenizer = AutoTokenizer.from_pretrained(target)
+    tool_tokenizer.chat_template = TOOL_TEMPLATE
+    tool_tokenizer.save_pretrained(tool_target)
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    rows = [
+        {"messages": [user("Weather in Paris?"), {"role": "assistant", "content": None, "tool_calls": [call]},
+                      {"role": "tool", "tool_call_id": "c1", "content": "sunny, 21 C"},
+                      assistant("It is sunny.")]},
+        {"messages": [user("Hi"), {"role": "assistant", "content": "Let me look.", "tool_calls": [call]},
+                      {"role": "tool", "content": ""}, assistant("Done.")]},
+        {"messages": [user("Hi"), {"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}]},
+        {"messages": [user("Hi"), {"role": "assistant", "tool_calls": "get_weather()"}]},
+    ]
+    path = write_jsonl(tmp_path / "tools.jsonl", rows)
+
+    out, stats = run(str(tool_target), tmp_path, [path], "supported")
+    assert stats["kept"] == 2 and stats["dropped"] == {"bad_tool_call": 2}
+    call_text = '<call>get_weather {"city": "Paris"}</call>'
+    assert supervised_runs(tool_tokenizer, out[0]) == [call_text + END, "It is sunny." + END]
+    assert supervised_runs(tool_tokenizer, out[1]) == ["Let me look." + call_text + END, "Done." + END]
+    assert "sunny, 21 C" in tool_tokenizer.decode(out[0]["input_ids"])  # context, not supervised
+
+
+def test_tool_rows_are_dropped_as_unsupported_by_a_template_without_tools(target, tmp_path):
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    path = write_jsonl(tmp_path / "tools.jsonl", [
+        {"messages": [user("Weather?"), {"role": "assistant", "content": "", "tool_calls": [call]}]},
+        {"messages": [user("Weather?"), assistant("Checking."), {"role": "tool", "content": "sunny"},
+                      assistant("Sunny.")]},
+        {"messages": [user("Hi"), assistant("Hello world!")]},
+    ])
+    out, stats = run(target, tmp_path, [path])
+    assert stats["kept"] == len(out) == 1
+    assert stats["dropped"] == {"tools_unsupported": 2}
+    assert stats["examples"]["tools_unsupported"] == [f"{path}:1", f"{path}:2"]
+
+
+def test_special_token_text_in_an_answer_is_dropped_not_a_turn_boundary(target, tmp_path):
+    path = write_jsonl(tmp_path / "rows.jsonl", [
+        {"messages": [user("Hi"), assistant("Use <|im_end|> to end a turn.")]},
+        {"messages": [user("Hi"), assistant("<think>\na\n</think>\n\nb </think> c")]},
+        {"messages": [user("Hi"), assistant("<think>\na\n</think>\n\n<think>\nb\n</think>\n\nc")]},
+        {"messages": [user("What does <|im_end|> do?"), assistant("It ends a turn.")]},  # user text: context
+    ])
+    out, stats = run(target, tmp_path, [path], "out", "--thinking")
+    assert stats["dropped"] == {"special_token_text": 1, "extra_think_tags": 2}
+    assert stats["examples"]["special_token_text"] == [f"{path}:1"]
+    assert stats["kept"] == len(out) == 1
+
+
+def test_thinking_is_removed_or_kept_and_recorded(target, tokenizer, tmp_path):
+    history = [user("What is 4 * 3?")]
+    path = write_jsonl(tmp_path / "rows.jsonl", [
+        {"messages": history + [assistant("<think>\nFour threes.\n</think>\n\nThe answer is 12.")]},
+        {"messages": history + [{"role": "assistant", "content": "The answer is 12.",
+                                 "reasoning_content": "Four threes."}]},
+    ])
+    off, stats = run(target, tmp_path, [path], "off", "--no-thinking")
+    served = chat.render_prompt(tokenizer, history, enable_thinking=False)
+    for sample in off:
+        assert tokenizer.decode(sample["input_ids"]) == served + "The answer is 12." + END + "\n"
+        assert supervised_runs(tokenizer, sample) == ["The answer is 12." + END]
+    assert stats["flags"]["reasoning_removed"]["rows"] == 2
+    assert stats["settings"]["chat_template_kwargs"] == {"enable_thinking": False}
+
+    on, stats = run(target, tmp_path, [path], "on", "--thinking")
+    for sample in on:
+        assert supervised_runs(tokenizer, sample) == ["<think>\nFour threes.\n</think>\n\nThe answer is 12." + END]
+    assert "reasoning_removed" not in stats["flags"]
+    assert stats["settings"]["chat_template_kwargs"] == {"enable_thinking": True}
+
+
+def test_a_truncated_answer_keeps_its_text_but_not_its_closing_token(target, tokenizer, tmp_path):
+    messages = [user("Count"), assistant("one two three four")]
+    path = write_jsonl(tmp_path / "regen.jsonl", [
+        {"id": "a", "source": "in:1", "messages": messages, "truncated": True},
+        {"id": "b", "source": "in:2", "messages": messages, "truncated": False},
+    ])
+    out, stats = run(target, tmp_path, [path])
+    assert supervised_runs(tokenizer, out[0]) == ["one two three four"]
+    assert supervised_runs(tokenizer, out[1]) == ["one two three four" + END]
+    assert out[0]["input_ids"] == out[1]["input_ids"]
+    assert stats["flags"]["truncated"] == {"rows": 1, "examples": [f"{path}:1"]}
+
+
+# --- issue 14: groups and loops ------------------------------------------------------------------
+
+def test_rows_record_their_group(target, tmp_path):
+    def row(**fields):
+        return {"messages": [user("Hi"), assistant("Hello world!")], **fields}
+
+    path = write_jsonl(tmp_path / "rows.jsonl", [
+        row(group="stdlib/json/decoder.py", id="ignored"), row(id="conv-7"), row(conversation_id=12),
+        row(uuid="u-1"), row(), row(group=""), row(id=True)])
+    json_list = tmp_path / "rows.json"
+    json_list.write_text(json.dumps([row(), row(group="g")]))
+    out, stats = run(target, tmp_path, [path, str(json_list)])
+    assert out["group"] == ["stdlib/json/decoder.py", f"{path}#conv-7", f"{path}#12", f"{path}#u-1",
+                            f"{path}#5", f"{path}#6", f"{path}#7", f"{json_list}#1", "g"]
+    assert stats["groups"] == 9
+
+
+def test_answers_that_loop_are_counted_and_dropped_on_request(target, tokenizer, tmp_path):
+    loop = "the value of " * 30
+    ending = "and so it ends here, in a plain sentence that says what the value is and why it matters."
+    path = write_jsonl(tmp_path / "rows.jsonl", [
+        {"messages": [user("Explain"), assistant("It is " + loop)], "truncated": True},  # cut mid-loop
+        {"messages": [user("Explain"), assistant("It is " + loop)]},          # loops up to its end of turn
+        {"messages": [user("Explain"), assistant(loop + ending)]},                 # the loop ended
+        {"messages": [user("Explain"), assistant("Hello world!")]},
+    ])
+    out, stats = run(target, tmp_path, [path])
+    assert stats["flags"]["loop"] == {"rows": 2, "examples": [f"{path}:1", f"{path}:2"]} and stats["kept"] == 4
+    assert stats["loop_rule"] == prepare.LOOP_RULE
+
+    kept, stats = run(target, tmp_path, [path], "dropped", "--drop-loops")
+    assert stats["dropped"] == {"loop": 2} and "loop" not in stats["flags"]
+    assert kept.to_dict() == out.select([2, 3]).to_dict()
+
+
+@pytest.mark.parametrize("period", [1, 3, 10, 16])
+def test_repeating_tail_rule(period):
+    window = prepare.LOOP_WINDOW
+    loop = (list(range(100, 100 + period)) * window)[:window]
+    head = list(range(50))
+    assert prepare.repeating_tail(head + loop)
+    assert not prepare.repeating_tail(loop[1:])                             # one token short of the window
+    assert not prepare.repeating_tail(head + loop + list(range(200, 230)))  # the loop ended
+    assert not prepare.repeating_tail(list(range(200)))
+
+
+def test_repeating_tail_bounds_and_line_wraps():  # the rule as documented: 16 distinct 4-grams in 48 tokens
+    assert prepare.repeating_tail(list(range(16)) * 3)
+    assert not prepare.repeating_tail((list(range(17)) * 3)[:48])
+    assert not prepare.repeating_tail((list(range(16)) * 3)[:47])
+    # "self.name, self.name, self.name,\n    self.name, ...": 4 tokens, a line break every 3 times
+    wrapped = ([1, 2, 3, 4] * 3 + [9, 10]) * 5
+    assert prepare.repeating_tail(wrapped)

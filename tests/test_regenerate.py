@@ -1,6 +1,10 @@
 """data/regenerate.py against a flaky local OpenAI-compatible stub server, and the local backend."""
 import hashlib
 import json
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -24,25 +28,33 @@ def canned_answer(messages: list[dict]) -> str:
 class StubServer:
     """/v1/chat/completions on 127.0.0.1 with failures chosen by markers in the last user turn:
     FLAKY fails twice (500, then 429) and then answers; FAIL always answers 500; REJECT answers
-    400; EMPTY answers with no text; LONG answers with finish_reason "length". With enable_thinking
-    it returns the reasoning separately, as vLLM's reasoning parser does."""
+    400; EMPTY answers with no text; LONG answers with finish_reason "length". Misbehaving replies,
+    always: NULLMSG (`message: null`), PARTS (content as a list of parts), BADREASON (a number as
+    reasoning_content), NOTJSON (an HTML body), HANG (no reply until released); NULLONCE sends
+    `message: null` once, then answers; SURR answers with a lone surrogate; SLOW answers only once
+    released. With enable_thinking it returns the reasoning separately, as vLLM's reasoning parser
+    does."""
 
     def __init__(self, delay: float = 0.02):
         self.requests, self.attempts = [], {}
         self.in_flight = self.max_in_flight = 0
         self.lock = threading.Lock()
+        self.released = threading.Event()
         stub = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 status, reply = stub.respond(self.path, body)
-                payload = json.dumps(reply).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
+                payload = reply if isinstance(reply, bytes) else json.dumps(reply).encode()
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    self.wfile.write(payload)
+                except ConnectionError:  # the client gave up (HANG): nothing to answer
+                    pass
 
             def log_message(self, *args):
                 pass
@@ -71,8 +83,20 @@ class StubServer:
                 return 429, {"error": "slow down"}
             if "REJECT" in last:
                 return 400, {"error": "bad request"}
+            if "HANG" in last or "SLOW" in last:
+                self.released.wait(30)
+            if "HANG" in last:
+                return 200, {"error": "too late"}
+            if "NOTJSON" in last:
+                return 200, b"<html>502 Bad Gateway</html>"
+            if "NULLMSG" in last or ("NULLONCE" in last and attempt == 1):
+                return 200, {"choices": [{"index": 0, "message": None, "finish_reason": "stop"}]}
             content = "" if "EMPTY" in last else canned_answer(body["messages"])
+            content = [{"type": "text", "text": content}] if "PARTS" in last else content
+            content = "bad \ud83d end" if "SURR" in last else content
             message = {"role": "assistant", "content": content}
+            if "BADREASON" in last:
+                message["reasoning_content"] = 5
             if body["chat_template_kwargs"]["enable_thinking"]:
                 message["reasoning_content"] = f"thinking about {last}"
             finish = "length" if "LONG" in last else "stop"
@@ -85,6 +109,7 @@ class StubServer:
         return sum(n for key, n in self.attempts.items() if marker in json.loads(key)[-1]["content"])
 
     def close(self):
+        self.released.set()
         self.server.shutdown()
         self.server.server_close()
 
@@ -300,3 +325,121 @@ def test_local_backend_matches_unbatched_greedy_decoding(tmp_path):
                 outcomes.add("truncated" if truncated else "stopped")
         assert row["truncated"] == truncated_any
     assert outcomes == {"empty", "truncated", "stopped"}
+
+
+# --- issue 9: odd rows, a misbehaving server, signals ---------------------------------------------
+
+def write_rows(path, rows) -> str:
+    """Rows are objects (dumped) or raw JSON lines."""
+    path.write_text("".join((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows))
+    return str(path)
+
+
+def test_misbehaving_replies_are_retried_then_failed_and_the_run_goes_on(stub, tmp_path):
+    markers = ["NULLMSG", "PARTS", "BADREASON", "NOTJSON", "HANG"]
+    rows = [{"messages": [user(f"{marker} question")]} for marker in markers]
+    rows += [{"messages": [user("NULLONCE question")]}, {"messages": [user("Plain question")]}]
+    input_path = write_rows(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "regen.jsonl"
+
+    summary = run(stub, input_path, out, "--timeout", "0.3", "--max-retries", "2")
+
+    assert summary["ok"] == 2 and summary["failed"] == 5
+    assert summary["failures"] == {"bad_response": 4, "connection": 1}
+    errors = {e["source"]: e["reason"] for e in read_rows(tmp_path / "regen.errors.jsonl")}
+    assert errors == {f"{input_path}:{i}": "connection" if marker == "HANG" else "bad_response"
+                      for i, marker in enumerate(markers, start=1)}
+    for marker in markers:
+        assert stub.attempts_for(marker) == 3  # first try + --max-retries
+    assert stub.attempts_for("NULLONCE") == 2
+    answered = {row["source"]: row for row in read_rows(out)}[f"{input_path}:{len(markers) + 1}"]
+    assert answered["messages"][-1]["content"] == canned_answer([user("NULLONCE question")])
+
+
+def test_odd_rows_reach_the_writer_repaired_and_no_prompt_is_empty(stub, tmp_path):
+    call = {"type": "function", "function": {"name": "f", "arguments": "{}"}}
+    input_path = write_rows(tmp_path / "in.jsonl", [
+        '{"messages": [{"role": "user", "content": "Hi \\ud83d there"}]}',
+        {"messages": [assistant("Welcome! Ask me anything."), user("What is 2+2?"), assistant("old")]},
+        {"messages": [user("Weather?"), {"role": "assistant", "content": None, "tool_calls": [call]},
+                      {"role": "tool", "content": "sunny"}, assistant("Sunny.")]},
+        {"messages": [user("SURR please")]},
+        {"messages": [assistant("Only me.")]},
+    ])
+    out = tmp_path / "regen.jsonl"
+
+    summary = run(stub, input_path, out)
+
+    assert summary["ok"] == 3 and summary["failed"] == 0
+    assert summary["invalid"] == {"tool_turns": 1, "no_user_turn": 1}
+    assert summary["leading_assistant_dropped"] == 1
+    rows = {row["source"]: row for row in map(json.loads, out.read_bytes().decode("utf-8").splitlines())}
+    assert rows[f"{input_path}:1"]["messages"][0]["content"] == "Hi \ufffd there"
+    assert rows[f"{input_path}:2"]["messages"][0] == user("What is 2+2?")
+    assert rows[f"{input_path}:4"]["messages"][-1]["content"] == "bad \ufffd end"
+    assert all(r["messages"] and r["messages"][0]["role"] == "user" for r in stub.requests)
+
+
+def test_rows_carry_their_group(stub, tmp_path):
+    input_path = write_rows(tmp_path / "in.jsonl", [
+        {"group": "lib/json/decoder.py", "messages": [user("Question 1?")]},
+        {"id": "conv-9", "messages": [user("Question 2?")]},
+        {"messages": [user("Question 3?")]},
+    ])
+    out = tmp_path / "regen.jsonl"
+    run(stub, input_path, out)
+    groups = {row["source"]: row["group"] for row in read_rows(out)}
+    assert groups == {f"{input_path}:1": "lib/json/decoder.py", f"{input_path}:2": f"{input_path}#conv-9",
+                      f"{input_path}:3": f"{input_path}#3"}
+
+
+def test_a_directory_input_never_reads_the_output_or_its_side_files(stub, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    write_rows(data / "chat.jsonl", [{"messages": [user(f"Question {i}?")]} for i in range(3)])
+    out = data / "regen.jsonl"
+    first = run(stub, str(data), out)
+    (data / "old.errors.jsonl").write_text(json.dumps({"id": "x", "reason": "http_500"}) + "\n")
+    second = run(stub, str(data), out)
+    assert first["rows_read"] == second["rows_read"] == 3 and first["ok"] == 3
+    assert second["skipped_existing"] == 3 and second["invalid"] == {}
+    assert len(read_rows(out)) == 3
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_writes_what_arrived_cancels_the_queue_and_exits_in_seconds(stub, tmp_path, signum):
+    fast, slow = 4, 4
+    input_path = write_rows(tmp_path / "in.jsonl", [{"messages": [user(f"Question {i}?")]} for i in range(fast)]
+                            + [{"messages": [user(f"SLOW question {i}")]} for i in range(slow)])
+    out = tmp_path / "regen.jsonl"
+    command = [sys.executable, os.path.join(REPO, "data", "regenerate.py"), "--input", input_path,
+               "--out", str(out), "--base-url", stub.url, "--model", "stub-model", "--concurrency", "2",
+               "--max-tokens", "64"]
+    proc = subprocess.Popen(command, env={**os.environ, "PYTHONPATH": REPO}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not (out.exists() and out.read_text().count("\n") == fast):
+            time.sleep(0.05)
+        while stub.attempts_for("SLOW") < 2:  # both workers wait on a slow answer
+            time.sleep(0.05)
+        proc.send_signal(signum)
+        sent = time.monotonic()
+        output, _ = proc.communicate(timeout=10)
+        assert time.monotonic() - sent < 5, output
+    finally:
+        proc.kill()
+        stub.released.set()
+    assert proc.returncode == 130, output
+    summary = json.loads((tmp_path / "regen.summary.json").read_text())
+    assert summary["interrupted"] and summary["ok"] == fast and summary["remaining"] == slow
+    assert len(read_rows(out)) == fast
+    time.sleep(0.2)
+    assert stub.attempts_for("SLOW") == 2  # the queued ones were never sent
+
+    resumed = run(stub, input_path, out)
+    assert resumed["skipped_existing"] == fast and resumed["ok"] == slow and not resumed["interrupted"]
+    assert len({row["id"] for row in read_rows(out)}) == fast + slow

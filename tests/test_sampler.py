@@ -13,7 +13,8 @@ import torch
 
 from data import plan as plan_cli
 from drafter.sampler import (BucketSampler, _run_cap_holds, collate, interleave_buckets, longest_run,
-                             make_buckets, make_loader, min_feasible_run, padded_length, split_holdout)
+                             make_buckets, make_loader, min_feasible_run, padded_length, plan_notes,
+                             split_holdout)
 
 MAX_LENGTH = 2048
 TOKENS_PER_BATCH = 2048
@@ -252,12 +253,35 @@ def test_stats_match_the_plan(distribution):
     assert all(rows[k]["lo"] == rows[k - 1]["hi"] + 1 for k in range(1, len(rows)))
 
 
-def test_split_holdout():
-    train, held = split_holdout(1000, 0.05, seed=3)
+def test_split_holdout_of_single_rows():
+    rows = np.arange(1000)
+    train, held = split_holdout(rows, 0.05, seed=3)
     assert len(held) == 50 and len(train) == 950
-    assert np.array_equal(np.sort(np.concatenate([train, held])), np.arange(1000))
-    assert np.array_equal(held, split_holdout(1000, 0.05, seed=3)[1])
-    assert not np.array_equal(held, split_holdout(1000, 0.05, seed=4)[1])
+    assert np.array_equal(np.sort(np.concatenate([train, held])), rows)
+    assert np.array_equal(held, split_holdout(rows, 0.05, seed=3)[1])
+    assert not np.array_equal(held, split_holdout(rows, 0.05, seed=4)[1])
+    assert len(split_holdout(rows, 0.0, seed=3)[1]) == 0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_split_holdout_holds_out_whole_groups(seed):
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(1, 40, 300)  # documents of 1..39 rows, rows of a document scattered
+    groups = rng.permutation(np.repeat([f"lib/file{i}.py" for i in range(len(sizes))], sizes))
+    train, held = split_holdout(groups, 0.05, seed)
+    assert np.array_equal(np.sort(np.concatenate([train, held])), np.arange(len(groups)))
+    assert not set(groups[train]) & set(groups[held])
+    target = 0.05 * len(groups)
+    assert abs(len(held) - target) <= sizes.max() / 2
+    assert np.array_equal(held, split_holdout(groups, 0.05, seed)[1])
+    assert not np.array_equal(held, split_holdout(groups, 0.05, seed + 1)[1])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_split_holdout_skips_groups_that_overshoot(seed):
+    groups = np.concatenate([np.repeat(np.arange(50), 30), 1000 + np.arange(30)])  # 50 of 30 rows, 30 single rows
+    _, held = split_holdout(groups, 0.01, seed)  # 15 rows: a group of 30 would land as far away as none
+    assert len(held) == 15 and (groups[held] >= 1000).all()
 
 
 # ---- collate and the DataLoader path -------------------------------------------------------
@@ -387,3 +411,61 @@ def test_plan_cli_on_a_prepared_dataset(tmp_path):
     Dataset.from_dict({"n": lengths}).save_to_disk(str(tmp_path / "unprepared"))
     with pytest.raises(ValueError, match="no 'length' column"):
         plan_cli.main(["--dataset", str(tmp_path / "unprepared"), "--cfg", "configs/v3.yaml"])
+
+
+# ---- losses made visible: accumulation cut, rank drops, skips, over-budget samples -----------
+
+@pytest.mark.parametrize("steps_multiple", [3, 8])
+def test_steps_multiple_cuts_the_epoch_tail_and_counts_it(steps_multiple):
+    lengths, _ = lengths_of("lognormal", 2)
+    bounds = make_buckets(lengths, 6, MAX_LENGTH)
+    whole = BucketSampler(lengths, bounds, TOKENS_PER_BATCH, world_size=2, seed=0).epoch_plan(1)
+    sampler = BucketSampler(lengths, bounds, TOKENS_PER_BATCH, world_size=2, seed=0, steps_multiple=steps_multiple)
+    plan, stats = sampler.epoch_plan(1), sampler.stats(1)
+    assert len(plan) == len(whole) - len(whole) % steps_multiple and len(plan) % steps_multiple == 0
+    assert np.array_equal(plan.step_buckets, whole.step_buckets[:len(plan)])
+    assert np.array_equal(plan.samples, whole.samples[:len(plan.samples)])
+    assert plan.cut_steps == len(whole) - len(plan) > 0
+    assert plan.cut_samples == len(whole.samples) - len(plan.samples)
+    assert (stats["cut_steps"], stats["cut_samples"], stats["steps_multiple"]) == (
+        plan.cut_steps, plan.cut_samples, steps_multiple)
+    accounted = stats["samples_planned"] + stats["skipped_too_long"] + stats["dropped_samples"] + stats["cut_samples"]
+    assert accounted == len(lengths)
+    with pytest.raises(ValueError, match="steps_multiple"):
+        BucketSampler(lengths, bounds, TOKENS_PER_BATCH, steps_multiple=0)
+
+
+def test_plan_notes_name_every_loss_and_warn_once_about_over_budget_samples():
+    lengths = np.concatenate([np.full(300, 100), [1500, 1800, 1800], [5000]])  # 3 over 1024, 1 over 2048
+    sampler = BucketSampler(lengths, [128, 2048], tokens_per_batch=1024, world_size=2, seed=0, steps_multiple=4)
+    stats = sampler.stats(0)
+    assert stats["over_budget"] == 3 and stats["over_budget_longest"] == 1800
+    notes = plan_notes(stats)
+    assert [line.split()[0] for line in notes] == ["skipped", "dropped", "cut", "warning:"]
+    assert "1 samples over max_length 2,048" in notes[0]
+    assert f"{stats['dropped_samples']} samples in {stats['dropped_batches']} batches" in notes[1]
+    assert f"{stats['cut_samples']} samples in the last {stats['cut_steps']} steps" in notes[2]
+    assert "3 samples are longer than tokens_per_batch (1,024; the longest 1,800)" in notes[3]
+    quiet = BucketSampler(np.full(300, 100), [128, 2048], tokens_per_batch=1024).stats(0)
+    assert quiet["over_budget"] == 0 and not any("warning" in line for line in plan_notes(quiet))
+
+
+def test_plan_cli_cuts_to_grad_accum_and_holds_out_whole_groups(tmp_path, capsys):
+    from datasets import Dataset
+
+    rng = np.random.default_rng(0)
+    groups = np.repeat([f"file{i}.py" for i in range(60)], 70)  # 60 documents of 70 rows
+    Dataset.from_dict({"length": rng.integers(1, 6000, len(groups)), "group": groups}).save_to_disk(
+        str(tmp_path / "prepared"))
+    out = tmp_path / "plan.json"
+    plan_cli.main(["--dataset", str(tmp_path / "prepared"), "--cfg", "configs/v3.yaml", "--world-size", "2",
+                   "--json", str(out), "optim.grad_accum=4", "data.eval_fraction=0.04",
+                   "data.tokens_per_batch=4096"])
+    plan = json.loads(out.read_text())
+    assert plan["num_steps"] % 4 == 0 and plan["steps_multiple"] == 4
+    assert plan["held_out"] == 140  # 2 documents (168 rows were asked for; 3 documents are 210)
+    assert plan["samples_planned"] + plan["dropped_samples"] + plan["cut_samples"] + plan["skipped_too_long"] \
+        == plan["samples"] == len(groups) - plan["held_out"]
+    report = capsys.readouterr().out
+    assert f"cut (accumulation)     {plan['cut_samples']} samples" in report
+    assert "warning:" in report and "longer than tokens_per_batch (4,096" in report

@@ -186,6 +186,7 @@ def test_prompt_and_bench_files_are_read_by_the_pipeline(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "prompts.jsonl").read_text().splitlines()]
     assert len(rows) == 3
     for row in rows:
+        assert row["group"] == "m.py"  # the source file: the held-out split keeps it together
         messages = chat.normalize_row(row)
         assert [m["role"] for m in messages] == ["user"]
         assert messages[0]["content"].startswith(toy.INSTRUCTION)

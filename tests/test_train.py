@@ -233,6 +233,17 @@ def test_a_json_contradiction_stops_train_py_before_any_model_loads(tmp_path):
     assert "Traceback" not in proc.stderr and "params" not in proc.stdout  # no model was built
 
 
+def test_data_prepared_with_other_thinking_stops_train_py_naming_both(tmp_path):
+    cfg = write_run(tmp_path)
+    proc = subprocess.run([sys.executable, "train.py", "--cfg", str(cfg),
+                           "target.chat_template_kwargs={enable_thinking: true}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert (f"{tmp_path / 'data'} was prepared with enable_thinking=False" in proc.stderr
+            and "target.chat_template_kwargs.enable_thinking=True" in proc.stderr)
+    assert "Traceback" not in proc.stderr and "params" not in proc.stdout  # no model was built
+
+
 @pytest.mark.parametrize("override, message", [
     ("objective.attention=flexx", "objective.attention='flexx' is not one of auto, dense, flex, flex_compiled"),
     ("target.dtype=float16", "target.dtype='float16' is not one of auto, bf16"),
