@@ -16,9 +16,11 @@ Output (each step is skipped when its output exists; --force rebuilds everything
   bench.jsonl          {"prompt": user text} held-out prompts from the bench files
   regenerated.jsonl    the target's own answers (data/regenerate.py, local backend, greedy)
   train_data/          data/prepare.py's tokenised drafter training set, answers that loop dropped
-                       (--drop-loops); its group column is the source file, so the drafter's
-                       held-out split holds out whole files
-  report.json          held-out loss, distinct 4-gram share of greedy bench answers, samples
+                       (--drop-loops); its group column is the source file, so a held-out split
+                       (data.eval_fraction) holds out whole files
+  bench_data/          the bench prompts with the target's greedy answers, prepared (loops kept): the
+                       drafter's eval set, so replayed tau is the served tau of the bench prompts
+  report.json          held-out loss, distinct 4-gram share of the greedy bench answers, loop shares
 """
 
 import argparse
@@ -275,23 +277,6 @@ def mean_loss(model, rows: torch.Tensor, batch_size: int) -> float:
     return total / len(rows)
 
 
-@torch.no_grad()
-def greedy_continuations(model, tokenizer, prompts: list[str], max_new_tokens: int,
-                         batch_size: int) -> list[list[int]]:
-    """Greedy new token ids per rendered prompt, cut after the end-of-turn token if it comes."""
-    continuations = []
-    for start in range(0, len(prompts), batch_size):
-        batch = tokenizer(prompts[start:start + batch_size], add_special_tokens=False,
-                          padding=True, padding_side="left", return_tensors="pt")
-        output = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
-                                eos_token_id=tokenizer.eos_token_id,
-                                pad_token_id=tokenizer.pad_token_id)
-        for ids in output[:, batch["input_ids"].shape[1]:].tolist():
-            end = ids.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in ids else len(ids)
-            continuations.append(ids[:end])
-    return continuations
-
-
 def distinct_ngram_share(sequences: list[list[int]], n: int = 4) -> float:
     """Mean over sequences of (distinct n-grams / n-grams): 1.0 never repeats, loops score low.
 
@@ -315,21 +300,21 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 SEED = 0
 VOCAB_SIZE = 2048
 EXAMPLE_LIMITS = {"context_lines": 4, "max_prompt_chars": 300, "max_body_chars": 600}
-# On an idle 2-core machine (torch 2.13 CPU, 2 threads) a step takes 175 ms (11.7K tokens/s), so
-# training takes about 4 minutes. For a fixed time, many small steps of a small model gave a lower
-# held-out loss here than fewer, larger steps or a wider model.
+# On an idle 2-core machine (torch 2.13 CPU, 2 threads) a step takes 175-240 ms (8.5-11.7K tokens/s),
+# so training takes about 2 minutes (`make demo` must fit 25 minutes on a machine 4x slower). For a
+# fixed time, many small steps of a small model gave a lower held-out loss here than fewer, larger
+# steps or a wider model.
 TARGET_CONFIG = {"hidden_size": 96, "num_hidden_layers": 6, "num_attention_heads": 3,
                  "num_key_value_heads": 1, "head_dim": 32, "intermediate_size": 288}
 SEQ_LEN = 256
 BATCH_SIZE = 8
-TRAIN_STEPS = 1000
+TRAIN_STEPS = 500
 PEAK_LR = 4e-3
 HELDOUT_ROWS = 64
 NUM_PROMPTS = 2000
 MAX_NEW_TOKENS = 64
 REGENERATE_BATCH_SIZE = 64
 NUM_BENCH = 48
-REPORT_NEW_TOKENS = 64
 
 
 def target_config(tokenizer) -> Qwen3Config:
@@ -410,19 +395,20 @@ def step_target(out: Path) -> None:
     tmp.rename(out / "target")
 
 
+def chat_prompts(out: Path, split: str, count: int) -> list[dict]:
+    """`count` chat prompts from one set of files; the source file is the group (a held-out split
+    keeps a file's functions together)."""
+    heads = completion_heads(split_files(out, split))
+    return [{"messages": completion_messages(head), "group": rel_path}
+            for rel_path, head in sample_in_order(heads, count, SEED)]
+
+
 def step_prompts(out: Path) -> None:
-    heads = completion_heads(split_files(out, "prompt"))
-    # the source file is the group: the held-out split keeps a file's functions together
-    rows = [{"messages": completion_messages(head), "group": rel_path}
-            for rel_path, head in sample_in_order(heads, NUM_PROMPTS, SEED)]
-    write_jsonl(out / "prompts.jsonl", rows)
+    write_jsonl(out / "prompts.jsonl", chat_prompts(out, "prompt", NUM_PROMPTS))
 
 
 def step_bench(out: Path) -> None:
-    heads = completion_heads(split_files(out, "bench"))
-    rows = [{"prompt": completion_messages(head)[0]["content"]}
-            for _, head in sample_in_order(heads, NUM_BENCH, SEED)]
-    write_jsonl(out / "bench.jsonl", rows)
+    write_jsonl(out / "bench.jsonl", chat_prompts(out, "bench", NUM_BENCH))
 
 
 def run_cli(script: str, args: list[str]) -> None:
@@ -431,49 +417,66 @@ def run_cli(script: str, args: list[str]) -> None:
     subprocess.run([sys.executable, str(REPO_ROOT / "data" / script), *args], check=True, env=env)
 
 
-def step_regenerate(out: Path) -> None:
+def regenerate(out: Path, prompts: str, answers: str) -> None:
+    """The target's greedy answers to out/prompts, written to out/answers (data/regenerate.py)."""
     run_cli("regenerate.py", ["--backend", "local", "--target", str(out / "target"),
-                              "--input", str(out / "prompts.jsonl"),
-                              "--out", str(out / "regenerated.jsonl"), "--no-thinking",
+                              "--input", str(out / prompts), "--out", str(out / answers), "--no-thinking",
                               "--max-tokens", str(MAX_NEW_TOKENS),
                               "--batch-size", str(REGENERATE_BATCH_SIZE)])
-    summary_path = out / "regenerated.summary.json"
+    summary_path = out / answers.replace(".jsonl", ".summary.json")
     summary = json.loads(summary_path.read_text())
     if summary["ok"] == 0:
         summary_path.unlink()  # not done: a rerun tries again
-        raise SystemExit(f"{out / 'regenerated.jsonl'}: the target answered none of the "
-                         f"{summary['total']} prompts (failures: {summary['failures']}); "
-                         "is it trained? (--force rebuilds it)")
+        raise SystemExit(f"{out / answers}: the target answered none of the {summary['total']} prompts "
+                         f"(failures: {summary['failures']}); is it trained? (--force rebuilds it)")
+
+
+def prepare(out: Path, answers: str, dataset: str, *flags: str) -> None:
+    run_cli("prepare.py", ["--input", str(out / answers), "--target", str(out / "target"),
+                           "--out", str(out / dataset), "--no-thinking", "--num-proc", "1",
+                           "--cache-dir", str(out / "datasets_cache"), *flags])
+
+
+def step_regenerate(out: Path) -> None:
+    regenerate(out, "prompts.jsonl", "regenerated.jsonl")
 
 
 def step_prepare(out: Path) -> None:
-    run_cli("prepare.py", ["--input", str(out / "regenerated.jsonl"), "--target", str(out / "target"),
-                           "--out", str(out / "train_data"), "--no-thinking", "--drop-loops", "--num-proc", "1",
-                           "--cache-dir", str(out / "datasets_cache")])
+    prepare(out, "regenerated.jsonl", "train_data", "--drop-loops")
+
+
+def step_bench_data(out: Path) -> None:
+    regenerate(out, "bench.jsonl", "bench_answers.jsonl")
+    prepare(out, "bench_answers.jsonl", "bench_data")
 
 
 def step_report(out: Path) -> dict:
-    """Held-out loss on the bench files' raw text and the diversity of greedy bench answers."""
+    """Held-out loss on the bench files' raw text, the diversity of the target's greedy bench answers
+    and the share of answers that loop (prepare's rule)."""
     target_dir = out / "target"
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     model = AutoModelForCausalLM.from_pretrained(target_dir).eval()
     heldout = pack_documents(tokenizer, split_texts(out, "bench"), SEQ_LEN)[:HELDOUT_ROWS]
-    bench = [json.loads(line)["prompt"] for line in (out / "bench.jsonl").read_text().splitlines()]
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True, enable_thinking=ENABLE_THINKING)
-               for text in bench]
-    continuations = greedy_continuations(model, tokenizer, prompts, REPORT_NEW_TOKENS, len(prompts))
+    answers = [json.loads(line)["messages"] for line in (out / "bench_answers.jsonl").read_text().splitlines()]
+    answer_ids = [tokenizer(m[-1]["content"], add_special_tokens=False)["input_ids"] for m in answers]
     report = {
         "target": json.loads((target_dir / "training.json").read_text()),
         "heldout_loss": round(mean_loss(model, heldout, BATCH_SIZE), 4),
         "heldout_tokens": heldout.numel(),
-        "distinct_4gram_share": round(distinct_ngram_share(continuations, 4), 4),
-        "bench_prompts": len(bench),
-        "samples": [{"prompt": text, "continuation": tokenizer.decode(ids)}
-                    for text, ids in zip(bench[:3], continuations[:3])],
+        "distinct_4gram_share": round(distinct_ngram_share(answer_ids, 4), 4),
+        "loop_share": {name: loop_share(out / name) for name in ("train_data", "bench_data")},
+        "bench_prompts": len(answers),
+        "samples": [{"prompt": m[0]["content"], "answer": m[-1]["content"]} for m in answers[:3]],
     }
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     return report
+
+
+def loop_share(dataset: Path) -> float:
+    """Share of a prepared dataset's rows whose answer loops (dropped or kept with the flag)."""
+    stats = json.loads((dataset / "stats.json").read_text())
+    loops = stats["dropped"].get("loop", 0) + stats["flags"].get("loop", {}).get("rows", 0)
+    return round(loops / stats["rows"], 4)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -499,6 +502,7 @@ def main(argv=None) -> dict:
         (step_bench, "bench.jsonl"),
         (step_regenerate, "regenerated.summary.json"),  # written last, after every row
         (step_prepare, "train_data"),
+        (step_bench_data, "bench_data"),
     ]
     for step, marker in steps:
         name = step.__name__.removeprefix("step_")

@@ -235,17 +235,6 @@ def test_train_target_lowers_the_loss_deterministically(tokenizer, texts):
     assert after < before - 1.0
 
 
-def test_greedy_continuations_do_not_depend_on_batch_padding(tokenizer):
-    model = tiny_model(tokenizer, seed=1)
-    prompts = ["def f(x):\n", "class Parser:\n    def parse(self, text):\n        return"]
-    batched = toy.greedy_continuations(model, tokenizer, prompts, max_new_tokens=8, batch_size=2)
-    alone = [toy.greedy_continuations(model, tokenizer, [p], 8, 1)[0] for p in prompts]
-    assert batched == alone
-    for ids in batched:
-        assert 0 < len(ids) <= 8
-        assert tokenizer.eos_token_id not in ids[:-1]
-
-
 def test_distinct_ngram_share_scores_loops_low():
     assert toy.distinct_ngram_share([[1, 2, 3, 4, 5, 6]], n=4) == 1.0
     assert toy.distinct_ngram_share([[1, 2, 1, 2, 1, 2]], n=2) == pytest.approx(2 / 5)
