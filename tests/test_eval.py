@@ -1,10 +1,13 @@
+import inspect
 import json
 import os
 import subprocess
 import sys
+from datetime import timedelta
 
 import datasets
 import pytest
+from torch.distributed import distributed_c10d as dist_c10d
 
 from conftest import make_drafter
 from drafter.benchmarks import REASON_BOXED, load_jsonl, load_prompts
@@ -191,6 +194,23 @@ def test_max_samples_of_a_prompt_file_is_a_seeded_shuffle(tmp_path):
     assert max(lines) > 30
     assert load_prompts(str(path), max_samples=12)[1] == subset
     assert len(load_prompts(str(path))[1]) == 60 and len(load_prompts(str(path), max_samples=99)[1]) == 60
+
+
+def test_ranks_gather_on_a_cpu_group_with_the_flag_s_timeout(monkeypatch):
+    """The ranks that finish first wait for the slowest in the one gather: the process group is a
+    CPU (gloo) one whose timeout is --gather-timeout, not a backend's default (NCCL: 10 minutes,
+    which an uneven share of long generations outlasts)."""
+    created = []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(ddtree_accept.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(ddtree_accept.dist, "init_process_group", lambda *a, **k: created.append((a, k)))
+    monkeypatch.setattr(ddtree_accept.dist, "get_rank", lambda: 1)
+    args = ddtree_accept.parse_args(["--ckpt", "x", "--gather-timeout", "90"])
+    assert ddtree_accept.setup_distributed(args.gather_timeout)[:2] == (1, 2)
+    [(positional, keywords)] = created
+    group = inspect.signature(dist_c10d.init_process_group).bind(*positional, **keywords).arguments
+    assert group["backend"] == "gloo" and group["timeout"] == timedelta(minutes=90)
 
 
 @pytest.mark.slow
