@@ -29,5 +29,5 @@ demo: $(STAMP)
 	$(PY) data/toy.py
 	.venv/bin/deepspeed --num_gpus 2 train.py --cfg configs/toy.yaml
 	$(PY) eval/ddtree_accept.py --ckpt runs/toy/checkpoints/latest --bench artifacts/toy/bench.jsonl \
-		--budgets 8,32,128 --max-new-tokens 64 --max-samples 32 --out runs/toy/eval.json
+		--budgets 8,32,128 --max-new-tokens 64 --save-samples --out runs/toy/eval.json
 	$(PY) eval/plot_run.py runs/toy

@@ -56,8 +56,19 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
 
 
+def check_feature_layers(layer_ids: list[int], num_layers: int) -> None:
+    """Raise ValueError unless every layer id reads a raw layer output in both paths: HF's
+    hidden_states[L] is the last layer's output after the final norm, which training's
+    context_features never sees (drafter_config refuses such ids; this catches foreign checkpoints)."""
+    if not all(0 <= i < num_layers - 1 for i in layer_ids):
+        raise ValueError(f"target_layer_ids {list(layer_ids)}: serving and training read different features "
+                         f"for the target's last layer ({num_layers - 1}) and none exist outside it; "
+                         f"use layers 0..{num_layers - 2}")
+
+
 def select_features(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
     """Concatenate the outputs of `layer_ids` from a full forward's `hidden_states` tuple: [b, T, K*H]."""
+    check_feature_layers(layer_ids, len(hidden_states) - 1)
     return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
 
 
@@ -69,6 +80,7 @@ def context_features(target: nn.Module, input_ids: torch.Tensor, layer_ids: list
     padding mask is needed (features at padded positions are garbage and must not be read).
     """
     body = target.get_decoder()
+    check_feature_layers(layer_ids, len(body.layers))
     hidden = body.embed_tokens(input_ids)
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand_as(input_ids)
     # no position_ids: every row is one sequence at 0..T-1, and looking for packed ones reads the device

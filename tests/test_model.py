@@ -110,9 +110,14 @@ def test_last_target_layer_is_refused_with_the_reason(target):
     """HF's hidden_states[L] is the last layer's output after the final norm (what serving reads);
     training captures the raw output. The two differ, so layer L-1 is refused, L-2 is fine."""
     ids = torch.randint(0, 250, (1, 12))
-    serving_reads = select_features(target(ids, output_hidden_states=True).hidden_states, [5])
-    training_reads = context_features(target, ids, [5])
-    assert (serving_reads - training_reads).abs().max() > 1.0
+    raw = {}
+    hook = target.model.layers[5].register_forward_hook(lambda m, args, out: raw.update(out=out))
+    hidden_states = target(ids, output_hidden_states=True).hidden_states
+    hook.remove()
+    assert (hidden_states[6] - raw["out"]).abs().max() > 1.0  # what serving would read vs training
+    for read in (lambda: select_features(hidden_states, [1, 5]), lambda: context_features(target, ids, [5])):
+        with pytest.raises(ValueError, match=r"last layer \(5\).*use layers 0\.\.4"):
+            read()  # a checkpoint from elsewhere with layer L-1: refused where features are read
     with pytest.raises(ValueError, match=r"last layer \(5\).*final norm.*0\.\.4"):
         drafter_config(target.config, num_layers=2, block_size=8, mask_token_id=MASK_ID,
                        target_layer_ids=[1, 5])
