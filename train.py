@@ -204,26 +204,37 @@ def micro_step(engine, target, batch, objective, cfg, step, micro, rank, noise, 
     return {k: v.detach() for k, v in metrics.items()}
 
 
+def local_drafter(engine, target):
+    """The drafter for evaluation and generation: the engine's module, or, when the engine shards it
+    (ZeRO-3, FSDP), a plain copy gathered from the shards. Ranks run different numbers of drafter
+    forwards there (their rows hold different response lengths), which sharded forwards, each a
+    collective, cannot do."""
+    if not engine.sharded:
+        return engine.module
+    return drafter_from_state_dict(engine.module.config, engine.full_state_dict()).to(target.device, target.dtype)
+
+
 @torch.no_grad()
-def evaluate(engine, target, eval_set, eval_sampler, objective, cfg, rank, device, attention):
+def evaluate(drafter, target, eval_set, eval_sampler, objective, cfg, rank, device, attention):
     """Held-out loss, random-anchor metrics and replayed tau over up to eval_batches per rank, on clean
     features."""
-    engine.module.eval()
+    was_training = drafter.training
+    drafter.eval()
     summed = defaultdict(lambda: 0)
     loader = make_loader(eval_set, eval_sampler, epoch=0, num_workers=0, prefetch_factor=2)
     with loader:
         for i, batch in zip(range(cfg.train.eval_batches), loader):
             input_ids, loss_mask = batch["input_ids"].to(device), batch["loss_mask"].to(device)
-            features = context_features(target, input_ids, engine.module.target_layer_ids)
-            _, metrics = training_step(engine.module, target, features, input_ids, loss_mask, objective,
+            features = context_features(target, input_ids, drafter.target_layer_ids)
+            _, metrics = training_step(drafter, target, features, input_ids, loss_mask, objective,
                                        step_generator(cfg.run.seed, i, rank, 7), attention)
-            metrics.update(replayed_tau(engine.module, target, features, input_ids, loss_mask,
+            metrics.update(replayed_tau(drafter, target, features, input_ids, loss_mask,
                                         cfg.train.tau_budgets, attention,
                                         blocks_per_forward=objective.anchors_per_batch or 2048,
                                         chunk_bytes=objective.chunk_bytes))
             for k, v in metrics.items():
                 summed[k] = summed[k] + v.float()
-    engine.module.train()
+    drafter.train(was_training)
     return finalize_metrics(all_reduce_sum(dict(summed))) if summed else {}
 
 
@@ -407,7 +418,8 @@ def train(cfg, rank, world_size, device) -> int:
 
 
 def run_eval(engine, target, eval_set, eval_sampler, objective, cfg, rank, device, attention, step, log):
-    metrics = evaluate(engine, target, eval_set, eval_sampler, objective, cfg, rank, device, attention)
+    metrics = evaluate(local_drafter(engine, target), target, eval_set, eval_sampler, objective, cfg, rank,
+                       device, attention)
     if not metrics:
         return
     log.log({"step": step, **metrics}, prefix="eval")
@@ -428,13 +440,9 @@ def generation_prompts(cfg, tokenizer, eval_set) -> list[list[int]] | None:
 
 
 def run_generation(engine, target, prompts, stops, cfg, rank, world_size, step, log):
-    """The drafter as it is now, served on the fixed prompts (split over ranks, time-bounded). Ranks
-    decode different numbers of steps, so a sharded drafter is first gathered into a plain copy."""
-    drafter = engine.module
-    if engine.sharded:
-        drafter = drafter_from_state_dict(drafter.config, engine.full_state_dict()).to(target.device, target.dtype)
+    """The drafter as it is now, served on the fixed prompts (split over ranks, time-bounded)."""
     summed = all_reduce_sum(generation_tau(
-        target, drafter, prompts, rank, world_size, budgets=cfg.train.tau_budgets,
+        target, local_drafter(engine, target), prompts, rank, world_size, budgets=cfg.train.tau_budgets,
         max_new_tokens=cfg.train.generate_max_new_tokens, max_seconds=cfg.train.generate_max_seconds,
         stop_token_ids=stops))
     metrics = {"step": step, **finalize_metrics(summed), "gen_responses": int(summed["gen_tau_dflash"][1])}

@@ -37,7 +37,8 @@ def write_run(tmp_path: Path, **train) -> Path:
                               "intermediate_size": 128,
                               "initializer_range": 0.3}},  # a frozen LM head with room to learn through
         "drafter": {"num_layers": 1, "block_size": 8, "mask_token_id": 255},
-        "objective": {"num_anchors": 16, "ddtree_budget": 16, "ddtree_blocks": 4},
+        # anchors_per_batch: a few forwards per eval batch, a different number on each rank
+        "objective": {"num_anchors": 16, "anchors_per_batch": 48, "ddtree_budget": 16, "ddtree_blocks": 4},
         "optim": {"lr": 3e-2, "warmup_ratio": 0.1},
         "noise": {"start": 0.0, "end": 0.01, "warmup_steps": 10},
         "data": {"path": str(tmp_path / "data"), "eval_fraction": 0.1, "max_length": 128, "num_buckets": 3,
