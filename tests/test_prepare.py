@@ -1,5 +1,7 @@
 """data/prepare.py and the chat helpers it shares: shapes, bad rows, the loss mask, lengths, caching."""
+import datetime
 import json
+import os
 import re
 
 import datasets
@@ -328,6 +330,57 @@ def test_repairable_and_unreadable_rows_never_end_the_run(target, tokenizer, tmp
     assert out[0]["input_ids"] == out[3]["input_ids"]  # the BOM line reads like any other
 
 
+def test_deep_rows_joined_files_and_odd_file_names_never_end_the_run(target, tmp_path):
+    good = {"messages": [user("Hi there"), assistant("Hello world!")]}
+
+    def deep_line(levels):  # parses, but no conversation nests so deep; repairing it recursed that deep
+        return '{"messages": ' + json.dumps(good["messages"]) + ', "x": ' + "[" * levels + '"\\ud83d"' + "]" * levels + "}"
+
+    data = tmp_path / "data"
+    data.mkdir()
+    path = write_jsonl(data / "joined.jsonl", [good, deep_line(150), b"\xef\xbb\xbf" + json.dumps(good).encode()])
+    json_list = data / "list.json"
+    json_list.write_text("[" + json.dumps(good) + ", " + deep_line(600) + "]")  # crashed prepare
+    odd_name = os.fsencode(data) + b"/caf\xe9.jsonl"  # a file name that is not UTF-8 (an old archive's)
+    with open(odd_name, "wb") as f:
+        f.write(json.dumps(good).encode() + b"\n")
+
+    out, stats = run(target, tmp_path, [str(data)])
+
+    label = str(data / "caf\ufffd.jsonl")
+    assert stats["dropped"] == {"nesting_too_deep": 2}
+    assert stats["examples"]["nesting_too_deep"] == [f"{path}:2", f"{json_list}:2"]
+    assert stats["kept"] == len(out) == 4  # the BOM inside the joined file is skipped like the first
+    assert out["group"][0] == f"{label}#1"
+
+
+def test_parquet_rows_with_bytes_that_are_not_utf8_or_json_are_counted(target, tmp_path):
+    messages = pa.array([[user("Hi"), assistant("Hello world!")]] * 3)
+    note = pa.array([b"fine", b"caf\xe9", b"fine"], type=pa.binary()).view(pa.string())  # written by another tool
+    strings = tmp_path / "strings.parquet"
+    pq.write_table(pa.table({"note": note, "messages": messages}), strings)
+    call = {"type": "function", "function": {"name": "f", "arguments": {"when": datetime.datetime(2024, 1, 1)}}}
+    dated = tmp_path / "dated.parquet"
+    pq.write_table(pa.table({"messages": [[user("When?"), {"role": "assistant", "content": "x", "tool_calls": [call]}]]}),
+                   dated)
+
+    out, stats = run(target, tmp_path, [str(strings), str(dated)])
+
+    assert stats["dropped"] == {"encoding": 1, "bad_tool_call": 1}
+    assert stats["examples"] == {"encoding": [f"{strings}:2"], "bad_tool_call": [f"{dated}:1"]}
+    assert stats["kept"] == len(out) == 2
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-32"])
+def test_a_utf16_file_stops_naming_it(target, tmp_path, encoding):
+    text = json.dumps({"messages": [user("Hi"), assistant("Hello world!")]}) + "\n"
+    for name in ("windows.jsonl", "windows.json"):
+        (tmp_path / name).write_bytes(text.encode(encoding))  # with its byte-order mark, as Windows writes it
+        with pytest.raises(SystemExit, match=f"{name}: UTF-16 or UTF-32 text .* convert it to UTF-8"):
+            run(target, tmp_path, [str(tmp_path / name)])
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_json_list_cut_short_stops_before_anything_is_written(target, tmp_path):
     good = write_jsonl(tmp_path / "good.jsonl", [{"messages": [user("Hi"), assistant("Hello world!")]}])
     earlier, _ = run(target, tmp_path, [good], "out")
@@ -414,11 +467,14 @@ def test_tool_calls_are_supervised_when_the_template_renders_them(target, tmp_pa
                       {"role": "tool", "content": ""}, assistant("Done.")]},
         {"messages": [user("Hi"), {"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}]},
         {"messages": [user("Hi"), {"role": "assistant", "tool_calls": "get_weather()"}]},
+        # the closer's text in the arguments would end the turn inside the call
+        {"messages": [user("Hi"), {"role": "assistant", "content": None, "tool_calls": [
+            {"function": {"name": "echo", "arguments": '{"text": "<|im_end|> and more"}'}}]}]},
     ]
     path = write_jsonl(tmp_path / "tools.jsonl", rows)
 
     out, stats = run(str(tool_target), tmp_path, [path], "supported")
-    assert stats["kept"] == 2 and stats["dropped"] == {"bad_tool_call": 2}
+    assert stats["kept"] == 2 and stats["dropped"] == {"bad_tool_call": 2, "special_token_text": 1}
     call_text = '<call>get_weather {"city": "Paris"}</call>'
     assert supervised_runs(tool_tokenizer, out[0]) == [call_text + END, "It is sunny." + END]
     assert supervised_runs(tool_tokenizer, out[1]) == ["Let me look." + call_text + END, "Done." + END]

@@ -380,6 +380,22 @@ def test_odd_rows_reach_the_writer_repaired_and_no_prompt_is_empty(stub, tmp_pat
     assert all(r["messages"] and r["messages"][0]["role"] == "user" for r in stub.requests)
 
 
+def test_a_file_name_that_is_not_utf8_reaches_both_writers(stub, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    with open(os.fsencode(data) + b"/caf\xe9.jsonl", "w") as f:  # an old archive's file name
+        f.write(json.dumps({"messages": [user("Hi")]}) + "\n" + json.dumps({"messages": [user("FAIL me")]}) + "\n")
+    out = tmp_path / "regen.jsonl"
+
+    summary = run(stub, str(data), out)
+
+    label = str(data / "caf\ufffd.jsonl")
+    assert summary["ok"] == summary["failed"] == 1
+    (row,) = read_rows(out)
+    assert row["source"] == f"{label}:1" and row["group"] == f"{label}#1"
+    assert [e["source"] for e in read_rows(tmp_path / "regen.errors.jsonl")] == [f"{label}:2"]
+
+
 def test_rows_carry_their_group(stub, tmp_path):
     input_path = write_rows(tmp_path / "in.jsonl", [
         {"group": "lib/json/decoder.py", "messages": [user("Question 1?")]},
