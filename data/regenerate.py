@@ -26,14 +26,15 @@ line left by a crash, so nothing is duplicated or lost. Side files next to it (n
                       (total = distinct valid conversations; invalid rows counted by reason)
   OUT.settings.json   generation settings; resuming with different ones is refused
 
-Server requests are retried with exponential backoff and jitter on 429, 5xx, connection errors,
-timeouts (--timeout) and replies that are not a well-formed chat completion (a body that is not JSON,
-`message: null`, content or reasoning that is not a string); other 4xx fail the row at once. A failed
-row is written to OUT.errors.jsonl and tried again by the next run; an unexpected error in one
-row fails that row only (`internal_error`). Ctrl-C or SIGTERM stops the run within seconds: every
-answer already received is written, queued conversations are not started, requests in flight are
-abandoned (the next run does them), the summary is written (`interrupted: true`) and the exit
-status is 130. A second signal stops at once.
+Server requests are retried with exponential backoff and jitter on 429, 5xx (its body cut short or
+not), connection errors, timeouts (--timeout bounds the whole reply, so a server that trickles bytes
+times out too) and replies that are not a well-formed chat completion (a body that is not JSON or
+cut short, `message: null`, content or reasoning that is not a string); other 4xx fail the row at
+once. A failed row is written to OUT.errors.jsonl and tried again by the next run; an unexpected
+error in one row fails that row only (`internal_error`). Ctrl-C or SIGTERM stops the run within
+seconds: every answer already received is written, queued conversations are not started, requests
+in flight are abandoned (the next run does them), the summary is written (`interrupted: true`) and
+the exit status is 130. A second signal stops at once.
 """
 import argparse
 import hashlib
@@ -45,6 +46,7 @@ import random
 import signal
 import sys
 import threading
+import time
 import traceback
 import urllib.error
 import urllib.request
@@ -74,7 +76,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=32, help="server requests in flight")
     parser.add_argument("--max-retries", type=int, default=5)
     parser.add_argument("--backoff", type=float, default=1.0, help="first retry delay, seconds")
-    parser.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds a request may take, the whole reply included")
     parser.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=False,
                         help="enable_thinking for the chat template (default: off)")
     parser.add_argument("--system-prompt", default=None,
@@ -217,11 +220,12 @@ class ServerBackend:
     def _post(self, body: bytes):
         request = urllib.request.Request(self.url, data=body,
                                          headers={"Content-Type": "application/json"})
+        deadline = time.monotonic() + self.timeout
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                payload = response.read()
+                payload = read_until(response, deadline)
         except urllib.error.HTTPError as error:
-            detail = error.read()[:200].decode("utf-8", "replace")
+            detail = error_detail(error)
             if error.code == 429 or error.code >= 500:
                 raise RetryableError(f"http_{error.code}", detail,
                                      retry_after_seconds(error.headers.get("Retry-After"))) from error
@@ -232,6 +236,28 @@ class ServerBackend:
             return chat.parse_json(payload.decode("utf-8"))[0]
         except (ValueError, RecursionError) as error:  # not UTF-8, not JSON
             raise RetryableError("bad_response", payload[:200].decode("utf-8", "replace")) from error
+
+
+def read_until(response, deadline: float) -> bytes:
+    """The whole body, or TimeoutError once `deadline` (time.monotonic) passes: the socket timeout
+    bounds each wait, so a server that trickles bytes would otherwise hold a worker for ever."""
+    chunks = []
+    while chunk := response.read1(1 << 16):
+        chunks.append(chunk)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the reply took longer than --timeout ({sum(map(len, chunks))} bytes so far)")
+    if response.length:  # the connection closed before Content-Length bytes came
+        raise http.client.IncompleteRead(b"".join(chunks), response.length)
+    return b"".join(chunks)
+
+
+def error_detail(error: urllib.error.HTTPError) -> str:
+    """The start of an error reply's body; a body cut short or never sent says so instead (it
+    must not turn a retryable 500 into a failed row)."""
+    try:
+        return error.read(200).decode("utf-8", "replace")
+    except (OSError, http.client.HTTPException) as unreadable:
+        return f"(body unreadable: {unreadable!r})"
 
 
 class RetryableError(Exception):

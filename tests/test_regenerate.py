@@ -30,7 +30,8 @@ class StubServer:
     FLAKY fails twice (500, then 429) and then answers; FAIL always answers 500; REJECT answers
     400; EMPTY answers with no text; LONG answers with finish_reason "length". Misbehaving replies,
     always: NULLMSG (`message: null`), PARTS (content as a list of parts), BADREASON (a number as
-    reasoning_content), NOTJSON (an HTML body), HANG (no reply until released); NULLONCE sends
+    reasoning_content), NOTJSON (an HTML body), HANG (no reply until released), CUT200 (a reply
+    whose body stops short), STUCK500 (a 500 whose body stops until released), TRICKLE (a reply sent a byte at a time, slower in all than --timeout); NULLONCE sends
     `message: null` once, then answers; SURR answers with a lone surrogate; SLOW answers only once
     released. With enable_thinking it returns the reasoning separately, as vLLM's reasoning parser
     does."""
@@ -47,13 +48,20 @@ class StubServer:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 status, reply = stub.respond(self.path, body)
                 payload = reply if isinstance(reply, bytes) else json.dumps(reply).encode()
+                last = body["messages"][-1]["content"]
                 try:
                     self.send_response(status)
                     self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(payload)))
+                    self.send_header("Content-Length", str(len(payload) + 1000 * ("CUT" in last or "STUCK500" in last)))
                     self.end_headers()
-                    self.wfile.write(payload)
-                except ConnectionError:  # the client gave up (HANG): nothing to answer
+                    step = 1 if "TRICKLE" in last else max(1, len(payload))
+                    for start in range(0, len(payload), step):
+                        self.wfile.write(payload[start:start + step])
+                        self.wfile.flush()
+                        time.sleep(0.05 if step == 1 else 0)
+                    if "STUCK500" in last:  # the rest of the error body never comes
+                        stub.released.wait(30)
+                except ConnectionError:  # the client gave up (HANG, TRICKLE): nothing to answer
                     pass
 
             def log_message(self, *args):
@@ -77,7 +85,7 @@ class StubServer:
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
             time.sleep(self.delay)
-            if "FAIL" in last or ("FLAKY" in last and attempt == 1):
+            if "FAIL" in last or "STUCK500" in last or ("FLAKY" in last and attempt == 1):
                 return 500, {"error": "internal"}
             if "FLAKY" in last and attempt == 2:
                 return 429, {"error": "slow down"}
@@ -336,7 +344,7 @@ def write_rows(path, rows) -> str:
 
 
 def test_misbehaving_replies_are_retried_then_failed_and_the_run_goes_on(stub, tmp_path):
-    markers = ["NULLMSG", "PARTS", "BADREASON", "NOTJSON", "HANG"]
+    markers = ["NULLMSG", "PARTS", "BADREASON", "NOTJSON", "HANG", "CUT200", "STUCK500", "TRICKLE"]
     rows = [{"messages": [user(f"{marker} question")]} for marker in markers]
     rows += [{"messages": [user("NULLONCE question")]}, {"messages": [user("Plain question")]}]
     input_path = write_rows(tmp_path / "in.jsonl", rows)
@@ -344,10 +352,11 @@ def test_misbehaving_replies_are_retried_then_failed_and_the_run_goes_on(stub, t
 
     summary = run(stub, input_path, out, "--timeout", "0.3", "--max-retries", "2")
 
-    assert summary["ok"] == 2 and summary["failed"] == 5
-    assert summary["failures"] == {"bad_response": 4, "connection": 1}
+    assert summary["ok"] == 2 and summary["failed"] == len(markers)
+    assert summary["failures"] == {"bad_response": 4, "connection": 3, "http_500": 1}
     errors = {e["source"]: e["reason"] for e in read_rows(tmp_path / "regen.errors.jsonl")}
-    assert errors == {f"{input_path}:{i}": "connection" if marker == "HANG" else "bad_response"
+    reasons = {"HANG": "connection", "CUT200": "connection", "STUCK500": "http_500", "TRICKLE": "connection"}
+    assert errors == {f"{input_path}:{i}": reasons.get(marker, "bad_response")
                       for i, marker in enumerate(markers, start=1)}
     for marker in markers:
         assert stub.attempts_for(marker) == 3  # first try + --max-retries
