@@ -437,6 +437,20 @@ def test_out_that_prepare_did_not_write_is_refused_and_left_alone(target, tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "mine", "out", "out.tmp", "rows.jsonl"]
 
 
+def test_a_failure_while_writing_leaves_the_earlier_output_whole(target, tmp_path, monkeypatch):
+    path = write_jsonl(tmp_path / "rows.jsonl", [{"messages": [user("Hi"), assistant("Hello world!")]}])
+    first, _ = run(target, tmp_path, [path], "out")
+
+    def disk_full(*args):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(prepare, "plot_lengths", disk_full)  # fails after the new rows are saved
+    with pytest.raises(OSError, match="No space left"):
+        run(target, tmp_path, [path], "out", "--system-prompt", "Be brief.")
+    assert datasets.load_from_disk(str(tmp_path / "out")).to_dict() == first.to_dict()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "out", "rows.jsonl"]  # no temporary left
+
+
 TOOL_TEMPLATE = (  # renders tool calls and tool turns (the toy template does neither)
     "{%- for message in messages -%}"
     "{%- if message['role'] == 'assistant' -%}"

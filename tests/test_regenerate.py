@@ -431,6 +431,36 @@ def test_a_directory_input_never_reads_the_output_or_its_side_files(stub, tmp_pa
     assert len(read_rows(out)) == 3
 
 
+def test_answers_that_arrive_while_stopping_are_written_and_the_queue_is_dropped(tmp_path):
+    """In process, so that the moment of the signal is exact: the second answer arrives after the
+    signal, while the first is being written; the third conversation was only queued."""
+    stop, first_written, asked = threading.Event(), threading.Event(), []
+
+    class Backend:
+        def answer(self, history):
+            question = history[-1]["content"]
+            asked.append(question)
+            if question == "second":
+                first_written.wait(5)
+                stop.set()  # the signal
+            return f"re: {question}", False
+
+    class SlowRecorder(regenerate.Recorder):
+        def ok(self, job, rewrite):
+            super().ok(job, rewrite)
+            first_written.set()
+            time.sleep(0.3)
+
+    jobs = [regenerate.Job(q, f"in:{i}", "g", [user(q)]) for i, q in enumerate(["first", "second", "third"])]
+    out = tmp_path / "regen.jsonl"
+    recorder = SlowRecorder(out)
+    regenerate.run_server(Backend(), jobs, recorder, concurrency=1, stop=stop)
+    recorder.close()
+    time.sleep(0.2)  # a worker that went on would ask the third question now
+    assert [row["id"] for row in read_rows(out)] == ["first", "second"]
+    assert asked == ["first", "second"]
+
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
