@@ -92,6 +92,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--model is required with --backend server")
     if args.backend == "local" and not args.target:
         parser.error("--target is required with --backend local")
+    for flag in ("concurrency", "batch_size", "max_tokens"):  # 0 workers would wait for ever
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.timeout <= 0 or args.backoff < 0 or args.max_retries < 0:
+        parser.error("--timeout must be positive, --backoff and --max-retries at least 0")
     return args
 
 
@@ -528,8 +533,8 @@ def main(argv=None) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     settings = {key: getattr(args, key) for key in
                 ("backend", "model", "target", "thinking", "system_prompt", "temperature", "max_tokens")}
+    done = completed_ids(out)  # first: an --out that is not an output is refused before a side file is written
     check_settings(out, settings)
-    done = completed_ids(out)
     todo = [job for job in jobs.todo if job.id not in done]
     this_run = todo[: args.max_rows] if args.max_rows is not None else todo
     recorder = Recorder(out)

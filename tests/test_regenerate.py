@@ -258,6 +258,22 @@ def test_resume_after_interruption_loses_and_duplicates_nothing(stub, tmp_path):
         run(stub, input_path, out, "--temperature", "0.7")
 
 
+@pytest.mark.parametrize("flag, value", [("--concurrency", "0"), ("--batch-size", "0"), ("--max-tokens", "0"),
+                                         ("--timeout", "0"), ("--max-retries", "-1")])
+def test_flags_that_cannot_work_are_refused(flag, value, capsys):
+    with pytest.raises(SystemExit):  # --concurrency 0 started no worker and waited for ever
+        regenerate.parse_args(["--input", "in.jsonl", "--out", "out.jsonl", "--model", "m", flag, value])
+    assert flag in capsys.readouterr().err
+
+
+def test_an_out_that_is_not_an_output_is_refused_before_anything_is_written(stub, tmp_path):
+    input_path = write_input(tmp_path / "chat.jsonl")
+    before = (tmp_path / "chat.jsonl").read_bytes()
+    with pytest.raises(SystemExit, match="chat.jsonl:1: not an output row"):
+        run(stub, input_path, tmp_path / "chat.jsonl")
+    assert [p.name for p in tmp_path.iterdir()] == ["chat.jsonl"] and (tmp_path / "chat.jsonl").read_bytes() == before
+
+
 def test_thinking_answers_keep_the_reasoning_inline(stub, tmp_path):
     input_path = tmp_path / "in.jsonl"
     input_path.write_text(json.dumps({"messages": [user("Hi")]}) + "\n")
