@@ -36,6 +36,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from collections import Counter
@@ -353,5 +354,12 @@ def main(argv=None) -> dict:
     return stats
 
 
+def exit_on_sigterm(signum, frame):
+    """SIGTERM (a scheduler's, kill's) unwinds as Ctrl-C does, so that write_output removes its
+    half-written temporary directory instead of leaving the data set's size behind, hidden."""
+    sys.exit(128 + signum)
+
+
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     main()

@@ -3,6 +3,10 @@ import datetime
 import json
 import os
 import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import datasets
 import pyarrow as pa
@@ -449,6 +453,43 @@ def test_a_failure_while_writing_leaves_the_earlier_output_whole(target, tmp_pat
         run(target, tmp_path, [path], "out", "--system-prompt", "Be brief.")
     assert datasets.load_from_disk(str(tmp_path / "out")).to_dict() == first.to_dict()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "out", "rows.jsonl"]  # no temporary left
+
+
+SLOW_SAVE = """
+import runpy, sys, time
+import datasets
+save = datasets.Dataset.save_to_disk
+def save_then_wait(self, path, **kwargs):  # the rows are written; the signal comes before the swap
+    save(self, path, **kwargs)
+    print("SAVED", flush=True)
+    time.sleep(60)
+datasets.Dataset.save_to_disk = save_then_wait
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_while_writing_leaves_the_earlier_output_and_no_temporary(target, tmp_path):
+    path = write_jsonl(tmp_path / "rows.jsonl", [{"messages": [user("Hi"), assistant("Hello world!")]}])
+    first, _ = run(target, tmp_path, [path], "out")
+    wrapper = tmp_path / "slow_save.py"
+    wrapper.write_text(SLOW_SAVE)
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen(
+        [sys.executable, str(wrapper), str(repo / "data" / "prepare.py"), "--input", path, "--target", target,
+         "--out", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache"), "--num-proc", "1",
+         "--system-prompt", "Be brief."],
+        env={**os.environ, "PYTHONPATH": str(repo)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert any("SAVED" in line for line in proc.stdout)
+        proc.send_signal(signal.SIGTERM)  # as a scheduler's time limit does
+        returncode = proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    assert datasets.load_from_disk(str(tmp_path / "out")).to_dict() == first.to_dict()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "out", "rows.jsonl", "slow_save.py"]
+    assert returncode == 128 + signal.SIGTERM
 
 
 TOOL_TEMPLATE = (  # renders tool calls and tool turns (the toy template does neither)
