@@ -300,11 +300,16 @@ def parse_completion(response) -> tuple[str, bool]:
 
 
 class LocalBackend:
-    """Batched `model.generate` on a local HF target (left padding); greedy at temperature 0."""
+    """Batched `model.generate` on a local HF target (left padding); greedy at temperature 0. A
+    generate call ends at the next token once `stop` is set."""
 
-    def __init__(self, args: argparse.Namespace):
+    def __init__(self, args: argparse.Namespace, stop: threading.Event):
         import torch
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer, StoppingCriteria, StoppingCriteriaList
+
+        class UntilStopped(StoppingCriteria):
+            def __call__(self, input_ids, scores, **kwargs):
+                return torch.full((len(input_ids),), stop.is_set(), device=input_ids.device)
 
         from drafter.target import load_target
 
@@ -316,6 +321,7 @@ class LocalBackend:
         self.sampling = {"do_sample": True, "temperature": args.temperature} \
             if args.temperature > 0 else {"do_sample": False}
         self.eos_ids = sorted({self.tokenizer.eos_token_id} | set(self._config_eos_ids()))
+        self.until_stopped = StoppingCriteriaList([UntilStopped()])
         torch.manual_seed(args.seed)
 
     def _config_eos_ids(self) -> list[int]:
@@ -337,7 +343,8 @@ class LocalBackend:
         with torch.no_grad():
             output = self.model.generate(**batch, max_new_tokens=self.max_tokens,
                                          eos_token_id=self.eos_ids,
-                                         pad_token_id=self.tokenizer.pad_token_id, **self.sampling)
+                                         pad_token_id=self.tokenizer.pad_token_id,
+                                         stopping_criteria=self.until_stopped, **self.sampling)
         new_tokens = output[:, batch["input_ids"].shape[1]:]
         stopped = torch.isin(new_tokens, torch.tensor(self.eos_ids, device=new_tokens.device)).any(1)
         texts = self.tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
@@ -472,7 +479,8 @@ def run_server(backend: ServerBackend, todo: list[Job], recorder: Recorder, conc
 def run_local(backend: LocalBackend, todo: list[Job], recorder: Recorder, batch_size: int,
               stop: threading.Event) -> None:
     """Batches of conversations advanced turn by turn: one generate call per turn index. Once
-    `stop` is set no new generate call starts; the batch in progress is not written."""
+    `stop` is set the generate call in progress ends (its answers are cut: not written) and no
+    new one starts."""
     for start in range(0, len(todo), batch_size):
         active = {job.id: (job, Rewrite(job.prompt)) for job in todo[start:start + batch_size]}
         while active:
@@ -486,6 +494,8 @@ def run_local(backend: LocalBackend, todo: list[Job], recorder: Recorder, batch_
                     recorder.failed(job, failure)
                     del active[job_id]
             answers = backend.generate(list(prompts.values())) if prompts else []
+            if stop.is_set():
+                return
             for job_id, (answer, truncated) in zip(prompts, answers):
                 job, rewrite = active[job_id]
                 if not answer.strip():
@@ -543,7 +553,7 @@ def main(argv=None) -> dict:
             if args.backend == "server":
                 run_server(ServerBackend(args, stop), this_run, recorder, args.concurrency, stop)
             else:
-                run_local(LocalBackend(args), this_run, recorder, args.batch_size, stop)
+                run_local(LocalBackend(args, stop), this_run, recorder, args.batch_size, stop)
     finally:
         recorder.close()
     summary = {

@@ -351,6 +351,26 @@ def test_local_backend_matches_unbatched_greedy_decoding(tmp_path):
     assert outcomes == {"empty", "truncated", "stopped"}
 
 
+def test_a_stop_ends_local_generation_at_the_next_token(tmp_path):
+    target_dir = save_tiny_tokenizer(tmp_path / "target")
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    model = random_qwen3(vocab_size=len(tokenizer), num_hidden_layers=1)
+    model.generation_config.suppress_tokens = [tokenizer.eos_token_id]  # every answer runs to --max-tokens
+    model.save_pretrained(target_dir)
+    out = tmp_path / "regen.jsonl"
+    args = regenerate.parse_args(["--input", "in.jsonl", "--out", str(out), "--backend", "local",
+                                  "--target", str(target_dir), "--max-tokens", "20000"])
+    stop = threading.Event()
+    recorder = regenerate.Recorder(out)
+    jobs = [regenerate.Job(str(i), f"in:{i}", "g", [user(f"Question {i}?")]) for i in range(4)]
+    threading.Timer(0.5, stop.set).start()  # the signal, while the first batch generates
+    started = time.monotonic()
+    regenerate.run_local(regenerate.LocalBackend(args, stop), jobs, recorder, batch_size=2, stop=stop)
+    recorder.close()
+    assert time.monotonic() - started < 5  # 20000 tokens take a minute
+    assert out.read_text() == "" and recorder.counts == {}  # cut answers are not written
+
+
 # --- issue 9: odd rows, a misbehaving server, signals ---------------------------------------------
 
 def write_rows(path, rows) -> str:
