@@ -23,8 +23,9 @@ the slack allows a few breaks (line wraps); answers shorter than 48 tokens never
 Output: `datasets.load_from_disk(OUT)` has columns `input_ids`, `loss_mask` (0/1, int8), `length` and
 `group` (the row's group for the held-out split: see `chat.row_group`); `OUT/stats.json` holds the
 kept count, drop counts and first examples per reason, the flags of kept rows with examples, length
-figures and the settings, and marks OUT as this tool's output: an existing --out without that mark is
-refused, one with it is replaced atomically. `OUT/length_hist.png` is the length histogram.
+figures, the files of input directories that were not read (`unread_files`) and the settings, and
+marks OUT as this tool's output: an existing --out without that mark is refused, one with it is
+replaced atomically. `OUT/length_hist.png` is the length histogram.
 
 Two cached `datasets` stages: reading + normalising rows (keyed by the input files' paths, sizes
 and mtimes) and tokenising (keyed by the rows, the tokenizer, the settings and this code), so a
@@ -255,11 +256,17 @@ def summarize(tokenized: datasets.Dataset, settings: dict, inputs: list[str]) ->
         "supervised_tokens": int(supervised.sum()),
         "length": length_summary(lengths),
         # chat_template_kwargs spelled as the training config spells it
+        "unread_files": unread_files_summary(inputs),
         "settings": settings | {
             "inputs": inputs, "files": chat.expand_inputs(inputs),
             "chat_template_kwargs": {"enable_thinking": settings["enable_thinking"]}},
     }
     return stats, kept
+
+
+def unread_files_summary(inputs: list[str]) -> dict:
+    unread = chat.unread_files(inputs)
+    return {"files": len(unread), "examples": unread[:EXAMPLES_PER_REASON]}
 
 
 def length_summary(lengths: np.ndarray) -> dict:
@@ -335,6 +342,10 @@ def report(stats: dict) -> None:
         print(f"dropped {count} {reason}: e.g. {', '.join(stats['examples'][reason])}")
     for flag, flagged in stats["flags"].items():
         print(f"kept {flagged['rows']} flagged {flag}: e.g. {', '.join(flagged['examples'])}")
+    unread = stats["unread_files"]
+    if unread["files"]:
+        print(f"not read: {unread['files']} files in the input directories that are not "
+              f"{'/'.join(chat.FILE_SUFFIXES)}: e.g. {', '.join(unread['examples'])}")
 
 
 def main(argv=None) -> dict:

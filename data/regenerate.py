@@ -23,7 +23,8 @@ appended and flushed one at a time; a restart skips the ids already written and 
 line left by a crash, so nothing is duplicated or lost. Side files next to it (never read as input):
   OUT.errors.jsonl    rows that failed after retries, this run: {"id", "source", "reason", "detail"}
   OUT.summary.json    accounting: ok + failed + skipped_existing + remaining == total
-                      (total = distinct valid conversations; invalid rows counted by reason)
+                      (total = distinct valid conversations; invalid rows counted by reason;
+                      unread_files: files in input directories that are not data files)
   OUT.settings.json   generation settings; resuming with different ones is refused
 
 Server requests are retried with exponential backoff and jitter on 429, 5xx (its body cut short or
@@ -570,11 +571,16 @@ def main(argv=None) -> dict:
         "invalid_examples": jobs.examples,
         "duplicates": jobs.duplicates,
         "leading_assistant_dropped": jobs.leading_assistant_dropped,
+        "unread_files": chat.unread_files(args.input),
     }
     side_file(out, "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in summary.items() if k != "invalid_examples"}))
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("invalid_examples", "unread_files")}))
     for reason, sources in jobs.examples.items():
         print(f"invalid {jobs.invalid[reason]} {reason}: e.g. {', '.join(sources)}", file=sys.stderr)
+    if summary["unread_files"]:
+        print(f"not read: {len(summary['unread_files'])} files in the input directories that are not "
+              f"{'/'.join(chat.FILE_SUFFIXES)}: e.g. {', '.join(summary['unread_files'][:EXAMPLES_PER_REASON])}",
+              file=sys.stderr)
     return summary
 
 

@@ -53,7 +53,8 @@ A file that cannot be read as a whole (a missing or unreadable file, a `.json` a
 nested too deep for the parser, UTF-16 or UTF-32 text, an unsupported type) raises `InputError`
 naming it. Given a directory, only its data files are read:
 hidden entries, data/regenerate.py's side files (`*.errors.jsonl`, `*.summary.json`,
-`*.settings.json`) and saved `datasets` directories (data/prepare.py outputs) are skipped.
+`*.settings.json`) and saved `datasets` directories (data/prepare.py outputs) are skipped, and
+other files (`unread_files`: a `.jsonl.gz`, a README) are reported by both tools.
 
 Loss mask (which tokens the drafter learns to predict): for every assistant turn (or only the
 last one), the answer text, any whitespace after it and the special token that closes the turn
@@ -140,12 +141,28 @@ def expand_inputs(inputs: list[str], exclude: tuple[str, ...] = ()) -> list[str]
 
 def is_data_file(path: Path, root: Path) -> bool:
     """Whether a file found under directory `root` is input data."""
+    return path.is_file() and path.suffix in FILE_SUFFIXES and not skipped_by_rule(path, root)
+
+
+def skipped_by_rule(path: Path, root: Path) -> bool:
+    """Whether a file found under directory `root` is one that is never input: a hidden entry, a
+    data/regenerate.py side file, a file of a saved dataset."""
     parts = path.relative_to(root).parts
     folders = [root.joinpath(*parts[:depth]) for depth in range(len(parts))]
-    return (path.is_file() and path.suffix in FILE_SUFFIXES
-            and not path.name.endswith(SIDE_FILE_SUFFIXES)
-            and not any(part.startswith(".") for part in parts)
-            and not any(is_saved_dataset(folder) for folder in folders))
+    return (path.name.endswith(SIDE_FILE_SUFFIXES) or any(part.startswith(".") for part in parts)
+            or any(is_saved_dataset(folder) for folder in folders))
+
+
+def unread_files(inputs: list[str]) -> list[str]:
+    """Files under the directory inputs that are not read for their type (a compressed `.jsonl.gz`,
+    a README), as labels: worth a word to the user, unlike the files skipped by rule."""
+    unread = []
+    for item in inputs:
+        root = Path(item)
+        if root.is_dir():
+            unread += sorted(path_label(p) for p in root.rglob("*") if p.is_file()
+                             and p.suffix not in FILE_SUFFIXES and not skipped_by_rule(p, root))
+    return unread
 
 
 def is_saved_dataset(directory: Path) -> bool:

@@ -412,6 +412,8 @@ def test_a_directory_input_reads_only_data_files(target, tmp_path):
     (data / "regen.settings.json").write_text(json.dumps({"backend": "server"}))
     (data / ".cache").mkdir()
     write_jsonl(data / ".cache" / "junk.jsonl", ["not json"])
+    (data / "README.md").write_text("# chat data")  # not data: reported, not read
+    (data / "more.jsonl.gz").write_bytes(b"\x1f\x8b")
     prepare.main(["--input", str(data / "chat.jsonl"), "--target", target, "--out", str(data / "prepared"),
                   "--cache-dir", str(tmp_path / "cache"), "--num-proc", "1"])
 
@@ -419,6 +421,7 @@ def test_a_directory_input_reads_only_data_files(target, tmp_path):
 
     assert stats["settings"]["files"] == [str(data / "chat.jsonl"), str(data / "regen.jsonl")]
     assert stats["rows"] == stats["kept"] == len(out) == 2 and stats["dropped"] == {}
+    assert stats["unread_files"] == {"files": 2, "examples": [str(data / "README.md"), str(data / "more.jsonl.gz")]}
 
 
 def test_out_that_prepare_did_not_write_is_refused_and_left_alone(target, tmp_path):

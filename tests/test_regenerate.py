@@ -461,9 +461,11 @@ def test_a_directory_input_never_reads_the_output_or_its_side_files(stub, tmp_pa
     out = data / "regen.jsonl"
     first = run(stub, str(data), out)
     (data / "old.errors.jsonl").write_text(json.dumps({"id": "x", "reason": "http_500"}) + "\n")
+    (data / "more.jsonl.gz").write_bytes(b"\x1f\x8b")  # not read, but said
     second = run(stub, str(data), out)
     assert first["rows_read"] == second["rows_read"] == 3 and first["ok"] == 3
     assert second["skipped_existing"] == 3 and second["invalid"] == {}
+    assert first["unread_files"] == [] and second["unread_files"] == [str(data / "more.jsonl.gz")]
     assert len(read_rows(out)) == 3
 
 
