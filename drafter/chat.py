@@ -50,8 +50,8 @@ Reasons a row is dropped (stable strings; counted in prepare's stats.json and re
   loop                   with --drop-loops: an answer whose tail repeats a short n-gram (prepare)
 
 A file that cannot be read as a whole (a missing or unreadable file, a `.json` array cut short or
-nested too deep for the parser, UTF-16 or UTF-32 text, an unsupported type) raises `InputError`
-naming it. Given a directory, only its data files are read:
+nested too deep for the parser, UTF-16 or UTF-32 text, damaged parquet data, an unsupported type)
+raises `InputError` naming it. Given a directory, only its data files are read:
 hidden entries, data/regenerate.py's side files (`*.errors.jsonl`, `*.summary.json`,
 `*.settings.json`) and saved `datasets` directories (data/prepare.py outputs) are skipped, and
 other files (`unread_files`: a `.jsonl.gz`, a README) are reported by both tools.
@@ -328,7 +328,7 @@ def read_parquet(path: Path, batch_size: int = 1024) -> Iterator[RawRow]:
     except Exception as error:  # pyarrow's errors do not name the file
         raise InputError(f"{name}: not a readable parquet file ({error})") from error
     index = 0
-    for batch in parquet.iter_batches(batch_size=batch_size):
+    for batch in parquet_batches(parquet, name, batch_size):
         try:
             rows = batch.to_pylist()
         except UnicodeDecodeError:  # find the row(s): one at a time
@@ -336,6 +336,20 @@ def read_parquet(path: Path, batch_size: int = 1024) -> Iterator[RawRow]:
         for row in rows:
             index += 1
             yield RawRow(f"{name}:{index}", reason="encoding") if row is None else RawRow(f"{name}:{index}", row)
+
+
+def parquet_batches(parquet, name: str, batch_size: int) -> Iterator:
+    """The record batches of a parquet file; damaged data past the footer (a page overwritten, a
+    copy gone wrong) raises InputError naming the file, since pyarrow's error does not."""
+    batches = parquet.iter_batches(batch_size=batch_size)
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except Exception as error:  # ArrowInvalid, OSError, ...
+            raise InputError(f"{name}: damaged parquet data ({error})") from error
+        yield batch
 
 
 def parquet_row(one_row_batch) -> dict | None:

@@ -265,6 +265,14 @@ def test_missing_or_unreadable_files_are_named(target, tmp_path):
     broken.write_bytes(b"not parquet")
     with pytest.raises(ValueError, match="broken.parquet"):
         list(chat.read_rows([str(broken)]))
+    damaged = tmp_path / "damaged.parquet"  # its footer is fine, a data page is not
+    rows = [[user(f"Question {i}?"), assistant(f"Answer {i}. " * 20)] for i in range(400)]
+    pq.write_table(pa.table({"messages": rows}), damaged, row_group_size=100, compression="none")
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2:len(data) // 2 + 2000] = b"A" * 2000
+    damaged.write_bytes(bytes(data))
+    with pytest.raises(SystemExit, match="damaged.parquet: damaged parquet data"):
+        run(target, tmp_path, [str(damaged)])
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     with pytest.raises(SystemExit, match="no rows to prepare in .*empty.jsonl"):
