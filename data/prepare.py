@@ -135,6 +135,8 @@ def tokenize_row(row: dict, target: str, enable_thinking: bool, system_prompt: s
         return result | {"reason": "no_assistant_turn"}
     # Turns after the last answer would only be unsupervised context.
     messages = chat.with_system_prompt(messages[: assistant_turns[-1] + 1], system_prompt)
+    if chat.has_unclosed_reasoning(messages) and not (enable_thinking and row["truncated"]):
+        return result | {"reason": "unclosed_think"}
     if not enable_thinking:
         messages, removed = chat.without_reasoning(messages)
         flags += ["reasoning_removed"] if removed else []

@@ -41,6 +41,8 @@ Reasons a row is dropped (stable strings; counted in prepare's stats.json and re
   special_token_text     an answer or tool call holding the text of a special token (a literal
                          `<|im_end|>`), which would become a turn boundary mid-answer (prepare)
   extra_think_tags       an answer with more than one `<think>` or `</think>` tag (prepare)
+  unclosed_think         an answer whose `<think>` is never closed: reasoning cut short (prepare;
+                         kept, without its closing token, in a `truncated` row with --thinking)
   no_assistant_turn      nothing to supervise (prepare)
   no_user_turn           nothing to answer (regenerate)
   template_error         the tokenizer's chat template raised on the conversation
@@ -557,6 +559,13 @@ def check_answers(tokenizer, messages: list[dict]) -> None:
             raise BadRow("special_token_text", found.group())
         if message["content"].count(THINK_OPEN) > 1 or message["content"].count(THINK_CLOSE) > 1:
             raise BadRow("extra_think_tags")
+
+
+def has_unclosed_reasoning(messages: list[dict]) -> bool:
+    """Whether an answer opens a `<think>` block and never closes it: reasoning cut short, which
+    no split can remove and after which the end of turn is false."""
+    return any(m["role"] == "assistant" and THINK_OPEN in m["content"] and THINK_CLOSE not in m["content"]
+               for m in messages)
 
 
 def without_reasoning(messages: list[dict]) -> tuple[list[dict], bool]:

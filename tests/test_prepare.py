@@ -596,6 +596,22 @@ def test_thinking_is_removed_or_kept_and_recorded(target, tokenizer, tmp_path):
     assert stats["settings"]["chat_template_kwargs"] == {"enable_thinking": True}
 
 
+def test_reasoning_that_never_closes_is_dropped_unless_cut_by_max_tokens(target, tokenizer, tmp_path):
+    cut = [user("Weather?"), assistant("<think>\nLet me think about the weather in Paris and")]
+    path = write_jsonl(tmp_path / "rows.jsonl", [
+        {"messages": cut},                     # a corpus row whose reasoning was cut: its end of turn is false
+        {"messages": cut, "truncated": True},  # regenerate's: the target's reasoning, cut by --max-tokens
+        {"messages": [user("Hi"), assistant("Hello world!")]},
+    ])
+    off, stats = run(target, tmp_path, [path], "off", "--no-thinking")  # nothing could remove that reasoning
+    assert stats["dropped"] == {"unclosed_think": 2} and stats["examples"]["unclosed_think"] == [f"{path}:1", f"{path}:2"]
+    assert len(off) == 1
+
+    on, stats = run(target, tmp_path, [path], "on", "--thinking")
+    assert stats["dropped"] == {"unclosed_think": 1} and stats["examples"]["unclosed_think"] == [f"{path}:1"]
+    assert supervised_runs(tokenizer, on[0]) == [cut[1]["content"]]  # no closing token
+
+
 def test_a_truncated_answer_keeps_its_text_but_not_its_closing_token(target, tokenizer, tmp_path):
     messages = [user("Count"), assistant("one two three four")]
     path = write_jsonl(tmp_path / "regen.jsonl", [
