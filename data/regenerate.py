@@ -273,11 +273,13 @@ class RetryableError(Exception):
 
 
 def retry_after_seconds(header: str | None) -> float:
-    """A server's Retry-After in seconds (the date form is ignored), capped at MAX_BACKOFF."""
+    """A server's Retry-After in seconds, capped at MAX_BACKOFF; 0 (our own backoff) for the date
+    form and for values that are not a positive number ("nan" would have skipped the backoff)."""
     try:
-        return min(float(header), MAX_BACKOFF) if header else 0.0
+        seconds = float(header) if header else 0.0
     except ValueError:
         return 0.0
+    return min(seconds, MAX_BACKOFF) if seconds > 0 else 0.0
 
 
 def parse_completion(response) -> tuple[str, bool]:

@@ -274,6 +274,13 @@ def test_an_out_that_is_not_an_output_is_refused_before_anything_is_written(stub
     assert [p.name for p in tmp_path.iterdir()] == ["chat.jsonl"] and (tmp_path / "chat.jsonl").read_bytes() == before
 
 
+@pytest.mark.parametrize("header, seconds", [("3", 3.0), ("1e9", regenerate.MAX_BACKOFF), ("inf", regenerate.MAX_BACKOFF),
+                                             ("nan", 0.0), ("-5", 0.0), ("Wed, 21 Oct 2015 07:28:00 GMT", 0.0),
+                                             (None, 0.0)])
+def test_retry_after_is_a_bounded_wait(header, seconds):  # 0: the exponential backoff alone decides
+    assert regenerate.retry_after_seconds(header) == seconds
+
+
 def test_thinking_answers_keep_the_reasoning_inline(stub, tmp_path):
     input_path = tmp_path / "in.jsonl"
     input_path.write_text(json.dumps({"messages": [user("Hi")]}) + "\n")
