@@ -449,12 +449,13 @@ def normalize_tool_calls(calls: Any) -> list[dict]:
 
 def is_json_text_or_object(arguments: Any) -> bool:
     """A string, or an object that JSON can write (a parquet column may hold dates or bytes)."""
-    if isinstance(arguments, str):
-        return True
+    if not isinstance(arguments, (str, dict)):
+        return False
     try:
-        return isinstance(arguments, dict) and bool(json.dumps(arguments))
+        json.dumps(arguments)
     except (TypeError, ValueError):
         return False
+    return True
 
 
 def uses_tools(messages: list[dict]) -> bool:
