@@ -257,8 +257,8 @@ def summarize(tokenized: datasets.Dataset, settings: dict, inputs: list[str]) ->
         "tokens": int(lengths.sum()),
         "supervised_tokens": int(supervised.sum()),
         "length": length_summary(lengths),
-        # chat_template_kwargs spelled as the training config spells it
         "unread_files": unread_files_summary(inputs),
+        # chat_template_kwargs spelled as the training config spells it
         "settings": settings | {
             "inputs": inputs, "files": chat.expand_inputs(inputs),
             "chat_template_kwargs": {"enable_thinking": settings["enable_thinking"]}},

@@ -310,11 +310,11 @@ class LocalBackend:
         import torch
         from transformers import AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 
+        from drafter.target import load_target
+
         class UntilStopped(StoppingCriteria):
             def __call__(self, input_ids, scores, **kwargs):
                 return torch.full((len(input_ids),), stop.is_set(), device=input_ids.device)
-
-        from drafter.target import load_target
 
         self.tokenizer = AutoTokenizer.from_pretrained(args.target, padding_side="left")
         if self.tokenizer.pad_token is None:
