@@ -346,7 +346,8 @@ def test_deep_rows_joined_files_and_odd_file_names_never_end_the_run(target, tmp
     good = {"messages": [user("Hi there"), assistant("Hello world!")]}
 
     def deep_line(levels):  # parses, but no conversation nests so deep; repairing it recursed that deep
-        return '{"messages": ' + json.dumps(good["messages"]) + ', "x": ' + "[" * levels + '"\\ud83d"' + "]" * levels + "}"
+        nested = "[" * levels + '"\\ud83d"' + "]" * levels
+        return '{"messages": ' + json.dumps(good["messages"]) + ', "x": ' + nested + "}"
 
     data = tmp_path / "data"
     data.mkdir()
@@ -373,8 +374,8 @@ def test_parquet_rows_with_bytes_that_are_not_utf8_or_json_are_counted(target, t
     pq.write_table(pa.table({"note": note, "messages": messages}), strings)
     call = {"type": "function", "function": {"name": "f", "arguments": {"when": datetime.datetime(2024, 1, 1)}}}
     dated = tmp_path / "dated.parquet"
-    pq.write_table(pa.table({"messages": [[user("When?"), {"role": "assistant", "content": "x", "tool_calls": [call]}]]}),
-                   dated)
+    turns = [user("When?"), {"role": "assistant", "content": "x", "tool_calls": [call]}]
+    pq.write_table(pa.table({"messages": [turns]}), dated)
 
     out, stats = run(target, tmp_path, [str(strings), str(dated)])
 
@@ -429,7 +430,8 @@ def test_a_directory_input_reads_only_data_files(target, tmp_path):
 
     assert stats["settings"]["files"] == [str(data / "chat.jsonl"), str(data / "regen.jsonl")]
     assert stats["rows"] == stats["kept"] == len(out) == 2 and stats["dropped"] == {}
-    assert stats["unread_files"] == {"files": 2, "examples": [str(data / "README.md"), str(data / "more.jsonl.gz")]}
+    unread = [str(data / "README.md"), str(data / "more.jsonl.gz")]
+    assert stats["unread_files"] == {"files": 2, "examples": unread}
 
 
 def test_out_that_prepare_did_not_write_is_refused_and_left_alone(target, tmp_path):
@@ -604,7 +606,8 @@ def test_reasoning_that_never_closes_is_dropped_unless_cut_by_max_tokens(target,
         {"messages": [user("Hi"), assistant("Hello world!")]},
     ])
     off, stats = run(target, tmp_path, [path], "off", "--no-thinking")  # nothing could remove that reasoning
-    assert stats["dropped"] == {"unclosed_think": 2} and stats["examples"]["unclosed_think"] == [f"{path}:1", f"{path}:2"]
+    assert stats["dropped"] == {"unclosed_think": 2}
+    assert stats["examples"]["unclosed_think"] == [f"{path}:1", f"{path}:2"]
     assert len(off) == 1
 
     on, stats = run(target, tmp_path, [path], "on", "--thinking")

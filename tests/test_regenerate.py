@@ -31,10 +31,10 @@ class StubServer:
     400; EMPTY answers with no text; LONG answers with finish_reason "length". Misbehaving replies,
     always: NULLMSG (`message: null`), PARTS (content as a list of parts), BADREASON (a number as
     reasoning_content), NOTJSON (an HTML body), HANG (no reply until released), CUT200 (a reply
-    whose body stops short), STUCK500 (a 500 whose body stops until released), TRICKLE (a reply sent a byte at a time, slower in all than --timeout); NULLONCE sends
-    `message: null` once, then answers; SURR answers with a lone surrogate; SLOW answers only once
-    released. With enable_thinking it returns the reasoning separately, as vLLM's reasoning parser
-    does."""
+    whose body stops short), STUCK500 (a 500 whose body stops until released), TRICKLE (a reply
+    sent a byte at a time, slower in all than --timeout); NULLONCE sends `message: null` once, then
+    answers; SURR answers with a lone surrogate; SLOW answers only once released. With
+    enable_thinking it returns the reasoning separately, as vLLM's reasoning parser does."""
 
     def __init__(self, delay: float = 0.02):
         self.requests, self.attempts = [], {}
@@ -52,7 +52,8 @@ class StubServer:
                 try:
                     self.send_response(status)
                     self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(payload) + 1000 * ("CUT" in last or "STUCK500" in last)))
+                    missing = 1000 if "CUT" in last or "STUCK500" in last else 0  # bytes that never come
+                    self.send_header("Content-Length", str(len(payload) + missing))
                     self.end_headers()
                     step = 1 if "TRICKLE" in last else max(1, len(payload))
                     for start in range(0, len(payload), step):
@@ -271,12 +272,13 @@ def test_an_out_that_is_not_an_output_is_refused_before_anything_is_written(stub
     before = (tmp_path / "chat.jsonl").read_bytes()
     with pytest.raises(SystemExit, match="chat.jsonl:1: not an output row"):
         run(stub, input_path, tmp_path / "chat.jsonl")
-    assert [p.name for p in tmp_path.iterdir()] == ["chat.jsonl"] and (tmp_path / "chat.jsonl").read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["chat.jsonl"]
+    assert (tmp_path / "chat.jsonl").read_bytes() == before
 
 
-@pytest.mark.parametrize("header, seconds", [("3", 3.0), ("1e9", regenerate.MAX_BACKOFF), ("inf", regenerate.MAX_BACKOFF),
-                                             ("nan", 0.0), ("-5", 0.0), ("Wed, 21 Oct 2015 07:28:00 GMT", 0.0),
-                                             (None, 0.0)])
+@pytest.mark.parametrize("header, seconds", [
+    ("3", 3.0), ("1e9", regenerate.MAX_BACKOFF), ("inf", regenerate.MAX_BACKOFF), ("nan", 0.0), ("-5", 0.0),
+    ("Wed, 21 Oct 2015 07:28:00 GMT", 0.0), (None, 0.0)])
 def test_retry_after_is_a_bounded_wait(header, seconds):  # 0: the exponential backoff alone decides
     assert regenerate.retry_after_seconds(header) == seconds
 
