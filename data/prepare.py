@@ -23,8 +23,9 @@ the slack allows a few breaks (line wraps); answers shorter than 48 tokens never
 Output: `datasets.load_from_disk(OUT)` has columns `input_ids`, `loss_mask` (0/1, int8), `length` and
 `group` (the row's group for the held-out split: see `chat.row_group`); `OUT/stats.json` holds the
 kept count, drop counts and first examples per reason, the flags of kept rows with examples, length
-figures and the settings, and marks OUT as this tool's output: an existing --out without that mark is
-refused, one with it is replaced atomically. `OUT/length_hist.png` is the length histogram.
+figures, the files of input directories that were not read (`unread_files`) and the settings, and
+marks OUT as this tool's output: an existing --out without that mark is refused, one with it is
+replaced atomically. `OUT/length_hist.png` is the length histogram.
 
 Two cached `datasets` stages: reading + normalising rows (keyed by the input files' paths, sizes
 and mtimes) and tokenising (keyed by the rows, the tokenizer, the settings and this code), so a
@@ -36,6 +37,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from collections import Counter
@@ -133,6 +135,8 @@ def tokenize_row(row: dict, target: str, enable_thinking: bool, system_prompt: s
         return result | {"reason": "no_assistant_turn"}
     # Turns after the last answer would only be unsupervised context.
     messages = chat.with_system_prompt(messages[: assistant_turns[-1] + 1], system_prompt)
+    if chat.has_unclosed_reasoning(messages) and not (enable_thinking and row["truncated"]):
+        return result | {"reason": "unclosed_think"}
     if not enable_thinking:
         messages, removed = chat.without_reasoning(messages)
         flags += ["reasoning_removed"] if removed else []
@@ -253,12 +257,18 @@ def summarize(tokenized: datasets.Dataset, settings: dict, inputs: list[str]) ->
         "tokens": int(lengths.sum()),
         "supervised_tokens": int(supervised.sum()),
         "length": length_summary(lengths),
+        "unread_files": unread_files_summary(inputs),
         # chat_template_kwargs spelled as the training config spells it
         "settings": settings | {
             "inputs": inputs, "files": chat.expand_inputs(inputs),
             "chat_template_kwargs": {"enable_thinking": settings["enable_thinking"]}},
     }
     return stats, kept
+
+
+def unread_files_summary(inputs: list[str]) -> dict:
+    unread = chat.unread_files(inputs)
+    return {"files": len(unread), "examples": unread[:EXAMPLES_PER_REASON]}
 
 
 def length_summary(lengths: np.ndarray) -> dict:
@@ -334,6 +344,10 @@ def report(stats: dict) -> None:
         print(f"dropped {count} {reason}: e.g. {', '.join(stats['examples'][reason])}")
     for flag, flagged in stats["flags"].items():
         print(f"kept {flagged['rows']} flagged {flag}: e.g. {', '.join(flagged['examples'])}")
+    unread = stats["unread_files"]
+    if unread["files"]:
+        print(f"not read: {unread['files']} files in the input directories that are not "
+              f"{'/'.join(chat.FILE_SUFFIXES)}: e.g. {', '.join(unread['examples'])}")
 
 
 def main(argv=None) -> dict:
@@ -353,5 +367,12 @@ def main(argv=None) -> dict:
     return stats
 
 
+def exit_on_sigterm(signum, frame):
+    """SIGTERM (a scheduler's, kill's) unwinds as Ctrl-C does, so that write_output removes its
+    half-written temporary directory instead of leaving the data set's size behind, hidden."""
+    sys.exit(128 + signum)
+
+
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     main()

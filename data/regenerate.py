@@ -23,17 +23,19 @@ appended and flushed one at a time; a restart skips the ids already written and 
 line left by a crash, so nothing is duplicated or lost. Side files next to it (never read as input):
   OUT.errors.jsonl    rows that failed after retries, this run: {"id", "source", "reason", "detail"}
   OUT.summary.json    accounting: ok + failed + skipped_existing + remaining == total
-                      (total = distinct valid conversations; invalid rows counted by reason)
+                      (total = distinct valid conversations; invalid rows counted by reason;
+                      unread_files: files in input directories that are not data files)
   OUT.settings.json   generation settings; resuming with different ones is refused
 
-Server requests are retried with exponential backoff and jitter on 429, 5xx, connection errors,
-timeouts (--timeout) and replies that are not a well-formed chat completion (a body that is not JSON,
-`message: null`, content or reasoning that is not a string); other 4xx fail the row at once. A failed
-row is written to OUT.errors.jsonl and tried again by the next run; an unexpected error in one
-row fails that row only (`internal_error`). Ctrl-C or SIGTERM stops the run within seconds: every
-answer already received is written, queued conversations are not started, requests in flight are
-abandoned (the next run does them), the summary is written (`interrupted: true`) and the exit
-status is 130. A second signal stops at once.
+Server requests are retried with exponential backoff and jitter on 429, 5xx (its body cut short or
+not), connection errors, timeouts (--timeout bounds the whole reply, so a server that trickles bytes
+times out too) and replies that are not a well-formed chat completion (a body that is not JSON or
+cut short, `message: null`, content or reasoning that is not a string); other 4xx fail the row at
+once. A failed row is written to OUT.errors.jsonl and tried again by the next run; an unexpected
+error in one row fails that row only (`internal_error`). Ctrl-C or SIGTERM stops the run within
+seconds: every answer already received is written, queued conversations are not started, requests
+in flight are abandoned (the next run does them), the summary is written (`interrupted: true`) and
+the exit status is 130. A second signal stops at once.
 """
 import argparse
 import hashlib
@@ -45,6 +47,7 @@ import random
 import signal
 import sys
 import threading
+import time
 import traceback
 import urllib.error
 import urllib.request
@@ -74,7 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=32, help="server requests in flight")
     parser.add_argument("--max-retries", type=int, default=5)
     parser.add_argument("--backoff", type=float, default=1.0, help="first retry delay, seconds")
-    parser.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds a request may take, the whole reply included")
     parser.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=False,
                         help="enable_thinking for the chat template (default: off)")
     parser.add_argument("--system-prompt", default=None,
@@ -89,6 +93,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--model is required with --backend server")
     if args.backend == "local" and not args.target:
         parser.error("--target is required with --backend local")
+    for flag in ("concurrency", "batch_size", "max_tokens"):  # 0 workers would wait for ever
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.timeout <= 0 or args.backoff < 0 or args.max_retries < 0:
+        parser.error("--timeout must be positive, --backoff and --max-retries at least 0")
     return args
 
 
@@ -217,11 +226,12 @@ class ServerBackend:
     def _post(self, body: bytes):
         request = urllib.request.Request(self.url, data=body,
                                          headers={"Content-Type": "application/json"})
+        deadline = time.monotonic() + self.timeout
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                payload = response.read()
+                payload = read_until(response, deadline)
         except urllib.error.HTTPError as error:
-            detail = error.read()[:200].decode("utf-8", "replace")
+            detail = error_detail(error)
             if error.code == 429 or error.code >= 500:
                 raise RetryableError(f"http_{error.code}", detail,
                                      retry_after_seconds(error.headers.get("Retry-After"))) from error
@@ -234,6 +244,28 @@ class ServerBackend:
             raise RetryableError("bad_response", payload[:200].decode("utf-8", "replace")) from error
 
 
+def read_until(response, deadline: float) -> bytes:
+    """The whole body, or TimeoutError once `deadline` (time.monotonic) passes: the socket timeout
+    bounds each wait, so a server that trickles bytes would otherwise hold a worker for ever."""
+    chunks = []
+    while chunk := response.read1(1 << 16):
+        chunks.append(chunk)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the reply took longer than --timeout ({sum(map(len, chunks))} bytes so far)")
+    if response.length:  # the connection closed before Content-Length bytes came
+        raise http.client.IncompleteRead(b"".join(chunks), response.length)
+    return b"".join(chunks)
+
+
+def error_detail(error: urllib.error.HTTPError) -> str:
+    """The start of an error reply's body; a body cut short or never sent says so instead (it
+    must not turn a retryable 500 into a failed row)."""
+    try:
+        return error.read(200).decode("utf-8", "replace")
+    except (OSError, http.client.HTTPException) as unreadable:
+        return f"(body unreadable: {unreadable!r})"
+
+
 class RetryableError(Exception):
     def __init__(self, reason: str, detail: str, retry_after: float = 0.0):
         super().__init__(f"{reason}: {detail}")
@@ -241,11 +273,13 @@ class RetryableError(Exception):
 
 
 def retry_after_seconds(header: str | None) -> float:
-    """A server's Retry-After in seconds (the date form is ignored), capped at MAX_BACKOFF."""
+    """A server's Retry-After in seconds, capped at MAX_BACKOFF; 0 (our own backoff) for the date
+    form and for values that are not a positive number ("nan" would have skipped the backoff)."""
     try:
-        return min(float(header), MAX_BACKOFF) if header else 0.0
+        seconds = float(header) if header else 0.0
     except ValueError:
         return 0.0
+    return min(seconds, MAX_BACKOFF) if seconds > 0 else 0.0
 
 
 def parse_completion(response) -> tuple[str, bool]:
@@ -269,13 +303,18 @@ def parse_completion(response) -> tuple[str, bool]:
 
 
 class LocalBackend:
-    """Batched `model.generate` on a local HF target (left padding); greedy at temperature 0."""
+    """Batched `model.generate` on a local HF target (left padding); greedy at temperature 0. A
+    generate call ends at the next token once `stop` is set."""
 
-    def __init__(self, args: argparse.Namespace):
+    def __init__(self, args: argparse.Namespace, stop: threading.Event):
         import torch
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 
         from drafter.target import load_target
+
+        class UntilStopped(StoppingCriteria):
+            def __call__(self, input_ids, scores, **kwargs):
+                return torch.full((len(input_ids),), stop.is_set(), device=input_ids.device)
 
         self.tokenizer = AutoTokenizer.from_pretrained(args.target, padding_side="left")
         if self.tokenizer.pad_token is None:
@@ -285,6 +324,7 @@ class LocalBackend:
         self.sampling = {"do_sample": True, "temperature": args.temperature} \
             if args.temperature > 0 else {"do_sample": False}
         self.eos_ids = sorted({self.tokenizer.eos_token_id} | set(self._config_eos_ids()))
+        self.until_stopped = StoppingCriteriaList([UntilStopped()])
         torch.manual_seed(args.seed)
 
     def _config_eos_ids(self) -> list[int]:
@@ -306,7 +346,8 @@ class LocalBackend:
         with torch.no_grad():
             output = self.model.generate(**batch, max_new_tokens=self.max_tokens,
                                          eos_token_id=self.eos_ids,
-                                         pad_token_id=self.tokenizer.pad_token_id, **self.sampling)
+                                         pad_token_id=self.tokenizer.pad_token_id,
+                                         stopping_criteria=self.until_stopped, **self.sampling)
         new_tokens = output[:, batch["input_ids"].shape[1]:]
         stopped = torch.isin(new_tokens, torch.tensor(self.eos_ids, device=new_tokens.device)).any(1)
         texts = self.tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
@@ -441,7 +482,8 @@ def run_server(backend: ServerBackend, todo: list[Job], recorder: Recorder, conc
 def run_local(backend: LocalBackend, todo: list[Job], recorder: Recorder, batch_size: int,
               stop: threading.Event) -> None:
     """Batches of conversations advanced turn by turn: one generate call per turn index. Once
-    `stop` is set no new generate call starts; the batch in progress is not written."""
+    `stop` is set the generate call in progress ends (its answers are cut: not written) and no
+    new one starts."""
     for start in range(0, len(todo), batch_size):
         active = {job.id: (job, Rewrite(job.prompt)) for job in todo[start:start + batch_size]}
         while active:
@@ -455,6 +497,8 @@ def run_local(backend: LocalBackend, todo: list[Job], recorder: Recorder, batch_
                     recorder.failed(job, failure)
                     del active[job_id]
             answers = backend.generate(list(prompts.values())) if prompts else []
+            if stop.is_set():
+                return
             for job_id, (answer, truncated) in zip(prompts, answers):
                 job, rewrite = active[job_id]
                 if not answer.strip():
@@ -502,8 +546,8 @@ def main(argv=None) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     settings = {key: getattr(args, key) for key in
                 ("backend", "model", "target", "thinking", "system_prompt", "temperature", "max_tokens")}
+    done = completed_ids(out)  # first: an --out that is not an output is refused before a side file is written
     check_settings(out, settings)
-    done = completed_ids(out)
     todo = [job for job in jobs.todo if job.id not in done]
     this_run = todo[: args.max_rows] if args.max_rows is not None else todo
     recorder = Recorder(out)
@@ -512,7 +556,7 @@ def main(argv=None) -> dict:
             if args.backend == "server":
                 run_server(ServerBackend(args, stop), this_run, recorder, args.concurrency, stop)
             else:
-                run_local(LocalBackend(args), this_run, recorder, args.batch_size, stop)
+                run_local(LocalBackend(args, stop), this_run, recorder, args.batch_size, stop)
     finally:
         recorder.close()
     summary = {
@@ -529,11 +573,16 @@ def main(argv=None) -> dict:
         "invalid_examples": jobs.examples,
         "duplicates": jobs.duplicates,
         "leading_assistant_dropped": jobs.leading_assistant_dropped,
+        "unread_files": chat.unread_files(args.input),
     }
     side_file(out, "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in summary.items() if k != "invalid_examples"}))
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("invalid_examples", "unread_files")}))
     for reason, sources in jobs.examples.items():
         print(f"invalid {jobs.invalid[reason]} {reason}: e.g. {', '.join(sources)}", file=sys.stderr)
+    if summary["unread_files"]:
+        print(f"not read: {len(summary['unread_files'])} files in the input directories that are not "
+              f"{'/'.join(chat.FILE_SUFFIXES)}: e.g. {', '.join(summary['unread_files'][:EXAMPLES_PER_REASON])}",
+              file=sys.stderr)
     return summary
 
 

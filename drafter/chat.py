@@ -21,25 +21,28 @@ list, a parquet file or a hub dataset. A row's group (`row_group`, what the held
 together) is its string field `group` when it has one, else "path#ID" with ID its `id`,
 `conversation_id` or `uuid` field, else "path#N".
 
-Repairs (the row is kept): a UTF-8 byte-order mark at the start of a file is skipped; a lone UTF-16
+Repairs (the row is kept): a UTF-8 byte-order mark at the start of a line is skipped; a lone UTF-16
 surrogate (a `"\\ud83d"` escape with no partner, which UTF-8 and Arrow cannot hold) becomes U+FFFD
-and the row is flagged `lone_surrogate`.
+and the row is flagged `lone_surrogate`; in source labels, file-name bytes that are not UTF-8
+become U+FFFD.
 
 Reasons a row is dropped (stable strings; counted in prepare's stats.json and regenerate's summary):
-  encoding               a JSONL line that is not valid UTF-8
+  encoding               a JSONL line, or a string of a parquet row, that is not valid UTF-8
   malformed_json         a JSONL line that does not parse as JSON
-  nesting_too_deep       a JSONL line nested deeper than Python's JSON parser goes
+  nesting_too_deep       a row nested deeper than MAX_NESTING (100) lists and objects
   not_a_conversation     a row that is not an object or holds no conversation in a known shape
   unknown_role           a turn whose role is not system/user/assistant/tool (or an alias of one)
   non_string_content     a turn whose content is neither a string nor a list of text parts
   empty_content          a turn whose content is empty or blank (for an assistant: its answer)
   bad_tool_call          an assistant `tool_calls` entry without a function name, or with arguments
-                         that are neither a string nor an object
+                         that are neither a string nor an object JSON can write
   tools_unsupported      tool calls or tool turns that the target's chat template does not render
   tool_turns             tool calls or tool turns: regenerate cannot run the tools (regenerate)
-  special_token_text     an answer holding the text of a special token (a literal `<|im_end|>`),
-                         which would become a turn boundary mid-answer (prepare)
+  special_token_text     an answer or tool call holding the text of a special token (a literal
+                         `<|im_end|>`), which would become a turn boundary mid-answer (prepare)
   extra_think_tags       an answer with more than one `<think>` or `</think>` tag (prepare)
+  unclosed_think         an answer whose `<think>` is never closed: reasoning cut short (prepare;
+                         kept, without its closing token, in a `truncated` row with --thinking)
   no_assistant_turn      nothing to supervise (prepare)
   no_user_turn           nothing to answer (regenerate)
   template_error         the tokenizer's chat template raised on the conversation
@@ -48,10 +51,12 @@ Reasons a row is dropped (stable strings; counted in prepare's stats.json and re
   too_little_supervision fewer than 2 consecutive supervised tokens (prepare)
   loop                   with --drop-loops: an answer whose tail repeats a short n-gram (prepare)
 
-A file that cannot be read as a whole (a missing or unreadable file, a `.json` array cut short, an
-unsupported type) raises `InputError` naming it. Given a directory, only its data files are read:
+A file that cannot be read as a whole (a missing or unreadable file, a `.json` array cut short or
+nested too deep for the parser, UTF-16 or UTF-32 text, damaged parquet data, an unsupported type)
+raises `InputError` naming it. Given a directory, only its data files are read:
 hidden entries, data/regenerate.py's side files (`*.errors.jsonl`, `*.summary.json`,
-`*.settings.json`) and saved `datasets` directories (data/prepare.py outputs) are skipped.
+`*.settings.json`) and saved `datasets` directories (data/prepare.py outputs) are skipped, and
+other files (`unread_files`: a `.jsonl.gz`, a README) are reported by both tools.
 
 Loss mask (which tokens the drafter learns to predict): for every assistant turn (or only the
 last one), the answer text, any whitespace after it and the special token that closes the turn
@@ -69,8 +74,10 @@ inside a span (a token that merges template whitespace with the answer's first c
 therefore not).
 """
 import bisect
+import codecs
 import functools
 import json
+import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -136,12 +143,28 @@ def expand_inputs(inputs: list[str], exclude: tuple[str, ...] = ()) -> list[str]
 
 def is_data_file(path: Path, root: Path) -> bool:
     """Whether a file found under directory `root` is input data."""
+    return path.is_file() and path.suffix in FILE_SUFFIXES and not skipped_by_rule(path, root)
+
+
+def skipped_by_rule(path: Path, root: Path) -> bool:
+    """Whether a file found under directory `root` is one that is never input: a hidden entry, a
+    data/regenerate.py side file, a file of a saved dataset."""
     parts = path.relative_to(root).parts
     folders = [root.joinpath(*parts[:depth]) for depth in range(len(parts))]
-    return (path.is_file() and path.suffix in FILE_SUFFIXES
-            and not path.name.endswith(SIDE_FILE_SUFFIXES)
-            and not any(part.startswith(".") for part in parts)
-            and not any(is_saved_dataset(folder) for folder in folders))
+    return (path.name.endswith(SIDE_FILE_SUFFIXES) or any(part.startswith(".") for part in parts)
+            or any(is_saved_dataset(folder) for folder in folders))
+
+
+def unread_files(inputs: list[str]) -> list[str]:
+    """Files under the directory inputs that are not read for their type (a compressed `.jsonl.gz`,
+    a README), as labels: worth a word to the user, unlike the files skipped by rule."""
+    unread = []
+    for item in inputs:
+        root = Path(item)
+        if root.is_dir():
+            unread += sorted(path_label(p) for p in root.rglob("*") if p.is_file()
+                             and p.suffix not in FILE_SUFFIXES and not skipped_by_rule(p, root))
+    return unread
 
 
 def is_saved_dataset(directory: Path) -> bool:
@@ -175,22 +198,40 @@ def read_rows(inputs: list[str], exclude: tuple[str, ...] = ()) -> Iterator[RawR
         elif path.suffix == ".parquet":
             yield from read_parquet(path)
         elif path.exists():
-            raise InputError(f"{item}: unsupported file type (expected {', '.join(FILE_SUFFIXES)})")
+            raise InputError(f"{path_label(path)}: unsupported file type (expected {', '.join(FILE_SUFFIXES)})")
         else:
             yield from read_hub(item)
 
 
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+MAX_NESTING = 100  # no conversation nests deeper; the cap keeps every later step off Python's recursion limit
 
 
 def parse_json(text: str) -> tuple[Any, bool]:
     """(value, repaired) of a JSON text; lone UTF-16 surrogates in its strings become U+FFFD.
-    Raises json.JSONDecodeError, or RecursionError for nesting deeper than the parser goes."""
-    value = json.loads(text)
-    if not _SURROGATE_ESCAPE.search(text):  # the only way a lone surrogate gets into a str
+    Raises json.JSONDecodeError, or RecursionError for nesting deeper than MAX_NESTING."""
+    return checked_value(json.loads(text), _SURROGATE_ESCAPE.search(text) is not None)
+
+
+def checked_value(value: Any, may_hold_surrogates: bool) -> tuple[Any, bool]:
+    """(value, repaired): lone surrogates replaced when the JSON text held a surrogate escape (the
+    only way one gets into a str); RecursionError when nested deeper than MAX_NESTING."""
+    if nesting_depth(value) > MAX_NESTING:
+        raise RecursionError(f"nested deeper than {MAX_NESTING} levels")
+    if not may_hold_surrogates:
         return value, False
     repaired = without_lone_surrogates(value)
     return repaired, repaired != value
+
+
+def nesting_depth(value: Any) -> int:
+    """How many levels of lists and objects `value` holds (0 for a scalar), level by level rather
+    than by recursion."""
+    depth, level = 0, [value]
+    while level := [item for item in level if isinstance(item, (list, dict))]:
+        depth += 1
+        level = [child for item in level for child in (item.values() if isinstance(item, dict) else item)]
+    return depth
 
 
 def without_lone_surrogates(value: Any) -> Any:
@@ -204,13 +245,34 @@ def without_lone_surrogates(value: Any) -> Any:
     return value
 
 
+def path_label(path: Path) -> str:
+    """`path` as text that UTF-8 (and Arrow) can hold, for source labels: the bytes of a file name
+    that are not UTF-8 (which Python keeps as lone surrogates) become U+FFFD."""
+    return os.fsencode(path).decode("utf-8", "replace")
+
+
+UTF16_32_BOMS = (codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE, codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
+
+
+def check_not_utf16(path: Path, head: bytes) -> None:
+    """Raise InputError for a file that starts with a UTF-16 or UTF-32 byte-order mark (Windows
+    tools write these): read as UTF-8 its every line would be a bad row."""
+    if head.startswith(UTF16_32_BOMS):
+        raise InputError(f"{path_label(path)}: UTF-16 or UTF-32 text (byte-order mark {head[:4].hex()}); "
+                         "convert it to UTF-8 first, e.g. iconv -f UTF-16 -t UTF-8")
+
+
 def read_jsonl(path: Path) -> Iterator[RawRow]:
-    """Read line by line in binary so that one bad line (encoding, JSON) is counted, not fatal."""
+    """Read line by line in binary so that one bad line (encoding, JSON) is counted, not fatal.
+    A UTF-8 byte-order mark is skipped on any line (files joined with `cat` carry one inside)."""
+    name = path_label(path)
     with open(path, "rb") as f:
+        check_not_utf16(path, f.read(4))
+        f.seek(0)
         for line_number, raw in enumerate(f, start=1):
-            source = f"{path}:{line_number}"
+            source = f"{name}:{line_number}"
             try:
-                line = raw.decode("utf-8-sig" if line_number == 1 else "utf-8")
+                line = raw.decode("utf-8-sig")
             except UnicodeDecodeError:
                 yield RawRow(source, reason="encoding")
                 continue
@@ -229,37 +291,75 @@ def read_jsonl(path: Path) -> Iterator[RawRow]:
 def read_json(path: Path) -> Iterator[RawRow]:
     """A JSON file holding a list of rows; a file that is really JSON Lines is read as such. A
     list that does not parse (a download cut short) or a value that is not a list raises."""
+    name, data = path_label(path), path.read_bytes()
+    check_not_utf16(path, data)
     try:
-        text = path.read_bytes().decode("utf-8-sig")
+        text = data.decode("utf-8-sig")
     except UnicodeDecodeError as error:
-        raise InputError(f"{path}: not valid UTF-8 ({error})") from None
+        raise InputError(f"{name}: not valid UTF-8 ({error})") from None
     try:
         rows = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as error:
+    except RecursionError:
+        raise InputError(f"{name}: nested deeper than Python's JSON parser goes; split it into JSON Lines "
+                         "so that the deep rows can be skipped one by one") from None
+    except json.JSONDecodeError as error:
         if text.lstrip().startswith("["):
-            raise InputError(f"{path}: not a complete JSON list ({error}); is the file cut short?") from None
+            raise InputError(f"{name}: not a complete JSON list ({error}); is the file cut short?") from None
         yield from read_jsonl(path)
         return
     if not isinstance(rows, list):
-        raise InputError(f"{path}: a .json input must hold a list of rows, found {type(rows).__name__}")
+        raise InputError(f"{name}: a .json input must hold a list of rows, found {type(rows).__name__}")
     may_hold_surrogates = _SURROGATE_ESCAPE.search(text) is not None
     for index, row in enumerate(rows, start=1):
-        repaired = without_lone_surrogates(row) if may_hold_surrogates else row
-        yield RawRow(f"{path}:{index}", repaired, repaired=repaired != row)
+        try:
+            value, repaired = checked_value(row, may_hold_surrogates)
+        except RecursionError:
+            yield RawRow(f"{name}:{index}", reason="nesting_too_deep")
+            continue
+        yield RawRow(f"{name}:{index}", value, repaired=repaired)
 
 
 def read_parquet(path: Path, batch_size: int = 1024) -> Iterator[RawRow]:
+    """Rows of a parquet file; a row with a string that is not UTF-8 (other writers store any bytes
+    in string columns) comes back with reason `encoding`."""
     import pyarrow.parquet as pq
 
+    name = path_label(path)
     try:
         parquet = pq.ParquetFile(path)
     except Exception as error:  # pyarrow's errors do not name the file
-        raise InputError(f"{path}: not a readable parquet file ({error})") from error
+        raise InputError(f"{name}: not a readable parquet file ({error})") from error
     index = 0
-    for batch in parquet.iter_batches(batch_size=batch_size):
-        for row in batch.to_pylist():
+    for batch in parquet_batches(parquet, name, batch_size):
+        try:
+            rows = batch.to_pylist()
+        except UnicodeDecodeError:  # find the row(s): one at a time
+            rows = [parquet_row(batch.slice(i, 1)) for i in range(batch.num_rows)]
+        for row in rows:
             index += 1
-            yield RawRow(f"{path}:{index}", row)
+            yield RawRow(f"{name}:{index}", reason="encoding") if row is None else RawRow(f"{name}:{index}", row)
+
+
+def parquet_batches(parquet, name: str, batch_size: int) -> Iterator:
+    """The record batches of a parquet file; damaged data past the footer (a page overwritten, a
+    copy gone wrong) raises InputError naming the file, since pyarrow's error does not."""
+    batches = parquet.iter_batches(batch_size=batch_size)
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except Exception as error:  # ArrowInvalid, OSError, ...
+            raise InputError(f"{name}: damaged parquet data ({error})") from error
+        yield batch
+
+
+def parquet_row(one_row_batch) -> dict | None:
+    """The only row of a batch, or None when one of its strings is not UTF-8."""
+    try:
+        return one_row_batch.to_pylist()[0]
+    except UnicodeDecodeError:
+        return None
 
 
 def read_hub(spec: str) -> Iterator[RawRow]:
@@ -341,10 +441,21 @@ def normalize_tool_calls(calls: Any) -> list[dict]:
         function = call.get("function", call) if isinstance(call, dict) else None
         name = function.get("name") if isinstance(function, dict) else None
         arguments = function.get("arguments", {}) if isinstance(function, dict) else None
-        if not (isinstance(name, str) and name.strip()) or not isinstance(arguments, (str, dict)):
+        if not (isinstance(name, str) and name.strip()) or not is_json_text_or_object(arguments):
             raise BadRow("bad_tool_call", json.dumps(call, default=str)[:100])
         normalized.append({"type": "function", "function": {"name": name, "arguments": arguments}})
     return normalized
+
+
+def is_json_text_or_object(arguments: Any) -> bool:
+    """A string, or an object that JSON can write (a parquet column may hold dates or bytes)."""
+    if not isinstance(arguments, (str, dict)):
+        return False
+    try:
+        json.dumps(arguments)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def uses_tools(messages: list[dict]) -> bool:
@@ -437,16 +548,25 @@ def turn_end_regex(tokenizer) -> re.Pattern:
 
 def check_answers(tokenizer, messages: list[dict]) -> None:
     """Raise BadRow for answers whose text the template or tokenizer would read as structure: a
-    special token's text (it would end the turn mid-answer) or more than one think tag."""
+    special token's text, in the content or in a tool call (it would end the turn mid-answer), or
+    more than one think tag."""
     specials = special_token_regex(tokenizer)
     for message in messages:
         if message["role"] != "assistant":
             continue
-        found = specials.search(message["content"])
+        calls = json.dumps(message.get("tool_calls", []), ensure_ascii=False)
+        found = specials.search(message["content"]) or specials.search(calls)
         if found:
             raise BadRow("special_token_text", found.group())
         if message["content"].count(THINK_OPEN) > 1 or message["content"].count(THINK_CLOSE) > 1:
             raise BadRow("extra_think_tags")
+
+
+def has_unclosed_reasoning(messages: list[dict]) -> bool:
+    """Whether an answer opens a `<think>` block and never closes it: reasoning cut short, which
+    no split can remove and after which the end of turn is false."""
+    return any(m["role"] == "assistant" and THINK_OPEN in m["content"] and THINK_CLOSE not in m["content"]
+               for m in messages)
 
 
 def without_reasoning(messages: list[dict]) -> tuple[list[dict], bool]:

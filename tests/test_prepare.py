@@ -1,6 +1,12 @@
 """data/prepare.py and the chat helpers it shares: shapes, bad rows, the loss mask, lengths, caching."""
+import datetime
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import datasets
 import pyarrow as pa
@@ -259,6 +265,14 @@ def test_missing_or_unreadable_files_are_named(target, tmp_path):
     broken.write_bytes(b"not parquet")
     with pytest.raises(ValueError, match="broken.parquet"):
         list(chat.read_rows([str(broken)]))
+    damaged = tmp_path / "damaged.parquet"  # its footer is fine, a data page is not
+    rows = [[user(f"Question {i}?"), assistant(f"Answer {i}. " * 20)] for i in range(400)]
+    pq.write_table(pa.table({"messages": rows}), damaged, row_group_size=100, compression="none")
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2:len(data) // 2 + 2000] = b"A" * 2000
+    damaged.write_bytes(bytes(data))
+    with pytest.raises(SystemExit, match="damaged.parquet: damaged parquet data"):
+        run(target, tmp_path, [str(damaged)])
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     with pytest.raises(SystemExit, match="no rows to prepare in .*empty.jsonl"):
@@ -328,6 +342,58 @@ def test_repairable_and_unreadable_rows_never_end_the_run(target, tokenizer, tmp
     assert out[0]["input_ids"] == out[3]["input_ids"]  # the BOM line reads like any other
 
 
+def test_deep_rows_joined_files_and_odd_file_names_never_end_the_run(target, tmp_path):
+    good = {"messages": [user("Hi there"), assistant("Hello world!")]}
+
+    def deep_line(levels):  # parses, but no conversation nests so deep; repairing it recursed that deep
+        nested = "[" * levels + '"\\ud83d"' + "]" * levels
+        return '{"messages": ' + json.dumps(good["messages"]) + ', "x": ' + nested + "}"
+
+    data = tmp_path / "data"
+    data.mkdir()
+    path = write_jsonl(data / "joined.jsonl", [good, deep_line(150), b"\xef\xbb\xbf" + json.dumps(good).encode()])
+    json_list = data / "list.json"
+    json_list.write_text("[" + json.dumps(good) + ", " + deep_line(600) + "]")  # crashed prepare
+    odd_name = os.fsencode(data) + b"/caf\xe9.jsonl"  # a file name that is not UTF-8 (an old archive's)
+    with open(odd_name, "wb") as f:
+        f.write(json.dumps(good).encode() + b"\n")
+
+    out, stats = run(target, tmp_path, [str(data)])
+
+    label = str(data / "caf\ufffd.jsonl")
+    assert stats["dropped"] == {"nesting_too_deep": 2}
+    assert stats["examples"]["nesting_too_deep"] == [f"{path}:2", f"{json_list}:2"]
+    assert stats["kept"] == len(out) == 4  # the BOM inside the joined file is skipped like the first
+    assert out["group"][0] == f"{label}#1"
+
+
+def test_parquet_rows_with_bytes_that_are_not_utf8_or_json_are_counted(target, tmp_path):
+    messages = pa.array([[user("Hi"), assistant("Hello world!")]] * 3)
+    note = pa.array([b"fine", b"caf\xe9", b"fine"], type=pa.binary()).view(pa.string())  # written by another tool
+    strings = tmp_path / "strings.parquet"
+    pq.write_table(pa.table({"note": note, "messages": messages}), strings)
+    call = {"type": "function", "function": {"name": "f", "arguments": {"when": datetime.datetime(2024, 1, 1)}}}
+    dated = tmp_path / "dated.parquet"
+    turns = [user("When?"), {"role": "assistant", "content": "x", "tool_calls": [call]}]
+    pq.write_table(pa.table({"messages": [turns]}), dated)
+
+    out, stats = run(target, tmp_path, [str(strings), str(dated)])
+
+    assert stats["dropped"] == {"encoding": 1, "bad_tool_call": 1}
+    assert stats["examples"] == {"encoding": [f"{strings}:2"], "bad_tool_call": [f"{dated}:1"]}
+    assert stats["kept"] == len(out) == 2
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-32"])
+def test_a_utf16_file_stops_naming_it(target, tmp_path, encoding):
+    text = json.dumps({"messages": [user("Hi"), assistant("Hello world!")]}) + "\n"
+    for name in ("windows.jsonl", "windows.json"):
+        (tmp_path / name).write_bytes(text.encode(encoding))  # with its byte-order mark, as Windows writes it
+        with pytest.raises(SystemExit, match=f"{name}: UTF-16 or UTF-32 text .* convert it to UTF-8"):
+            run(target, tmp_path, [str(tmp_path / name)])
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_json_list_cut_short_stops_before_anything_is_written(target, tmp_path):
     good = write_jsonl(tmp_path / "good.jsonl", [{"messages": [user("Hi"), assistant("Hello world!")]}])
     earlier, _ = run(target, tmp_path, [good], "out")
@@ -355,6 +421,8 @@ def test_a_directory_input_reads_only_data_files(target, tmp_path):
     (data / "regen.settings.json").write_text(json.dumps({"backend": "server"}))
     (data / ".cache").mkdir()
     write_jsonl(data / ".cache" / "junk.jsonl", ["not json"])
+    (data / "README.md").write_text("# chat data")  # not data: reported, not read
+    (data / "more.jsonl.gz").write_bytes(b"\x1f\x8b")
     prepare.main(["--input", str(data / "chat.jsonl"), "--target", target, "--out", str(data / "prepared"),
                   "--cache-dir", str(tmp_path / "cache"), "--num-proc", "1"])
 
@@ -362,6 +430,8 @@ def test_a_directory_input_reads_only_data_files(target, tmp_path):
 
     assert stats["settings"]["files"] == [str(data / "chat.jsonl"), str(data / "regen.jsonl")]
     assert stats["rows"] == stats["kept"] == len(out) == 2 and stats["dropped"] == {}
+    unread = [str(data / "README.md"), str(data / "more.jsonl.gz")]
+    assert stats["unread_files"] == {"files": 2, "examples": unread}
 
 
 def test_out_that_prepare_did_not_write_is_refused_and_left_alone(target, tmp_path):
@@ -382,6 +452,57 @@ def test_out_that_prepare_did_not_write_is_refused_and_left_alone(target, tmp_pa
     assert second[0]["input_ids"] != first[0]["input_ids"] and stats["written_by"] == "data/prepare.py"
     assert (tmp_path / "out.tmp" / "notes.txt").read_text() == "keep me too"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "mine", "out", "out.tmp", "rows.jsonl"]
+
+
+def test_a_failure_while_writing_leaves_the_earlier_output_whole(target, tmp_path, monkeypatch):
+    path = write_jsonl(tmp_path / "rows.jsonl", [{"messages": [user("Hi"), assistant("Hello world!")]}])
+    first, _ = run(target, tmp_path, [path], "out")
+
+    def disk_full(*args):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(prepare, "plot_lengths", disk_full)  # fails after the new rows are saved
+    with pytest.raises(OSError, match="No space left"):
+        run(target, tmp_path, [path], "out", "--system-prompt", "Be brief.")
+    assert datasets.load_from_disk(str(tmp_path / "out")).to_dict() == first.to_dict()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "out", "rows.jsonl"]  # no temporary left
+
+
+SLOW_SAVE = """
+import runpy, sys, time
+import datasets
+save = datasets.Dataset.save_to_disk
+def save_then_wait(self, path, **kwargs):  # the rows are written; the signal comes before the swap
+    save(self, path, **kwargs)
+    print("SAVED", flush=True)
+    time.sleep(60)
+datasets.Dataset.save_to_disk = save_then_wait
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_while_writing_leaves_the_earlier_output_and_no_temporary(target, tmp_path):
+    path = write_jsonl(tmp_path / "rows.jsonl", [{"messages": [user("Hi"), assistant("Hello world!")]}])
+    first, _ = run(target, tmp_path, [path], "out")
+    wrapper = tmp_path / "slow_save.py"
+    wrapper.write_text(SLOW_SAVE)
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen(
+        [sys.executable, str(wrapper), str(repo / "data" / "prepare.py"), "--input", path, "--target", target,
+         "--out", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache"), "--num-proc", "1",
+         "--system-prompt", "Be brief."],
+        env={**os.environ, "PYTHONPATH": str(repo)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert any("SAVED" in line for line in proc.stdout)
+        proc.send_signal(signal.SIGTERM)  # as a scheduler's time limit does
+        returncode = proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    assert datasets.load_from_disk(str(tmp_path / "out")).to_dict() == first.to_dict()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "out", "rows.jsonl", "slow_save.py"]
+    assert returncode == 128 + signal.SIGTERM
 
 
 TOOL_TEMPLATE = (  # renders tool calls and tool turns (the toy template does neither)
@@ -414,11 +535,14 @@ def test_tool_calls_are_supervised_when_the_template_renders_them(target, tmp_pa
                       {"role": "tool", "content": ""}, assistant("Done.")]},
         {"messages": [user("Hi"), {"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}]},
         {"messages": [user("Hi"), {"role": "assistant", "tool_calls": "get_weather()"}]},
+        # the closer's text in the arguments would end the turn inside the call
+        {"messages": [user("Hi"), {"role": "assistant", "content": None, "tool_calls": [
+            {"function": {"name": "echo", "arguments": '{"text": "<|im_end|> and more"}'}}]}]},
     ]
     path = write_jsonl(tmp_path / "tools.jsonl", rows)
 
     out, stats = run(str(tool_target), tmp_path, [path], "supported")
-    assert stats["kept"] == 2 and stats["dropped"] == {"bad_tool_call": 2}
+    assert stats["kept"] == 2 and stats["dropped"] == {"bad_tool_call": 2, "special_token_text": 1}
     call_text = '<call>get_weather {"city": "Paris"}</call>'
     assert supervised_runs(tool_tokenizer, out[0]) == [call_text + END, "It is sunny." + END]
     assert supervised_runs(tool_tokenizer, out[1]) == ["Let me look." + call_text + END, "Done." + END]
@@ -472,6 +596,23 @@ def test_thinking_is_removed_or_kept_and_recorded(target, tokenizer, tmp_path):
         assert supervised_runs(tokenizer, sample) == ["<think>\nFour threes.\n</think>\n\nThe answer is 12." + END]
     assert "reasoning_removed" not in stats["flags"]
     assert stats["settings"]["chat_template_kwargs"] == {"enable_thinking": True}
+
+
+def test_reasoning_that_never_closes_is_dropped_unless_cut_by_max_tokens(target, tokenizer, tmp_path):
+    cut = [user("Weather?"), assistant("<think>\nLet me think about the weather in Paris and")]
+    path = write_jsonl(tmp_path / "rows.jsonl", [
+        {"messages": cut},                     # a corpus row whose reasoning was cut: its end of turn is false
+        {"messages": cut, "truncated": True},  # regenerate's: the target's reasoning, cut by --max-tokens
+        {"messages": [user("Hi"), assistant("Hello world!")]},
+    ])
+    off, stats = run(target, tmp_path, [path], "off", "--no-thinking")  # nothing could remove that reasoning
+    assert stats["dropped"] == {"unclosed_think": 2}
+    assert stats["examples"]["unclosed_think"] == [f"{path}:1", f"{path}:2"]
+    assert len(off) == 1
+
+    on, stats = run(target, tmp_path, [path], "on", "--thinking")
+    assert stats["dropped"] == {"unclosed_think": 1} and stats["examples"]["unclosed_think"] == [f"{path}:1"]
+    assert supervised_runs(tokenizer, on[0]) == [cut[1]["content"]]  # no closing token
 
 
 def test_a_truncated_answer_keeps_its_text_but_not_its_closing_token(target, tokenizer, tmp_path):

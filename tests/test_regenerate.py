@@ -30,10 +30,11 @@ class StubServer:
     FLAKY fails twice (500, then 429) and then answers; FAIL always answers 500; REJECT answers
     400; EMPTY answers with no text; LONG answers with finish_reason "length". Misbehaving replies,
     always: NULLMSG (`message: null`), PARTS (content as a list of parts), BADREASON (a number as
-    reasoning_content), NOTJSON (an HTML body), HANG (no reply until released); NULLONCE sends
-    `message: null` once, then answers; SURR answers with a lone surrogate; SLOW answers only once
-    released. With enable_thinking it returns the reasoning separately, as vLLM's reasoning parser
-    does."""
+    reasoning_content), NOTJSON (an HTML body), HANG (no reply until released), CUT200 (a reply
+    whose body stops short), STUCK500 (a 500 whose body stops until released), TRICKLE (a reply
+    sent a byte at a time, slower in all than --timeout); NULLONCE sends `message: null` once, then
+    answers; SURR answers with a lone surrogate; SLOW answers only once released. With
+    enable_thinking it returns the reasoning separately, as vLLM's reasoning parser does."""
 
     def __init__(self, delay: float = 0.02):
         self.requests, self.attempts = [], {}
@@ -47,13 +48,21 @@ class StubServer:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 status, reply = stub.respond(self.path, body)
                 payload = reply if isinstance(reply, bytes) else json.dumps(reply).encode()
+                last = body["messages"][-1]["content"]
                 try:
                     self.send_response(status)
                     self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(payload)))
+                    missing = 1000 if "CUT" in last or "STUCK500" in last else 0  # bytes that never come
+                    self.send_header("Content-Length", str(len(payload) + missing))
                     self.end_headers()
-                    self.wfile.write(payload)
-                except ConnectionError:  # the client gave up (HANG): nothing to answer
+                    step = 1 if "TRICKLE" in last else max(1, len(payload))
+                    for start in range(0, len(payload), step):
+                        self.wfile.write(payload[start:start + step])
+                        self.wfile.flush()
+                        time.sleep(0.05 if step == 1 else 0)
+                    if "STUCK500" in last:  # the rest of the error body never comes
+                        stub.released.wait(30)
+                except ConnectionError:  # the client gave up (HANG, TRICKLE): nothing to answer
                     pass
 
             def log_message(self, *args):
@@ -77,7 +86,7 @@ class StubServer:
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
             time.sleep(self.delay)
-            if "FAIL" in last or ("FLAKY" in last and attempt == 1):
+            if "FAIL" in last or "STUCK500" in last or ("FLAKY" in last and attempt == 1):
                 return 500, {"error": "internal"}
             if "FLAKY" in last and attempt == 2:
                 return 429, {"error": "slow down"}
@@ -250,6 +259,30 @@ def test_resume_after_interruption_loses_and_duplicates_nothing(stub, tmp_path):
         run(stub, input_path, out, "--temperature", "0.7")
 
 
+@pytest.mark.parametrize("flag, value", [("--concurrency", "0"), ("--batch-size", "0"), ("--max-tokens", "0"),
+                                         ("--timeout", "0"), ("--max-retries", "-1")])
+def test_flags_that_cannot_work_are_refused(flag, value, capsys):
+    with pytest.raises(SystemExit):  # --concurrency 0 started no worker and waited for ever
+        regenerate.parse_args(["--input", "in.jsonl", "--out", "out.jsonl", "--model", "m", flag, value])
+    assert flag in capsys.readouterr().err
+
+
+def test_an_out_that_is_not_an_output_is_refused_before_anything_is_written(stub, tmp_path):
+    input_path = write_input(tmp_path / "chat.jsonl")
+    before = (tmp_path / "chat.jsonl").read_bytes()
+    with pytest.raises(SystemExit, match="chat.jsonl:1: not an output row"):
+        run(stub, input_path, tmp_path / "chat.jsonl")
+    assert [p.name for p in tmp_path.iterdir()] == ["chat.jsonl"]
+    assert (tmp_path / "chat.jsonl").read_bytes() == before
+
+
+@pytest.mark.parametrize("header, seconds", [
+    ("3", 3.0), ("1e9", regenerate.MAX_BACKOFF), ("inf", regenerate.MAX_BACKOFF), ("nan", 0.0), ("-5", 0.0),
+    ("Wed, 21 Oct 2015 07:28:00 GMT", 0.0), (None, 0.0)])
+def test_retry_after_is_a_bounded_wait(header, seconds):  # 0: the exponential backoff alone decides
+    assert regenerate.retry_after_seconds(header) == seconds
+
+
 def test_thinking_answers_keep_the_reasoning_inline(stub, tmp_path):
     input_path = tmp_path / "in.jsonl"
     input_path.write_text(json.dumps({"messages": [user("Hi")]}) + "\n")
@@ -327,6 +360,26 @@ def test_local_backend_matches_unbatched_greedy_decoding(tmp_path):
     assert outcomes == {"empty", "truncated", "stopped"}
 
 
+def test_a_stop_ends_local_generation_at_the_next_token(tmp_path):
+    target_dir = save_tiny_tokenizer(tmp_path / "target")
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    model = random_qwen3(vocab_size=len(tokenizer), num_hidden_layers=1)
+    model.generation_config.suppress_tokens = [tokenizer.eos_token_id]  # every answer runs to --max-tokens
+    model.save_pretrained(target_dir)
+    out = tmp_path / "regen.jsonl"
+    args = regenerate.parse_args(["--input", "in.jsonl", "--out", str(out), "--backend", "local",
+                                  "--target", str(target_dir), "--max-tokens", "20000"])
+    stop = threading.Event()
+    recorder = regenerate.Recorder(out)
+    jobs = [regenerate.Job(str(i), f"in:{i}", "g", [user(f"Question {i}?")]) for i in range(4)]
+    threading.Timer(0.5, stop.set).start()  # the signal, while the first batch generates
+    started = time.monotonic()
+    regenerate.run_local(regenerate.LocalBackend(args, stop), jobs, recorder, batch_size=2, stop=stop)
+    recorder.close()
+    assert time.monotonic() - started < 5  # 20000 tokens take a minute
+    assert out.read_text() == "" and recorder.counts == {}  # cut answers are not written
+
+
 # --- issue 9: odd rows, a misbehaving server, signals ---------------------------------------------
 
 def write_rows(path, rows) -> str:
@@ -336,7 +389,7 @@ def write_rows(path, rows) -> str:
 
 
 def test_misbehaving_replies_are_retried_then_failed_and_the_run_goes_on(stub, tmp_path):
-    markers = ["NULLMSG", "PARTS", "BADREASON", "NOTJSON", "HANG"]
+    markers = ["NULLMSG", "PARTS", "BADREASON", "NOTJSON", "HANG", "CUT200", "STUCK500", "TRICKLE"]
     rows = [{"messages": [user(f"{marker} question")]} for marker in markers]
     rows += [{"messages": [user("NULLONCE question")]}, {"messages": [user("Plain question")]}]
     input_path = write_rows(tmp_path / "in.jsonl", rows)
@@ -344,10 +397,11 @@ def test_misbehaving_replies_are_retried_then_failed_and_the_run_goes_on(stub, t
 
     summary = run(stub, input_path, out, "--timeout", "0.3", "--max-retries", "2")
 
-    assert summary["ok"] == 2 and summary["failed"] == 5
-    assert summary["failures"] == {"bad_response": 4, "connection": 1}
+    assert summary["ok"] == 2 and summary["failed"] == len(markers)
+    assert summary["failures"] == {"bad_response": 4, "connection": 3, "http_500": 1}
     errors = {e["source"]: e["reason"] for e in read_rows(tmp_path / "regen.errors.jsonl")}
-    assert errors == {f"{input_path}:{i}": "connection" if marker == "HANG" else "bad_response"
+    reasons = {"HANG": "connection", "CUT200": "connection", "STUCK500": "http_500", "TRICKLE": "connection"}
+    assert errors == {f"{input_path}:{i}": reasons.get(marker, "bad_response")
                       for i, marker in enumerate(markers, start=1)}
     for marker in markers:
         assert stub.attempts_for(marker) == 3  # first try + --max-retries
@@ -380,6 +434,22 @@ def test_odd_rows_reach_the_writer_repaired_and_no_prompt_is_empty(stub, tmp_pat
     assert all(r["messages"] and r["messages"][0]["role"] == "user" for r in stub.requests)
 
 
+def test_a_file_name_that_is_not_utf8_reaches_both_writers(stub, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    with open(os.fsencode(data) + b"/caf\xe9.jsonl", "w") as f:  # an old archive's file name
+        f.write(json.dumps({"messages": [user("Hi")]}) + "\n" + json.dumps({"messages": [user("FAIL me")]}) + "\n")
+    out = tmp_path / "regen.jsonl"
+
+    summary = run(stub, str(data), out)
+
+    label = str(data / "caf\ufffd.jsonl")
+    assert summary["ok"] == summary["failed"] == 1
+    (row,) = read_rows(out)
+    assert row["source"] == f"{label}:1" and row["group"] == f"{label}#1"
+    assert [e["source"] for e in read_rows(tmp_path / "regen.errors.jsonl")] == [f"{label}:2"]
+
+
 def test_rows_carry_their_group(stub, tmp_path):
     input_path = write_rows(tmp_path / "in.jsonl", [
         {"group": "lib/json/decoder.py", "messages": [user("Question 1?")]},
@@ -400,10 +470,42 @@ def test_a_directory_input_never_reads_the_output_or_its_side_files(stub, tmp_pa
     out = data / "regen.jsonl"
     first = run(stub, str(data), out)
     (data / "old.errors.jsonl").write_text(json.dumps({"id": "x", "reason": "http_500"}) + "\n")
+    (data / "more.jsonl.gz").write_bytes(b"\x1f\x8b")  # not read, but said
     second = run(stub, str(data), out)
     assert first["rows_read"] == second["rows_read"] == 3 and first["ok"] == 3
     assert second["skipped_existing"] == 3 and second["invalid"] == {}
+    assert first["unread_files"] == [] and second["unread_files"] == [str(data / "more.jsonl.gz")]
     assert len(read_rows(out)) == 3
+
+
+def test_answers_that_arrive_while_stopping_are_written_and_the_queue_is_dropped(tmp_path):
+    """In process, so that the moment of the signal is exact: the second answer arrives after the
+    signal, while the first is being written; the third conversation was only queued."""
+    stop, first_written, asked = threading.Event(), threading.Event(), []
+
+    class Backend:
+        def answer(self, history):
+            question = history[-1]["content"]
+            asked.append(question)
+            if question == "second":
+                first_written.wait(5)
+                stop.set()  # the signal
+            return f"re: {question}", False
+
+    class SlowRecorder(regenerate.Recorder):
+        def ok(self, job, rewrite):
+            super().ok(job, rewrite)
+            first_written.set()
+            time.sleep(0.3)
+
+    jobs = [regenerate.Job(q, f"in:{i}", "g", [user(q)]) for i, q in enumerate(["first", "second", "third"])]
+    out = tmp_path / "regen.jsonl"
+    recorder = SlowRecorder(out)
+    regenerate.run_server(Backend(), jobs, recorder, concurrency=1, stop=stop)
+    recorder.close()
+    time.sleep(0.2)  # a worker that went on would ask the third question now
+    assert [row["id"] for row in read_rows(out)] == ["first", "second"]
+    assert asked == ["first", "second"]
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

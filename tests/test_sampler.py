@@ -468,4 +468,4 @@ def test_plan_cli_cuts_to_grad_accum_and_holds_out_whole_groups(tmp_path, capsys
         == plan["samples"] == len(groups) - plan["held_out"]
     report = capsys.readouterr().out
     assert f"cut (accumulation)     {plan['cut_samples']} samples" in report
-    assert "warning:" in report and "longer than tokens_per_batch (4,096" in report
+    assert report.count("warning:") == 1 and "longer than tokens_per_batch (4,096" in report

@@ -235,6 +235,19 @@ def test_a_json_contradiction_stops_train_py_before_any_model_loads(tmp_path):
     assert "Traceback" not in proc.stderr and "params" not in proc.stdout  # no model was built
 
 
+def test_the_start_up_table_names_every_sample_left_out():
+    from drafter.sampler import BucketSampler, plan_notes
+    from train import bucket_summary
+
+    lengths = np.concatenate([np.full(300, 100), [1500, 1800, 1800], [5000]])  # 3 over the budget, 1 too long
+    stats = BucketSampler(lengths, [128, 2048], tokens_per_batch=1024, world_size=2, steps_multiple=4).stats(0)
+    summary = bucket_summary(stats).splitlines()
+    notes = plan_notes(stats)
+    assert [line.split()[0] for line in notes] == ["skipped", "dropped", "cut", "warning:"]
+    assert all(line in summary for line in notes)
+    assert sum("longer than tokens_per_batch" in line for line in summary) == 1
+
+
 def test_data_prepared_with_other_thinking_stops_train_py_naming_both(tmp_path):
     cfg = write_run(tmp_path)
     proc = subprocess.run([sys.executable, "train.py", "--cfg", str(cfg),
