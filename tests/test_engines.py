@@ -46,10 +46,15 @@ def assert_same_trajectory(losses: dict, expected: dict, steps, rtol: float):
 
 
 def assert_same_weights(ours: dict, theirs: dict, rtol: float):
+    """Each tensor within rtol of the other in norm. Not element by element: Adam turns reduction-order
+    noise in a near-zero gradient entry into an update of up to lr, so a few single weights of two
+    engines' runs drift apart while the tensors stay equal to ~1e-4 (a wrong or partial export is off
+    by far more: every weight moves by about lr per step)."""
     assert ours.keys() == theirs.keys()
     for name in ours:
         assert ours[name].numel() > 0 and torch.isfinite(ours[name]).all(), name
-        torch.testing.assert_close(ours[name], theirs[name], rtol=rtol, atol=rtol * theirs[name].abs().max())
+        assert ours[name].shape == theirs[name].shape, name
+        assert (ours[name] - theirs[name]).norm() <= rtol * theirs[name].norm(), name
 
 
 def params_line(out: str) -> str:

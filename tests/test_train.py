@@ -128,11 +128,11 @@ def test_sigterm_saves_a_loadable_checkpoint_and_exits_cleanly(reference_run, tm
 
 def test_config_typo_fails_fast_naming_the_key(tmp_path):
     cfg = write_run(tmp_path)
-    for override, key in (("optim.lrr=1", "optim.lrr"), ("train.max_steps=many", "train.max_steps")):
-        proc = subprocess.run([sys.executable, "train.py", "--cfg", str(cfg), override], cwd=REPO,
-                              capture_output=True, text=True, timeout=120)
-        assert proc.returncode != 0
-        assert key in proc.stderr, proc.stderr[-2000:]
+    proc = subprocess.run([sys.executable, "train.py", "--cfg", str(cfg), "optim.lrr=1"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "optim.lrr" in proc.stderr, proc.stderr[-2000:]
+    with pytest.raises(ConfigError, match="train.max_steps"):
+        load_config(str(cfg), ["train.max_steps=many"])
     with pytest.raises(ConfigError, match="data.path"):
         load_config(str(REPO / "configs" / "v3.yaml"))  # data.path is required
 
