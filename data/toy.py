@@ -314,7 +314,7 @@ HELDOUT_ROWS = 64
 NUM_PROMPTS = 2000
 MAX_NEW_TOKENS = 64
 REGENERATE_BATCH_SIZE = 64
-NUM_BENCH = 48
+NUM_BENCH = 32
 
 
 def target_config(tokenizer) -> Qwen3Config:
