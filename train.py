@@ -32,7 +32,7 @@ from drafter.decode import stop_token_ids
 from drafter.launch import LaunchError, init_distributed
 from drafter.model import DFlashDraftModel, drafter_config, drafter_from_state_dict, resolve_mask_token_id
 from drafter.objective import ObjectiveConfig, attention_kernel, finalize_metrics, training_step
-from drafter.sampler import BucketSampler, bucket_table, make_loader, plan_notes, sampler_from_config
+from drafter.sampler import bucket_table, held_out_share, make_loader, plan_notes, sampler_from_config
 from drafter.served import bench_prompts, generation_tau, held_out_prompts, replayed_tau
 from drafter.target import context_features, load_target, random_qwen3, target_config
 from drafter.tracking import RunLogger, console_line, eval_line
@@ -216,8 +216,8 @@ def local_drafter(engine, target):
 
 @torch.no_grad()
 def evaluate(drafter, target, eval_set, eval_sampler, objective, cfg, rank, device, attention):
-    """Held-out loss, random-anchor metrics and replayed tau over up to eval_batches per rank, on clean
-    features."""
+    """Held-out loss, random-anchor metrics and replayed tau over up to eval_batches of this rank's
+    share of the held-out rows, on clean features."""
     was_training = drafter.training
     drafter.eval()
     summed = defaultdict(lambda: 0)
@@ -235,7 +235,10 @@ def evaluate(drafter, target, eval_set, eval_sampler, objective, cfg, rank, devi
             for k, v in metrics.items():
                 summed[k] = summed[k] + v.float()
     drafter.train(was_training)
-    return finalize_metrics(all_reduce_sum(dict(summed))) if summed else {}
+    if any_rank(not summed):  # a rank whose rows are all too long has nothing to add
+        return {}
+    summed = all_reduce_sum(dict(summed))
+    return {**finalize_metrics(summed), "eval_responses": int(summed["tau_dflash"][1])}
 
 
 class StopRequest:
@@ -289,9 +292,9 @@ def train(cfg, rank, world_size, device) -> int:
     train_set, eval_set = load_datasets(cfg.data, text_config.vocab_size, cfg.target.chat_template_kwargs)
     sampler = sampler_from_config(np.asarray(train_set["length"]), cfg.data, world_size, rank,
                                   steps_multiple=cfg.optim.grad_accum)
-    # one bucket for the held-out split: small splits would lose most batches to per-bucket remainders
-    eval_sampler = BucketSampler(np.asarray(eval_set["length"]), [cfg.data.max_length], cfg.data.tokens_per_batch,
-                                 world_size, rank, cfg.data.seed) if len(eval_set) >= world_size else None
+    eval_rows, eval_sampler = held_out_share(np.asarray(eval_set["length"]), cfg.data.max_length,
+                                             cfg.data.tokens_per_batch, world_size, rank, cfg.data.seed)
+    eval_share = eval_set.select(eval_rows)
     steps_per_epoch = len(sampler) // cfg.optim.grad_accum
     if steps_per_epoch == 0:
         left_out = "; ".join(plan_notes(sampler.stats(0)))
@@ -398,8 +401,8 @@ def train(cfg, rank, world_size, device) -> int:
                         log.print(f"stop requested: saving at step {step} and exiting")
                         save(step)
                         return 0
-                    if eval_sampler is not None and (step % cfg.train.eval_every == 0 or last):
-                        run_eval(engine, target, eval_set, eval_sampler, objective, cfg, rank, device,
+                    if len(eval_set) >= world_size and (step % cfg.train.eval_every == 0 or last):
+                        run_eval(engine, target, eval_share, eval_sampler, objective, cfg, rank, device,
                                  attention, step, log)
                     if generate_prompts and (step % cfg.train.generate_every == 0 or last):
                         run_generation(engine, target, generate_prompts, stops, cfg, rank, world_size, step,

@@ -399,6 +399,15 @@ def plan_notes(stats: dict) -> list[str]:
     return lines
 
 
+def held_out_share(lengths, max_length: int, tokens_per_batch: int, world_size: int, rank: int,
+                   seed: int) -> tuple[np.ndarray, BucketSampler]:
+    """This rank's share of the held-out rows (every world_size-th) and a one-bucket plan over it.
+    Unlike training plans nothing is dropped to even out ranks: evaluation runs no collective per
+    batch, so every row is evaluated once (one bucket: small splits would lose batches to remainders)."""
+    rows = np.arange(rank, len(lengths), world_size)
+    return rows, BucketSampler(np.asarray(lengths)[rows], [max_length], tokens_per_batch, seed=seed)
+
+
 def split_holdout(groups, eval_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """(train, eval) row indices, each sorted. `groups` holds one label per row; whole groups are
     held out: in a seeded random order, each group that brings the held-out count closer to

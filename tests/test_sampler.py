@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from data import plan as plan_cli
-from drafter.sampler import (BucketSampler, _run_cap_holds, collate, interleave_buckets, longest_run,
-                             make_buckets, make_loader, min_feasible_run, padded_length, plan_notes,
+from drafter.sampler import (BucketSampler, _run_cap_holds, collate, held_out_share, interleave_buckets,
+                             longest_run, make_buckets, make_loader, min_feasible_run, padded_length, plan_notes,
                              split_holdout)
 
 MAX_LENGTH = 2048
@@ -469,3 +469,17 @@ def test_plan_cli_cuts_to_grad_accum_and_holds_out_whole_groups(tmp_path, capsys
     report = capsys.readouterr().out
     assert f"cut (accumulation)     {plan['cut_samples']} samples" in report
     assert report.count("warning:") == 1 and "longer than tokens_per_batch (4,096" in report
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_every_held_out_row_is_evaluated_once_over_the_ranks(world_size):
+    """Training plans drop batches to even out ranks; the held-out plans must not (a small eval split
+    would lose a large share of its rows)."""
+    lengths = np.random.default_rng(world_size).integers(20, 300, size=37)
+    lengths[5] = 900  # too long for max_length: the one row left out
+    seen = []
+    for rank in range(world_size):
+        rows, sampler = held_out_share(lengths, 512, 1024, world_size, rank, seed=0)
+        plan = sampler.epoch_plan(0)
+        seen += rows[plan.samples].tolist()
+    assert sorted(seen) == [i for i in range(37) if i != 5]

@@ -68,6 +68,7 @@ def test_saves_evaluation_and_generation_do_not_change_the_trajectory(reference_
     assert all(r["gen_responses"] == 4 and r["gen_tau_dflash"] >= 1 and "gen_tau_ddtree@16" in r for r in generated)
     evals = records(run, "eval")
     assert [r["step"] for r in evals] == [6, 12, 18, 24]
+    assert all(r["eval_responses"] == 16 for r in evals)  # every held-out row (16 groups of one), none dropped
     assert all(1 <= r["tau_dflash"] <= 8 and 1 <= r["tau_ddtree@16"] <= 8 for r in evals)  # block size 8
 
 
