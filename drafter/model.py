@@ -24,7 +24,7 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3MLP, Qwen3PreTrainedModel, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half)
 
-from drafter.target import default_target_layer_ids
+from drafter.target import check_feature_layers, default_target_layer_ids
 
 # Copied from the target config into the drafter's: the drafter has the target's widths.
 _TARGET_WIDTH_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -44,15 +44,7 @@ def drafter_config(target_config, *, num_layers: int, block_size: int, mask_toke
     if target_layer_ids is None:
         target_layer_ids = default_target_layer_ids(num_target_layers, num_layers)
     target_layer_ids = [int(i) for i in target_layer_ids]
-    if not all(0 <= i < num_target_layers for i in target_layer_ids):
-        raise ValueError(f"target_layer_ids {target_layer_ids} outside 0..{num_target_layers - 1}")
-    if num_target_layers - 1 in target_layer_ids:
-        # HF's hidden_states[L] is the last layer's output after the final norm, which is what a
-        # serving loop reads; training reads the raw output, and serving stacks differ on which one
-        # they capture. Refuse rather than train on features the drafter will not be served.
-        raise ValueError(f"target_layer_ids {target_layer_ids} include the target's last layer "
-                         f"({num_target_layers - 1}), whose output serving stacks read after the "
-                         f"final norm and training before it; use layers 0..{num_target_layers - 2}")
+    check_feature_layers(target_layer_ids, num_target_layers)
     if not 0 <= mask_token_id < text_config.vocab_size:
         raise ValueError(f"mask_token_id {mask_token_id} has no row in the target's embedding "
                          f"(vocab_size {text_config.vocab_size})")
