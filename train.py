@@ -401,12 +401,16 @@ def train(cfg, rank, world_size, device) -> int:
                         log.print(f"stop requested: saving at step {step} and exiting")
                         save(step)
                         return 0
-                    if len(eval_set) >= world_size and (step % cfg.train.eval_every == 0 or last):
-                        run_eval(engine, target, eval_share, eval_sampler, objective, cfg, rank, device,
-                                 attention, step, log)
-                    if generate_prompts and (step % cfg.train.generate_every == 0 or last):
-                        run_generation(engine, target, generate_prompts, stops, cfg, rank, world_size, step,
-                                       log)
+                    evaluating = len(eval_set) >= world_size and (step % cfg.train.eval_every == 0 or last)
+                    generating = generate_prompts and (step % cfg.train.generate_every == 0 or last)
+                    if evaluating or generating:  # one gather of a sharded drafter serves both
+                        drafter_now = local_drafter(engine, target)
+                        if evaluating:
+                            run_eval(drafter_now, target, eval_share, eval_sampler, objective, cfg, rank,
+                                     device, attention, step, log)
+                        if generating:
+                            run_generation(drafter_now, target, generate_prompts, stops, cfg, rank, world_size,
+                                           step, log)
                     if step % cfg.train.save_every == 0:
                         save(step)
                         last_saved = step
@@ -420,9 +424,8 @@ def train(cfg, rank, world_size, device) -> int:
         log.close()
 
 
-def run_eval(engine, target, eval_set, eval_sampler, objective, cfg, rank, device, attention, step, log):
-    metrics = evaluate(local_drafter(engine, target), target, eval_set, eval_sampler, objective, cfg, rank,
-                       device, attention)
+def run_eval(drafter, target, eval_set, eval_sampler, objective, cfg, rank, device, attention, step, log):
+    metrics = evaluate(drafter, target, eval_set, eval_sampler, objective, cfg, rank, device, attention)
     if not metrics:
         return
     log.log({"step": step, **metrics}, prefix="eval")
@@ -442,10 +445,10 @@ def generation_prompts(cfg, tokenizer, eval_set) -> list[list[int]] | None:
     return bench_prompts(cfg.train.generate_prompts, tokenizer, thinking, cfg.train.generate_max_prompts)
 
 
-def run_generation(engine, target, prompts, stops, cfg, rank, world_size, step, log):
+def run_generation(drafter, target, prompts, stops, cfg, rank, world_size, step, log):
     """The drafter as it is now, served on the fixed prompts (split over ranks, time-bounded)."""
     summed = all_reduce_sum(generation_tau(
-        target, local_drafter(engine, target), prompts, rank, world_size, budgets=cfg.train.tau_budgets,
+        target, drafter, prompts, rank, world_size, budgets=cfg.train.tau_budgets,
         max_new_tokens=cfg.train.generate_max_new_tokens, max_seconds=cfg.train.generate_max_seconds,
         stop_token_ids=stops))
     metrics = {"step": step, **finalize_metrics(summed), "gen_responses": int(summed["gen_tau_dflash"][1])}
