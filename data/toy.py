@@ -13,7 +13,7 @@ Output (each step is skipped when its output exists; --force rebuilds everything
   target/              tokenizer + Qwen3ForCausalLM (AutoTokenizer / AutoModelForCausalLM load it),
                        target/training.json: size, tokens, speed, final training loss
   prompts.jsonl        {"messages": [user turn], "group": source file} chats from the prompt files
-  bench.jsonl          {"prompt": user text} held-out prompts from the bench files
+  bench.jsonl          the same kind of chats from the bench files: the held-out prompts
   regenerated.jsonl    the target's own answers (data/regenerate.py, local backend, greedy)
   train_data/          data/prepare.py's tokenised drafter training set, answers that loop dropped
                        (--drop-loops); its group column is the source file, so a held-out split
@@ -300,8 +300,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 SEED = 0
 VOCAB_SIZE = 2048
 EXAMPLE_LIMITS = {"context_lines": 4, "max_prompt_chars": 300, "max_body_chars": 600}
-# On an idle 2-core machine (torch 2.13 CPU, 2 threads) a step takes 175-240 ms (8.5-11.7K tokens/s),
-# so training takes about 2 minutes (`make demo` must fit 25 minutes on a machine 4x slower). For a
+# On an idle 2-core machine (torch 2.13 CPU, 2 threads) a step takes 175-290 ms (7.1-11.7K tokens/s),
+# so training takes 1.5-2.5 minutes (`make demo` must fit 25 minutes on a machine 4x slower). For a
 # fixed time, many small steps of a small model gave a lower held-out loss here than fewer, larger
 # steps or a wider model.
 TARGET_CONFIG = {"hidden_size": 96, "num_hidden_layers": 6, "num_attention_heads": 3,
