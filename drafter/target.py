@@ -96,3 +96,28 @@ def context_features(target: nn.Module, input_ids: torch.Tensor, layer_ids: list
         if i in wanted:
             captured[i] = hidden
     return torch.cat([captured[i] for i in layer_ids], dim=-1)
+
+
+@torch.no_grad()
+def features_and_final_hidden(target: nn.Module, input_ids: torch.Tensor,
+                              layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(features of `layer_ids` [b, T, K*H], the final-normed last hidden state [b, T, H]): what
+    distillation needs, the target's LM head input at every position, from one forward of the
+    target's own decoder with the chosen layers' outputs captured by hooks. The features are those
+    of `context_features`; the LM-head logits over the sequence are never computed here."""
+    body = target.get_decoder()
+    check_feature_layers(layer_ids, len(body.layers))
+    captured = {}
+
+    def capture(index):
+        def hook(module, args, output):
+            captured[index] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    handles = [body.layers[i].register_forward_hook(capture(i)) for i in layer_ids]
+    try:
+        final = body(input_ids=input_ids, use_cache=False).last_hidden_state
+    finally:
+        for handle in handles:
+            handle.remove()
+    return torch.cat([captured[i] for i in layer_ids], dim=-1), final
