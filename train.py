@@ -34,7 +34,8 @@ from drafter.model import DFlashDraftModel, drafter_config, drafter_from_state_d
 from drafter.objective import ObjectiveConfig, attention_kernel, finalize_metrics, training_step
 from drafter.sampler import bucket_table, held_out_share, make_loader, plan_notes, sampler_from_config
 from drafter.served import bench_prompts, generation_tau, held_out_prompts, replayed_tau
-from drafter.target import context_features, load_target, random_qwen3, target_config
+from drafter.distill import logit_softcap
+from drafter.target import context_features, features_and_final_hidden, load_target, random_qwen3, target_config
 from drafter.tracking import RunLogger, console_line, eval_line
 
 USER_ERRORS = (ConfigError, DataError, EngineConfigError, ResumeError, LaunchError)
@@ -184,6 +185,14 @@ class Timers:
 
 # ----------------------------------------------------------------------------- training
 
+def target_pass(target, input_ids, layer_ids, objective):
+    """(context features, the target's final hidden states or None): the latter only when the
+    objective distils the target."""
+    if objective.labels == "target":
+        return features_and_final_hidden(target, input_ids, layer_ids)
+    return context_features(target, input_ids, layer_ids), None
+
+
 def micro_step(engine, target, batch, objective, cfg, step, micro, rank, noise, device, attention, timers):
     """Forward + backward of one micro batch; returns its metrics ([sum, count] tensors, on the device:
     nothing here waits for the device)."""
@@ -191,12 +200,12 @@ def micro_step(engine, target, batch, objective, cfg, step, micro, rank, noise, 
     loss_mask = batch["loss_mask"].to(device, non_blocking=True)
     drafter = engine.module
     timers.start()
-    features = context_features(target, input_ids, drafter.target_layer_ids)
+    features, final_hidden = target_pass(target, input_ids, drafter.target_layer_ids, objective)
     features = add_feature_noise(features, noise, len(drafter.target_layer_ids),
                                  step_generator(cfg.run.seed, step, rank, 1 + micro, device))
     timers.lap("target")
     loss, metrics = training_step(drafter, target, features, input_ids, loss_mask, objective,
-                                  step_generator(cfg.run.seed, step, rank, -1 - micro), attention)
+                                  step_generator(cfg.run.seed, step, rank, -1 - micro), attention, final_hidden)
     # A non-finite loss makes every gradient NaN, so the engine's global check skips the step on all ranks.
     loss = loss * torch.where(torch.isfinite(loss.detach()), 1.0, math.nan)
     engine.backward(loss)
@@ -225,9 +234,9 @@ def evaluate(drafter, target, eval_set, eval_sampler, objective, cfg, rank, devi
     with loader:
         for i, batch in zip(range(cfg.train.eval_batches), loader):
             input_ids, loss_mask = batch["input_ids"].to(device), batch["loss_mask"].to(device)
-            features = context_features(target, input_ids, drafter.target_layer_ids)
+            features, final_hidden = target_pass(target, input_ids, drafter.target_layer_ids, objective)
             _, metrics = training_step(drafter, target, features, input_ids, loss_mask, objective,
-                                       step_generator(cfg.run.seed, i, rank, 7), attention)
+                                       step_generator(cfg.run.seed, i, rank, 7), attention, final_hidden)
             metrics.update(replayed_tau(drafter, target, features, input_ids, loss_mask,
                                         cfg.train.tau_budgets, attention,
                                         blocks_per_forward=objective.anchors_per_batch or 2048,
@@ -324,7 +333,10 @@ def train(cfg, rank, world_size, device) -> int:
                                 num_anchors=cfg.objective.num_anchors, gamma=cfg.objective.gamma,
                                 ddtree_budget=cfg.objective.ddtree_budget,
                                 ddtree_blocks=cfg.objective.ddtree_blocks,
-                                anchors_per_batch=cfg.objective.anchors_per_batch)
+                                anchors_per_batch=cfg.objective.anchors_per_batch,
+                                labels=cfg.objective.labels, loss=cfg.objective.loss,
+                                position_weights=cfg.objective.position_weights,
+                                weight_smoothing=cfg.objective.weight_smoothing, logit_softcap=logit_softcap(target))
     engine = build_engine(cfg, drafter, device, dtype, ds_config)
 
     state = {"step": 0, "epoch": 0, "micro_step_in_epoch": 0, "skipped_steps": 0, "wandb_id": None,
