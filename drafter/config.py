@@ -54,7 +54,10 @@ class ObjectiveSection:
 
 @dataclass
 class OptimConfig:
-    lr: float = 6e-4
+    name: str = "adamw"            # adamw | muon: Muon on the 2-D weight matrices, AdamW on the rest
+    lr: float = 6e-4               # AdamW's (all parameters with adamw; the non-matrices with muon)
+    muon_lr: float = 0.02          # Muon's, scaled per matrix by sqrt(max(1, rows / cols)) (Muon's own rule)
+    muon_momentum: float = 0.95
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     weight_decay: float = 0.0
@@ -177,6 +180,7 @@ CHOICES = {
     "objective.loss": ("ce", "kl"),
     "objective.position_weights": ("exp", "dpace", "tree"),
     "train.engine": ("deepspeed", "fsdp"),
+    "optim.name": ("adamw", "muon"),
     "wandb.mode": (None, "online", "offline", "disabled"),
 }
 POSITIVE = ("drafter.num_layers", "objective.num_anchors", "objective.ddtree_budget", "optim.grad_accum",
@@ -219,7 +223,9 @@ def validate(cfg) -> list[str]:
         problems.append("objective.loss=kl needs objective.labels=target (KL to the data's one-hot labels is CE)")
     if not 0 <= cfg.data.eval_fraction < 1:
         problems.append(f"data.eval_fraction={cfg.data.eval_fraction!r} must be in [0, 1)")
-    for key in ("optim.lr", "optim.eps", "train.dist_timeout_minutes", "train.generate_max_seconds"):
+    if not 0 <= cfg.optim.muon_momentum < 1:
+        problems.append(f"optim.muon_momentum={cfg.optim.muon_momentum!r} must be in [0, 1)")
+    for key in ("optim.lr", "optim.muon_lr", "optim.eps", "train.dist_timeout_minutes", "train.generate_max_seconds"):
         if not get(key) > 0:
             problems.append(f"{key}={get(key)!r} must be > 0")
     betas = list(cfg.optim.betas)
@@ -251,7 +257,8 @@ def default_run_name(stem: str, cfg) -> str:
     gamma = resolve_gamma(cfg.objective.gamma, cfg.drafter.block_size)
     objective = cfg.objective
     variant = "".join(f"-{value}" for value, default in ((objective.labels, "data"), (objective.loss, "ce"),
-                                                         (objective.position_weights, "exp")) if value != default)
+                                                         (objective.position_weights, "exp"),
+                                                         (cfg.optim.name, "adamw")) if value != default)
     return f"{stem}-g{gamma:g}-b{round(cfg.optim.betas[1] * 100)}{variant}"
 
 

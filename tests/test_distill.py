@@ -14,7 +14,7 @@ from drafter.distill import (ChunkedRowLoss, RowLossSpec, dense_row_loss, dpace_
                              teacher_rows, tree_weights)
 from drafter.objective import (ObjectiveConfig, build_blocks, drafter_hidden, sample_anchors, training_step,
                                tree_accepted_depth)
-from drafter.target import context_features, features_and_final_hidden
+from drafter.target import context_features, features_and_final_hidden, random_qwen3
 from runs import REPO
 from test_objective import padded_batch
 
@@ -241,22 +241,48 @@ def test_the_objective_keys_define_the_run():
         assert key in identity, key
 
 
+def test_muon_steps_the_matrices_and_adamw_the_rest():
+    from omegaconf import OmegaConf
+
+    from drafter.config import OptimConfig
+    from drafter.engine import build_optimizers
+    drafter = make_drafter(random_qwen3(vocab_size=256, num_hidden_layers=4), num_layers=1)
+    params = list(drafter.parameters())
+    muon, adamw = build_optimizers(params, OmegaConf.structured(OptimConfig(name="muon")))
+    assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
+    matrices = {id(p) for p in muon.param_groups[0]["params"]}
+    assert matrices == {id(p) for p in params if p.dim() == 2} and id(drafter.fc.weight) in matrices
+    assert all(p.dim() == 1 for p in adamw.param_groups[0]["params"]) and adamw.param_groups[0]["params"]
+    (only,) = build_optimizers(params, OmegaConf.structured(OptimConfig()))
+    assert isinstance(only, torch.optim.AdamW) and len(only.param_groups[0]["params"]) == len(params)
+
+
+def test_muon_under_deepspeed_is_refused_by_name_before_anything_loads(tmp_path):
+    from drafter.engine import EngineConfigError, deepspeed_config
+    cfg = load_config(str(REPO / "configs" / "v3.yaml"), ["data.path=/x", "optim.name=muon"])
+    with pytest.raises(EngineConfigError, match="optim.name=muon is not supported under train.engine=deepspeed"):
+        deepspeed_config(str(REPO / "ds_configs" / "zero2.json"), cfg, 2, True, 64, on_cpu=False)
+    with pytest.raises(ConfigError, match=re.escape("optim.name='lion' is not one of adamw, muon")):
+        load_config(str(REPO / "configs" / "v3.yaml"), ["data.path=/x", "optim.name=lion"])
+
+
 @pytest.mark.slow
-def test_distillation_with_tree_weights_trains_resumes_exactly_and_exports(tmp_path):
-    """One process (plain python, FSDP2: no DeepSpeed op build): target KL labels with tree-aware
-    weights, 4 steps saving every 2, then a resume from step 2 replays steps 3 and 4 exactly; the
-    export loads in the public package."""
-    from runs import records, run_to_end, train_losses, write_run
+def test_distillation_tree_weights_and_muon_train_resume_exactly_and_export_under_fsdp(tmp_path):
+    """Two ranks (torchrun, FSDP2: Muon's Newton-Schulz on sharded matrices): target KL labels,
+    tree-aware weights and Muon, 4 steps saving every 2; a resume from step 2 replays steps 3 and 4
+    exactly; the export loads in the public package."""
+    from runs import launch, records, run_to_end, train_losses, write_run
     cfg = write_run(tmp_path)
     run = tmp_path / "run"
     common = ["objective.labels=target", "objective.loss=kl", "objective.position_weights=tree",
-              "data.num_workers=0", "train.eval_every=4", "train.save_every=2", "train.keep_last=5",
-              "train.max_steps=4", "train.generate_every=0", "train.engine=fsdp"]
-    run_to_end(cfg, *common, launcher="python")
+              "optim.name=muon", "train.engine=fsdp", "train.eval_every=4", "train.save_every=2",
+              "train.keep_last=5", "train.max_steps=4", "train.generate_every=0"]
+    out = run_to_end(cfg, *common, launcher="torchrun")
+    assert "2 ranks on cpu" in out and "tiny-g4-b95-target-kl-tree-muon" in out
     first = train_losses(run)
-    assert list(first) == [1, 2, 3, 4] and all(math.isfinite(v) for v in first.values())
+    assert list(first) == [1, 2, 3, 4] and first[4] < first[1]
     assert records(run, "eval")[-1]["tau_ddtree@16"] >= 1
-    out = run_to_end(cfg, *common, f"train.resume={run / 'checkpoints' / 'step_2'}", launcher="python")
+    out = run_to_end(cfg, *common, f"train.resume={run / 'checkpoints' / 'step_2'}", launcher="torchrun")
     assert "resumed from" in out and "at step 2" in out
     resumed = train_losses(run)
     for step in (3, 4):
