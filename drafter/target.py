@@ -2,7 +2,8 @@
 
 Layer id `i` means "the output of decoder layer i", which is `hidden_states[i + 1]` of the HF tuple
 (index 0 is the embedding output). Training never runs the layers after the last one it needs, and
-never computes LM-head logits over the sequence.
+never computes LM-head logits over the sequence; distillation (objective.labels=target) runs them all
+(`features_and_final_hidden`) and computes the target's logits chunk by chunk inside the loss.
 """
 import torch
 from torch import nn
