@@ -32,12 +32,13 @@ from drafter.decode import stop_token_ids
 from drafter.launch import LaunchError, init_distributed
 from drafter.model import DFlashDraftModel, drafter_config, drafter_from_state_dict, resolve_mask_token_id
 from drafter.objective import ObjectiveConfig, attention_kernel, finalize_metrics, training_step
+from drafter.run_lock import RunDirectoryBusy, hold_run_directory
 from drafter.sampler import bucket_table, held_out_share, make_loader, plan_notes, sampler_from_config
 from drafter.served import bench_prompts, generation_tau, held_out_prompts, replayed_tau
 from drafter.target import context_features, load_target, random_qwen3, target_config
 from drafter.tracking import RunLogger, console_line, eval_line
 
-USER_ERRORS = (ConfigError, DataError, EngineConfigError, ResumeError, LaunchError)
+USER_ERRORS = (ConfigError, DataError, EngineConfigError, ResumeError, LaunchError, RunDirectoryBusy)
 
 
 # ----------------------------------------------------------------------------- setup
@@ -269,7 +270,10 @@ def main(argv=None):
     except LaunchError as error:
         sys.exit(f"launch error: {error}")
     try:
-        return train(cfg, rank, world_size, device)
+        with hold_run_directory(cfg.run.out_dir) as lock:  # one live run per run.out_dir, until this exits
+            if lock.note:
+                print(lock.note, file=sys.stderr, flush=True)
+            return train(cfg, rank, world_size, device)
     except USER_ERRORS as error:  # raised on every rank: say it once (or per rank when it differs)
         if rank == 0 or getattr(error, "per_rank", False):
             print(f"error: {error}", file=sys.stderr, flush=True)
