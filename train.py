@@ -30,6 +30,7 @@ from drafter.data import DataError, load_datasets
 from drafter.engine import DeepSpeedEngine, EngineConfigError, FSDPEngine, deepspeed_config
 from drafter.decode import stop_token_ids
 from drafter.launch import LaunchError, init_distributed
+from drafter.memory_plan import MemoryPlanError, check_fits, plan_inputs, plan_memory, target_model_config
 from drafter.model import DFlashDraftModel, drafter_config, drafter_from_state_dict, resolve_mask_token_id
 from drafter.objective import ObjectiveConfig, attention_kernel, finalize_metrics, training_step
 from drafter.run_lock import RunDirectoryBusy, hold_run_directory
@@ -38,7 +39,8 @@ from drafter.served import bench_prompts, generation_tau, held_out_prompts, repl
 from drafter.target import context_features, load_target, random_qwen3, target_config
 from drafter.tracking import RunLogger, console_line, eval_line
 
-USER_ERRORS = (ConfigError, DataError, EngineConfigError, ResumeError, LaunchError, RunDirectoryBusy)
+USER_ERRORS = (ConfigError, DataError, EngineConfigError, ResumeError, LaunchError, RunDirectoryBusy,
+               MemoryPlanError)
 
 
 # ----------------------------------------------------------------------------- setup
@@ -86,6 +88,17 @@ def engine_settings(cfg, world_size, device, dtype, hidden_size):
         return deepspeed_config(cfg.train.ds_config, cfg, world_size, dtype == torch.bfloat16, hidden_size,
                                 on_cpu=device.type == "cpu")
     return None
+
+
+def check_memory_plan(cfg, world_size, device, dtype, ds_config, rank):
+    """Printed before any weights load; on a GPU, a plan that cannot fit the device stops the run."""
+    plan = plan_memory(plan_inputs(cfg, target_model_config(cfg.target.path, cfg.target.random), world_size,
+                                   ds_config, dtype.itemsize))
+    gpu_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    if rank == 0:
+        print("\n".join(plan.lines(gpu_bytes)), flush=True)
+    if gpu_bytes:
+        check_fits(plan, gpu_bytes, node_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
 
 
 def build_engine(cfg, drafter, device, dtype, ds_config):
@@ -319,6 +332,7 @@ def train(cfg, rank, world_size, device) -> int:
         notes += [f"removed {p}, a save cut short" for p in remove_partial_saves(cfg.run.out_dir)]
     dist.barrier()
 
+    check_memory_plan(cfg, world_size, device, dtype, ds_config, rank)
     target, tokenizer = build_target_and_tokenizer(cfg, device, dtype)
     drafter = build_drafter(cfg, target, tokenizer)
     generate_prompts = generation_prompts(cfg, tokenizer, eval_set)

@@ -25,6 +25,7 @@ class TargetConfig:
     path: Optional[str] = None     # HF hub id or local dir; null -> a random Qwen3 of `random` shape
     random: Optional[dict] = None  # drafter.target.random_qwen3 kwargs (tests, GPU check)
     dtype: str = "auto"            # auto: bf16 on GPU, fp32 on CPU
+    tp_size: int = 1               # ranks sharing one tensor-parallel copy (consecutive, within a node)
     chat_template_kwargs: dict = field(default_factory=lambda: {"enable_thinking": False})
 
 
@@ -172,7 +173,7 @@ CHOICES = {
     "train.engine": ("deepspeed", "fsdp"),
     "wandb.mode": (None, "online", "offline", "disabled"),
 }
-POSITIVE = ("drafter.num_layers", "objective.num_anchors", "objective.ddtree_budget", "optim.grad_accum",
+POSITIVE = ("target.tp_size", "drafter.num_layers", "objective.num_anchors", "objective.ddtree_budget", "optim.grad_accum",
             "data.max_length", "data.num_buckets", "data.tokens_per_batch", "data.max_run",
             "data.prefetch_factor", "train.epochs", "train.log_every", "train.save_every",
             "train.eval_every", "train.eval_batches", "train.keep_last", "train.max_bad_steps",

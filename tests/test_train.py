@@ -18,7 +18,8 @@ import torch
 from drafter.config import ConfigError, load_config, lr_factor, noise_std
 from drafter.engine import EngineConfigError, deepspeed_config
 from drafter.launch import LaunchError, expand_hostlist, launcher_environment, slurm_environment
-from runs import REPO, kill_job, launch, records, run_to_end, train_losses, wait_for_step, write_run
+from drafter.run_lock import RunDirectoryBusy, acquire
+from runs import REPO, descendants, kill_job, launch, records, run_to_end, train_losses, wait_for_step, write_run
 
 
 def assert_loadable_by_public_dflash(ckpt: Path):
@@ -80,7 +81,10 @@ def test_sigkill_then_resume_reproduces_the_uninterrupted_losses(reference_run, 
     out_dir = tmp_path / "killed"
     proc = launch(cfg, f"run.out_dir={out_dir}")
     wait_for_step(out_dir, 14, proc)
-    kill_job(proc, signal.SIGKILL)
+    with pytest.raises(RunDirectoryBusy) as busy:  # the live run holds its directory...
+        acquire(str(out_dir))
+    assert int(re.search(r"pid (\d+)", str(busy.value)).group(1)) in descendants(proc.pid)
+    kill_job(proc, signal.SIGKILL)  # ...and, killed, leaves nothing that blocks the resume below
     proc.wait()
     assert not (out_dir / "checkpoints" / "step_24").exists()
     logged_before = [r["step"] for r in records(out_dir)]
