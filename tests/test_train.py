@@ -46,6 +46,7 @@ def test_two_rank_run_learns_logs_and_exports(reference_run):
     losses = [r["loss"] for r in train]
     assert np.mean(losses[-4:]) < 0.8 * np.mean(losses[:4])
     assert "step=24 loss=" in out  # the console line
+    assert "memory plan per GPU (target.tp_size=1, 2 ranks, ZeRO-2)" in out and "target weights" in out
     for cause in ("skipped (too long)", "dropped (ranks)", "cut (accumulation)"):  # the start-up plan
         assert cause in out, cause
     checkpoints = run / "checkpoints"
