@@ -21,6 +21,10 @@ ADAM_BYTES = 8    # fp32 m and v per parameter
 MASTER_BYTES = 4  # DeepSpeed's fp32 copy of the weights it optimises
 
 
+def size_text(size: int) -> str:
+    return f"{size / GiB:.2f} GiB" if size >= GiB / 100 else f"{size / 2**20:.2f} MiB"
+
+
 @dataclass(frozen=True)
 class PlanInputs:
     target_params: int
@@ -58,11 +62,10 @@ class MemoryPlan:
         stage = f"ZeRO-{p.zero_stage}" if p.engine == "deepspeed" else "FSDP2"
         lines = [f"memory plan per GPU (target.tp_size={p.tp_size}, {p.world_size} ranks, {stage}"
                  + (", offload" if p.offload_optimizer or p.offload_params else "") + "):"]
-        lines += [f"  {name:<20} {size / GiB:8.2f} GiB" for name, size in self.gpu.items()]
-        lines.append(f"  {'total':<20} {self.total / GiB:8.2f} GiB"
-                     + (f" of {gpu_bytes / GiB:.2f} GiB" if gpu_bytes else ""))
+        lines += [f"  {name:<20} {size_text(size):>11}" for name, size in self.gpu.items()]
+        lines.append(f"  {'total':<20} {size_text(self.total):>11}" + (f" of {size_text(gpu_bytes)}" if gpu_bytes else ""))
         if self.host:
-            lines.append("  host memory per rank: " + ", ".join(f"{n} {b / GiB:.2f} GiB" for n, b in self.host.items()))
+            lines.append("  host memory per rank: " + ", ".join(f"{n} {size_text(b)}" for n, b in self.host.items()))
         return lines
 
 
@@ -115,7 +118,7 @@ def fitting_changes(p: PlanInputs, gpu_bytes: int, node_ranks: int) -> list[str]
                            replace(p, tokens_per_batch=p.tokens_per_batch // factor)))
         candidates.append((f"objective.anchors_per_batch={p.anchors // factor}",
                            replace(p, anchors=max(1, p.anchors // factor))))
-    return [f"{knob} ({plan_memory(changed).total / GiB:.2f} GiB)" for knob, changed in candidates
+    return [f"{knob} ({size_text(plan_memory(changed).total)})" for knob, changed in candidates
             if plan_memory(changed).total <= gpu_bytes]
 
 

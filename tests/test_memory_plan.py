@@ -4,7 +4,7 @@ as each engine and ZeRO stage shards it; the fit check names the changes that wo
 import pytest
 
 from drafter.config import load_config
-from drafter.memory_plan import (GiB, MemoryPlanError, check_fits, plan_inputs, plan_memory,
+from drafter.memory_plan import (GiB, MemoryPlanError, check_fits, plan_inputs, plan_memory, size_text,
                                  target_model_config)
 from drafter.model import DFlashDraftModel, drafter_config
 from drafter.target import random_qwen3
@@ -17,7 +17,7 @@ RANDOM = {"vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 6, "num_att
 def config(*overrides):
     shape = [f"target.random.{key}={value}" for key, value in RANDOM.items()]
     return load_config(str(REPO / "configs" / "v3.yaml"),
-                       ["data.path=/x", "target.path=null", *shape, "drafter.num_layers=2",
+                       ["data.path=/x", "target.path=null", *shape, "drafter.num_layers=2", "train.generate_every=0",
                         "drafter.target_layer_ids=[1,3]", *overrides])
 
 
@@ -75,8 +75,8 @@ def test_a_plan_that_cannot_fit_stops_with_its_numbers_and_the_changes_that_fit(
     with pytest.raises(MemoryPlanError) as stopped:
         check_fits(big, gpu, node_ranks=8)
     message = " ".join(str(stopped.value).split())
-    assert f"target weights {big.gpu['target weights'] / GiB:.2f} GiB" in message
-    assert f"total {big.total / GiB:.2f} GiB of {gpu / GiB:.2f} GiB" in message
+    assert f"target weights {size_text(big.gpu['target weights'])}" in message
+    assert f"total {size_text(big.total)} of {size_text(gpu)}" in message
     assert "target.tp_size=2" in message and "target.tp_size=4" in message
     assert "target.tp_size=16" not in message  # not beyond the node
     check_fits(big, big.total, node_ranks=8)  # fits exactly: no error
