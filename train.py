@@ -39,9 +39,9 @@ from drafter.objective import ObjectiveConfig, attention_kernel, finalize_metric
 from drafter.run_lock import RunDirectoryBusy, hold_run_directory
 from drafter.sampler import bucket_table, held_out_share, make_loader, plan_notes, sampler_from_config
 from drafter.served import bench_prompts, generation_tau, held_out_prompts, replayed_tau
-from drafter.target import load_target, random_qwen3
+from drafter.target import random_qwen3
 from drafter.tensor_parallel import (TargetFeatures, TensorParallelError, check_tensor_parallel, form_tp_group,
-                                     shard_target)
+                                     load_tp_target, shard_target)
 from drafter.tracking import RunLogger, console_line, eval_line
 
 USER_ERRORS = (ConfigError, DataError, EngineConfigError, ResumeError, LaunchError, RunDirectoryBusy,
@@ -67,14 +67,11 @@ def node_ranks(world_size: int) -> int:
 
 
 def build_target_and_tokenizer(cfg, device, dtype, tp_group):
-    """The frozen target, sharded over this rank's tensor-parallel group on the host before it moves
-    to the device (a sharded target is never whole on a GPU)."""
-    load_on = device if tp_group.size == 1 else torch.device("cpu")
+    """The frozen target: whole, or this rank's share of its tensor-parallel group's copy."""
     if cfg.target.path is None:
-        target, tokenizer = random_qwen3(**cfg.target.random).to(load_on, dtype), None
-    else:
-        target, tokenizer = load_target(cfg.target.path, load_on, dtype), AutoTokenizer.from_pretrained(cfg.target.path)
-    return shard_target(target, tp_group).to(device), tokenizer
+        return shard_target(random_qwen3(**cfg.target.random).to(dtype), tp_group).to(device), None
+    tokenizer = AutoTokenizer.from_pretrained(cfg.target.path)
+    return load_tp_target(cfg.target.path, tp_group, device, dtype), tokenizer
 
 
 def build_drafter(cfg, target, tokenizer):

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from drafter.target import context_features
+from drafter.target import context_features, load_target
 
 SPLIT_DIM = {"colwise": -2, "packed_colwise": -2, "rowwise": -1}  # the weight dim each style splits
 SUMMED = ("rowwise", "moe_tp_experts")   # modules whose output is a partial sum over the group
@@ -42,56 +42,62 @@ def family_plan(model_config) -> dict[str, str]:
     return dict(getattr(model_config.get_text_config(), "base_model_tp_plan", None) or {})
 
 
-def check_tensor_parallel(model_config, tp_size: int, node_ranks: int, world_size: int) -> None:
-    """Raise TensorParallelError, naming the key and the reason, unless the target can be split."""
+def check_tensor_parallel(model_config, tp_size: int, node_ranks: int, world_size: int,
+                          key: str = "target.tp_size") -> None:
+    """Raise TensorParallelError, naming the key (the config's, or a CLI flag) and the reason, unless
+    the target can be split."""
     if tp_size == 1:
         return
     if node_ranks % tp_size or world_size % tp_size:
-        raise TensorParallelError(f"target.tp_size={tp_size} must divide the ranks of a node ({node_ranks} here, "
+        raise TensorParallelError(f"{key}={tp_size} must divide the ranks of a node ({node_ranks} here, "
                                   f"{world_size} in all): a group's ranks share one node")
     text = model_config.get_text_config()
     plan = family_plan(model_config)
     if not plan:
-        raise TensorParallelError(f"target.tp_size={tp_size}: the {text.model_type} family has no tensor-parallel "
+        raise TensorParallelError(f"{key}={tp_size}: the {text.model_type} family has no tensor-parallel "
                                   "plan in transformers; use target.tp_size=1")
     unknown = sorted({f"{name}: {style}" for name, style in plan.items()
                       if style not in (*SPLIT_DIM, *SUMMED, *WHOLE)})
     if unknown:
-        raise TensorParallelError(f"target.tp_size={tp_size}: the {text.model_type} plan shards "
+        raise TensorParallelError(f"{key}={tp_size}: the {text.model_type} plan shards "
                                   f"{', '.join(unknown)}, a style this trainer does not apply; use target.tp_size=1")
-    for key in SPLIT_WIDTHS:
-        width = getattr(text, key, None)
+    for name in SPLIT_WIDTHS:
+        width = getattr(text, name, None)
         if width is not None and width % tp_size:
-            raise TensorParallelError(f"target.tp_size={tp_size} cannot split the target's {key}={width} "
+            raise TensorParallelError(f"{key}={tp_size} cannot split the target's {name}={width} "
                                       f"({text.model_type}); choose a tp size that divides it")
 
 
 @dataclass(frozen=True)
 class TPGroup:
-    ranks: list[int]                 # global ranks of this rank's group, consecutive
-    group: object                    # the process group (None at tp 1)
+    ranks: list[int]   # global ranks of this rank's group, consecutive
+    index: int         # this rank's place in it (0: the member that reports, in evaluation)
+    group: object      # the process group (None at tp 1)
 
     @property
     def size(self) -> int:
         return len(self.ranks)
 
-    @property
-    def index(self) -> int:
-        return self.ranks.index(dist.get_rank())
 
-
-def form_tp_group(tp_size: int) -> TPGroup:
-    """Collective: every rank creates every group (torch requires it) and keeps its own."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+def form_tp_group(tp_size: int, backend: str | None = None) -> TPGroup:
+    """Collective: every rank creates every group (torch requires it) and keeps its own. tp 1 needs
+    no process group, nor an initialised world (a single-process evaluation)."""
     if tp_size == 1:
-        return TPGroup([rank], None)
-    mine = None
-    for first in range(0, world_size, tp_size):
+        return TPGroup([dist.get_rank() if dist.is_initialized() else 0], 0, None)
+    rank, mine = dist.get_rank(), None
+    for first in range(0, dist.get_world_size(), tp_size):
         ranks = list(range(first, first + tp_size))
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, backend=backend)
         if rank in ranks:
-            mine = TPGroup(ranks, group)
+            mine = TPGroup(ranks, ranks.index(rank), group)
     return mine
+
+
+def load_tp_target(path: str, group: TPGroup, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """`load_target`, sharded over `group` on the host first: a sharded target is never whole on a GPU."""
+    if group.size == 1:
+        return load_target(path, device, dtype)
+    return shard_target(load_target(path, "cpu", dtype), group).to(device)
 
 
 def _style(name: str, plan: dict[str, str]) -> str | None:
