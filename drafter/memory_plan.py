@@ -1,6 +1,7 @@
 """The per-GPU memory plan of a run, computed from configs alone (no weights load):
 
-    target weights        parameters x dtype bytes / target.tp_size (counted on the meta device)
+    target weights        dtype bytes x (the parameters the family's tp plan splits / target.tp_size
+                          + the rest: embedding, LM head, norms, routers), counted on the meta device
     drafter weights       under the engine: DeepSpeed keeps them whole except at ZeRO-3; FSDP2 shards
     drafter gradients     in the compute dtype (DeepSpeed; sharded from ZeRO-2) or fp32 shards (FSDP2)
     optimizer state       AdamW m and v, plus DeepSpeed's fp32 master copy, sharded over every rank
@@ -28,6 +29,7 @@ def size_text(size: int) -> str:
 @dataclass(frozen=True)
 class PlanInputs:
     target_params: int
+    target_split_params: int  # those a tensor-parallel group splits (the rest stays whole on every rank)
     dtype_bytes: int          # of the target and of the drafter's compute
     tp_size: int
     drafter_params: int
@@ -71,7 +73,8 @@ class MemoryPlan:
 
 def plan_memory(p: PlanInputs) -> MemoryPlan:
     n, w = p.world_size, p.dtype_bytes
-    gpu = {"target weights": math.ceil(p.target_params * w / p.tp_size)}
+    whole = p.target_params - p.target_split_params
+    gpu = {"target weights": math.ceil((whole + p.target_split_params / p.tp_size) * w)}
     if p.engine == "fsdp":  # fp32 shards of weights and gradients; AdamW state of the shard
         state = {"drafter weights": 4 * p.drafter_params / n, "drafter gradients": 4 * p.drafter_params / n,
                  "optimizer state": ADAM_BYTES * p.drafter_params / n}
@@ -141,12 +144,15 @@ def check_fits(plan: MemoryPlan, gpu_bytes: int, node_ranks: int) -> None:
 # From the configs
 # ---------------------------------------------------------------------------------------------
 
-def count_parameters(model_config, model_class=None) -> int:
-    """Parameters of a model built from its config on the meta device (no memory, no weights)."""
+def on_meta(model_config, model_class=None):
+    """A model built from its config on the meta device (no memory, no weights)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = model_class(model_config) if model_class else AutoModelForCausalLM.from_config(model_config)
+        return model_class(model_config) if model_class else AutoModelForCausalLM.from_config(model_config)
+
+
+def count_parameters(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
@@ -171,6 +177,7 @@ def plan_inputs(cfg, model_config, world_size: int, ds_config: dict | None, dtyp
     """The plan's inputs from the run config, the target's (full) config and the DeepSpeed JSON."""
     from drafter.model import DFlashDraftModel, drafter_config
     from drafter.objective import ObjectiveConfig
+    from drafter.tensor_parallel import planned_split
 
     text = model_config.get_text_config()
     draft = drafter_config(text, num_layers=cfg.drafter.num_layers, block_size=cfg.drafter.block_size,
@@ -179,9 +186,12 @@ def plan_inputs(cfg, model_config, world_size: int, ds_config: dict | None, dtyp
     offloaded = lambda key: zero.get(key, {}).get("device", "none") not in ("none", None)  # noqa: E731
     fsdp_offload = cfg.train.engine == "fsdp" and cfg.fsdp.cpu_offload
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    target = on_meta(model_config)
     return PlanInputs(
-        target_params=count_parameters(model_config), dtype_bytes=dtype_bytes, tp_size=cfg.target.tp_size,
-        drafter_params=count_parameters(draft, DFlashDraftModel), world_size=world_size,
+        target_params=count_parameters(target),
+        target_split_params=sum(param.numel() for param, _ in planned_split(target)[0]),
+        dtype_bytes=dtype_bytes, tp_size=cfg.target.tp_size,
+        drafter_params=count_parameters(on_meta(draft, DFlashDraftModel)), world_size=world_size,
         engine=cfg.train.engine, zero_stage=zero.get("stage") if cfg.train.engine == "deepspeed" else None,
         offload_optimizer=fsdp_offload or offloaded("offload_optimizer"),
         offload_params=fsdp_offload or offloaded("offload_param"),

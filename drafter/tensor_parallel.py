@@ -119,22 +119,29 @@ def _keep_share(param: nn.Parameter, style: str, index: int, size: int) -> None:
     param.data = torch.cat([part.chunk(size, dim=dim)[index] for part in parts], dim=dim).contiguous()
 
 
+def planned_split(target: nn.Module) -> tuple[list[tuple[nn.Parameter, str]], list[nn.Module]]:
+    """(the parameters the family's plan splits, with their style; the modules whose outputs are sums)."""
+    plan, split, summed = family_plan(target.config), [], []
+    for name, module in target.get_decoder().named_modules():
+        style = _style(name, plan)
+        for param_name, param in module.named_parameters(recurse=False):
+            param_style = style if style in SPLIT_DIM else _style(f"{name}.{param_name}", plan)
+            if param_style in SPLIT_DIM:
+                split.append((param, param_style))
+        if style in SUMMED:
+            summed.append(module)
+    return split, summed
+
+
 def shard_target(target: nn.Module, group: TPGroup) -> nn.Module:
     """Keep this member's share of every weight the family's plan splits; sum partial outputs over the group."""
     if group.size == 1:
         return target
-    plan, body = family_plan(target.config), target.get_decoder()
-    for name, module in body.named_modules():
-        style = _style(name, plan)
-        if style in SPLIT_DIM:  # a module: its own weight and bias
-            for param in module.parameters(recurse=False):
-                _keep_share(param, style, group.index, group.size)
-        for param_name, param in module.named_parameters(recurse=False):
-            param_style = _style(f"{name}.{param_name}", plan)
-            if param_style in SPLIT_DIM:
-                _keep_share(param, param_style, group.index, group.size)
-        if style in SUMMED:
-            module.register_forward_hook(_sum_over(group.group))
+    split, summed = planned_split(target)
+    for param, style in split:
+        _keep_share(param, style, group.index, group.size)
+    for module in summed:
+        module.register_forward_hook(_sum_over(group.group))
     return target
 
 
