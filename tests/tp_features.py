@@ -36,7 +36,8 @@ def main(out_dir: str):
     shape = [(2, 24), (3, 17)][rank]  # different batches, different shapes
     ids = torch.randint(0, 256, shape, generator=torch.Generator().manual_seed(rank))
     report = {}
-    for name, whole in (("dense", random_qwen3(initializer_range=0.3, **WIDTHS)), ("moe", random_moe())):
+    dense = random_qwen3(initializer_range=0.3, attention_bias=True, **WIDTHS)  # a row-parallel bias too
+    for name, whole in (("dense", dense), ("moe", random_moe())):
         sharded = shard_target(copy.deepcopy(whole), group)
         features = TargetFeatures(sharded, group, torch.device("cpu"))
         expected = context_features(whole, ids, LAYERS)
