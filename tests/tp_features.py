@@ -37,6 +37,8 @@ def main(out_dir: str):
     ids = torch.randint(0, 256, shape, generator=torch.Generator().manual_seed(rank))
     report = {}
     dense = random_qwen3(initializer_range=0.3, attention_bias=True, **WIDTHS)  # a row-parallel bias too
+    for param in (p for n, p in sorted(dense.named_parameters()) if n.endswith("bias")):  # initialised to 0
+        param.data = torch.randn(param.shape, generator=torch.Generator().manual_seed(1))
     for name, whole in (("dense", dense), ("moe", random_moe())):
         sharded = shard_target(copy.deepcopy(whole), group)
         features = TargetFeatures(sharded, group, torch.device("cpu"))
