@@ -34,7 +34,7 @@ from drafter.model import DFlashDraftModel, drafter_config, drafter_from_state_d
 from drafter.objective import ObjectiveConfig, attention_kernel, finalize_metrics, training_step
 from drafter.sampler import bucket_table, held_out_share, make_loader, plan_notes, sampler_from_config
 from drafter.served import bench_prompts, generation_tau, held_out_prompts, replayed_tau
-from drafter.target import context_features, load_target, random_qwen3, target_config
+from drafter.target import context_features, input_embedding_scale, load_target, random_qwen3, target_config
 from drafter.tracking import RunLogger, console_line, eval_line
 
 USER_ERRORS = (ConfigError, DataError, EngineConfigError, ResumeError, LaunchError)
@@ -72,7 +72,8 @@ def build_drafter(cfg, target, tokenizer):
         mask_token_id = resolve_mask_token_id(tokenizer, target.config.vocab_size)
     config = drafter_config(target.config, num_layers=cfg.drafter.num_layers,
                             block_size=cfg.drafter.block_size, mask_token_id=mask_token_id,
-                            target_layer_ids=cfg.drafter.target_layer_ids, target_path=cfg.target.path,
+                            target_layer_ids=cfg.drafter.target_layer_ids,
+                            input_embedding_scale=input_embedding_scale(target), target_path=cfg.target.path,
                             chat_template_kwargs=dict(cfg.target.chat_template_kwargs))
     torch.manual_seed(cfg.run.seed)  # same initial weights on every rank
     return DFlashDraftModel(config)
