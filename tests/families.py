@@ -43,20 +43,20 @@ FAMILIES = {
 RECURRENT = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "nemotron_h")
 
 
-def family_config(family: str):
-    overrides = dict(_COMMON, **FAMILIES[family])
+def family_config(family: str, **extra):
+    overrides = dict(_COMMON, **FAMILIES[family], **extra)
     attn = overrides.pop("attn_implementation", "sdpa")
     config = AutoConfig.for_model(family, **overrides)
     config._attn_implementation = attn
     return config
 
 
-def random_target(family: str, seed: int = 0, scale: float = 0.3) -> torch.nn.Module:
-    """A frozen fp32 target of `family` with every weight drawn N(0, scale^2) (norm weights 1 + that),
-    so that its logits are spread far apart."""
+def random_target(family: str, seed: int = 0, scale: float = 0.3, **config) -> torch.nn.Module:
+    """A frozen fp32 target of `family` (`config` overrides its tiny sizes) with every weight drawn
+    N(0, scale^2) (norm weights 1 + that), so that its logits are spread far apart."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        target = AutoModelForCausalLM.from_config(family_config(family))
+        target = AutoModelForCausalLM.from_config(family_config(family, **config))
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for name, param in sorted(target.named_parameters()):

@@ -111,3 +111,54 @@ def test_a_target_without_readable_decoder_layers_is_refused_by_name():
     target.model.layers = torch.nn.ModuleList(list(target.model.layers)[:3])  # not the config's 6
     with pytest.raises(TargetError, match="llama.*no list of its 6 decoder layers"):
         context_features(target, torch.zeros(1, 4, dtype=torch.long), [1])
+
+
+@pytest.mark.slow
+def test_a_hybrid_family_end_to_end(tmp_path):
+    """A Qwen3.5-style hybrid (Gated DeltaNet + attention) target directory: train.py under torchrun
+    trains, evaluates (replayed tau_dflash and tau_ddtree@16) and generates (gen_tau_dflash; the
+    tree is refused there), the export is evaluated by eval/ddtree_accept.py (dflash lossless,
+    ddtree replayed), and data/regenerate.py --backend local writes the target's answers."""
+    import json
+    import subprocess
+    import sys
+
+    import yaml
+
+    from eval import ddtree_accept
+    from runs import REPO, records, run_to_end, write_run
+    from tiny_tokenizer import save_tiny_tokenizer
+
+    target_dir = save_tiny_tokenizer(tmp_path / "target")
+    random_target("qwen3_5_text", vocab_size=384).save_pretrained(target_dir)
+    cfg_path = write_run(tmp_path, max_steps=6, eval_every=6, save_every=6, generate_every=6,
+                         generate_max_new_tokens=6)
+    cfg = yaml.safe_load(cfg_path.read_text())
+    cfg["target"] = {"path": str(target_dir)}
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    run_to_end(cfg_path, launcher="torchrun")
+    run_dir = tmp_path / "run"
+    evaluation, generation = records(run_dir, "eval")[-1], records(run_dir, "generate")[-1]
+    assert evaluation["tau_dflash"] >= 1 and evaluation["tau_ddtree@16"] >= evaluation["tau_dflash"]
+    assert generation["gen_tau_dflash"] >= 1 and "gen_tau_ddtree@16" not in generation
+    exported = json.loads((run_dir / "checkpoints" / "latest" / "drafter" / "config.json").read_text())
+    assert exported["dflash_config"]["target_model_type"] == "qwen3_5_text"
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "What is the capital of France?"}) + "\n")
+    results = ddtree_accept.main(["--ckpt", str(run_dir / "checkpoints" / "latest"), "--bench", str(prompts),
+                                  "--budgets", "4", "--max-new-tokens", "10", "--out", str(tmp_path / "r.json")])
+    methods = results["benchmarks"]["prompts"]["methods"]
+    assert methods["dflash"]["lossless"] == "yes" and not methods["dflash"]["replayed"]
+    assert methods["ddtree@4"]["replayed"] and methods["ddtree@4"]["tau"] >= 1
+    assert methods["ddtree@4"]["speedup"] is None and "qwen3_5_text" in results["config"]["tree_verify_refusal"]
+
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(json.dumps({"messages": [{"role": "user", "content": "Hello world"}]}) + "\n")
+    out = tmp_path / "regen.jsonl"
+    done = subprocess.run([sys.executable, str(REPO / "data" / "regenerate.py"), "--input", str(chats),
+                           "--out", str(out), "--backend", "local", "--target", str(target_dir),
+                           "--max-tokens", "8"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    answer = json.loads(out.read_text().splitlines()[0])["messages"][-1]
+    assert answer["role"] == "assistant" and answer["content"]
