@@ -35,6 +35,7 @@ from drafter.objective import ObjectiveConfig, attention_kernel, finalize_metric
 from drafter.sampler import bucket_table, held_out_share, make_loader, plan_notes, sampler_from_config
 from drafter.served import bench_prompts, generation_tau, held_out_prompts, replayed_tau
 from drafter.target import context_features, input_embedding_scale, load_target, random_qwen3, target_config
+from drafter.target_cache import continuation_refusal
 from drafter.tracking import RunLogger, console_line, eval_line
 
 USER_ERRORS = (ConfigError, DataError, EngineConfigError, ResumeError, LaunchError)
@@ -319,6 +320,9 @@ def train(cfg, rank, world_size, device) -> int:
     target, tokenizer = build_target_and_tokenizer(cfg, device, dtype)
     drafter = build_drafter(cfg, target, tokenizer)
     generate_prompts = generation_prompts(cfg, tokenizer, eval_set)
+    if generate_prompts and (refusal := continuation_refusal(target)):
+        raise ConfigError(f"{refusal}: set train.generate_every=0 (the replayed tau of the eval steps needs "
+                          "no decoding)")
     stops = stop_token_ids(target, tokenizer)
     attention = attention_kernel(cfg.objective.attention, device)
     objective = ObjectiveConfig(block_size=drafter.block_size, mask_token_id=drafter.mask_token_id,

@@ -27,7 +27,7 @@ import torch
 from drafter.ddtree import build_tree, committed_tokens, follow_tree, tree_verify_inputs
 from drafter.model import DraftCache
 from drafter.target import TargetError, feature_tap, model_type
-from drafter.target_cache import TargetCache
+from drafter.target_cache import TargetCache, continuation_refusal
 
 METHODS = ("ar", "dflash", "ddtree")
 SAMPLING = ("match", "rejection")
@@ -241,6 +241,8 @@ def generate(target, prompt_ids: torch.Tensor, max_new_tokens: int, stop_token_i
     settings.check(drafter)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if method != "ar" and (refusal := continuation_refusal(target)):
+        raise TargetError(refusal)
     if method == "ddtree" and (refusal := tree_verify_refusal(target)):
         raise TreeVerifyUnsupported(refusal)
     if method == "ar":

@@ -63,17 +63,18 @@ def model_type(target: nn.Module) -> str:
 
 
 def decoder_layers(target: nn.Module) -> nn.ModuleList:
-    """The target's decoder layers in order (layer id i is the output of element i): the decoder's
-    `layers`, or its one ModuleList as long as the config's num_hidden_layers. Raises TargetError
-    naming the model type when there is none."""
+    """The target's decoder layers in order (layer id i is the output of element i): the first
+    ModuleList named `layers` (else any ModuleList) as long as the config's num_hidden_layers, the
+    decoder's own first. Raises TargetError naming the model type when there is none."""
     num_layers = target.config.get_text_config().num_hidden_layers
     body = target.get_decoder() if hasattr(target, "get_decoder") else target
-    found = [getattr(body, "layers", None)] + [m for m in body.children() if isinstance(m, nn.ModuleList)]
-    found = [m for m in found if isinstance(m, nn.ModuleList) and len(m) == num_layers]
-    if not found:
-        raise TargetError(f"target {model_type(target)} ({type(target).__name__}): no list of its "
-                          f"{num_layers} decoder layers in {type(body).__name__}; features cannot be read")
-    return found[0]
+    candidates = [(name, module) for root in (body, target) for name, module in root.named_modules()
+                  if isinstance(module, nn.ModuleList) and len(module) == num_layers]
+    named = [module for name, module in candidates if name.rsplit(".", 1)[-1] == "layers"]
+    if named or candidates:
+        return (named or [module for _, module in candidates])[0]
+    raise TargetError(f"target {model_type(target)} ({type(target).__name__}): no list of its "
+                      f"{num_layers} decoder layers in {type(body).__name__}; features cannot be read")
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:

@@ -15,8 +15,12 @@ rejected draft needs until the next rollback trims it back to its window. On top
                     rows. A tree cannot pass through a conv or recurrent layer as one flat sequence
                     (each branch must continue its parent's state), so `tree_refusal` names such a
                     target before any work.
-A cache layer of a kind not listed here stops decoding by name (`TargetError`).
+A cache layer of a kind not listed here stops decoding by name (`TargetError`), and so does a family
+whose forward over several new tokens does not continue its cached state (Jamba's Mamba restarts its
+scan there: `continuation_refusal` probes it once per target), since every verify is such a forward.
 """
+import weakref
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DummyLayer, DynamicLayer, LinearAttentionCacheLayerMixin
@@ -134,3 +138,28 @@ class TargetCache:
                 setattr(layer, name, torch.cat([states[..., :past, :], kept], dim=-2))
             if hasattr(layer, "cumulative_length"):
                 layer.cumulative_length += len(keep_rows) - tree_rows
+
+
+_CONTINUATION = weakref.WeakKeyDictionary()  # target -> refusal message or None
+
+
+@torch.no_grad()
+def continuation_refusal(target, tolerance: float = 0.1) -> str | None:
+    """Why speculative decoding cannot run on `target`, or None: its forward over 4 new tokens on a
+    cache of 6 must give the logits of one forward over all 10 (within `tolerance` of the logits'
+    spread, far above bf16 noise and far below a state that restarted). Probed once per target on a
+    fixed pseudo-random sequence; no global RNG is touched."""
+    if target not in _CONTINUATION:
+        vocab = target.config.get_text_config().vocab_size
+        ids = torch.randint(0, vocab, (1, 10), generator=torch.Generator().manual_seed(0)).to(target.device)
+        whole = target(ids).logits[0, 6:].float()
+        cache = TargetCache(target)
+        target(ids[:, :6], past_key_values=cache.cache, use_cache=True)
+        steps = target(ids[:, 6:], position_ids=torch.arange(6, 10, device=ids.device)[None],
+                       past_key_values=cache.cache, use_cache=True).logits[0].float()
+        error = float((steps - whole).abs().max() / whole.std().clamp_min(1e-6))
+        _CONTINUATION[target] = None if error <= tolerance else (
+            f"target {model_type(target)}: its forward over several new tokens on a cache does not continue "
+            f"the cached state (logits off by {error:.2f} of their spread on a probe), and every verify is such "
+            "a forward; dflash and ddtree cannot run on it (ar can)")
+    return _CONTINUATION[target]

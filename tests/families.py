@@ -40,11 +40,14 @@ FAMILIES = {
                        mamba_head_dim=16, ssm_state_size=8, n_groups=1, conv_kernel=4, chunk_size=8,
                        mamba_n_groups=1),
 }
+# Jamba's Mamba restarts its scan on a multi-token forward over a cache: decoding must refuse it
+UNSUPPORTED = {"jamba": dict(attn_layer_offset=1, attn_layer_period=2, expert_layer_offset=1, expert_layer_period=2,
+                             num_experts=2, mamba_d_state=8, mamba_expand=2, use_mamba_kernels=False)}
 RECURRENT = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "nemotron_h")
 
 
 def family_config(family: str, **extra):
-    overrides = dict(_COMMON, **FAMILIES[family], **extra)
+    overrides = dict(_COMMON, **{**FAMILIES, **UNSUPPORTED}[family], **extra)
     attn = overrides.pop("attn_implementation", "sdpa")
     config = AutoConfig.for_model(family, **overrides)
     config._attn_implementation = attn

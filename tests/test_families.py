@@ -106,6 +106,19 @@ def test_a_hybrid_target_restores_its_recurrent_state_after_a_rejected_draft(mon
     assert result.output_ids == expected and result.stage_seconds["recompute"] > 0
 
 
+def test_a_family_whose_cached_forward_restarts_its_state_is_refused_by_name():
+    """Jamba's Mamba layers ignore the cached state on a multi-token forward, which every verify is:
+    the speculative methods refuse it before any work; ar (one token a step) is exact."""
+    target = random_target("jamba")
+    prompt = torch.randint(0, 250, (1, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = target.generate(prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False)[0, 12:].tolist()
+    assert generate(target, prompt, 12, method="ar").output_ids == expected
+    for method, budget in (("dflash", None), ("ddtree", 4)):
+        with pytest.raises(TargetError, match="jamba: its forward over several new tokens"):
+            generate(target, prompt, 12, method=method, drafter=make_drafter(target), budget=budget)
+
+
 def test_a_target_without_readable_decoder_layers_is_refused_by_name():
     target = random_target("llama")
     target.model.layers = torch.nn.ModuleList(list(target.model.layers)[:3])  # not the config's 6
