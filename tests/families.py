@@ -39,11 +39,17 @@ FAMILIES = {
     "nemotron_h": dict(layers_block_type=["mamba", "attention", "mlp"] * (LAYERS // 3), mamba_num_heads=4,
                        mamba_head_dim=16, ssm_state_size=8, n_groups=1, conv_kernel=4, chunk_size=8,
                        mamba_n_groups=1),
+    "cohere2": dict(sliding_window=WINDOW, layer_types=_SLIDING),
+    "granite": dict(embedding_multiplier=12.0, logits_scaling=2.0),
+    "llama4_text": dict(attention_chunk_size=WINDOW, num_local_experts=2, interleave_moe_layer_step=2,
+                        intermediate_size_mlp=96),
+    "falcon_h1": dict(mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8, mamba_n_groups=1,
+                      mamba_chunk_size=8),
 }
 # Jamba's Mamba restarts its scan on a multi-token forward over a cache: decoding must refuse it
 UNSUPPORTED = {"jamba": dict(attn_layer_offset=1, attn_layer_period=2, expert_layer_offset=1, expert_layer_period=2,
                              num_experts=2, mamba_d_state=8, mamba_expand=2, use_mamba_kernels=False)}
-RECURRENT = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "nemotron_h")
+RECURRENT = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "nemotron_h", "falcon_h1")
 
 
 def family_config(family: str, **extra):

@@ -15,7 +15,7 @@ from drafter.model import DraftCache
 from drafter.target import TargetError, context_features, decoder_layers, select_features
 from families import FAMILIES, RECURRENT, random_target
 
-FLAT_TREE_REFUSED = RECURRENT + ("lfm2",)  # conv or recurrent mixers
+FLAT_TREE_REFUSED = RECURRENT + ("lfm2", "llama4_text")  # conv or recurrent mixers; chunked attention
 SLIDING = ("mistral", "gpt_oss", "gemma3_text", "gemma4_text", "olmo3")
 
 
@@ -52,10 +52,9 @@ def test_the_export_loads_in_dflash_with_our_logits(family):
     name, target = family
     drafter = make_drafter(target, num_layers=2, block_size=8)
     embedding = target.get_input_embeddings()
-    scale = float(getattr(embedding, "embed_scale", 1.0))
+    # Gemma scales its embeddings by sqrt(hidden) in the module, Granite by embedding_multiplier in its forward
+    scale = {"gemma3_text": 64 ** 0.5, "gemma4_text": 64 ** 0.5, "granite": 12.0}.get(name, 1.0)
     assert drafter.config.dflash_config["input_embedding_scale"] == pytest.approx(scale)
-    if name.startswith("gemma"):
-        assert scale == pytest.approx(64 ** 0.5)  # Gemma scales its embeddings by sqrt(hidden)
     with tempfile.TemporaryDirectory() as directory:
         drafter.save_pretrained(directory)
         public = dflash_model.DFlashDraftModel.from_pretrained(directory).eval()
