@@ -34,11 +34,12 @@ from drafter.model import DFlashDraftModel, drafter_config, drafter_from_state_d
 from drafter.objective import ObjectiveConfig, attention_kernel, finalize_metrics, training_step
 from drafter.sampler import bucket_table, held_out_share, make_loader, plan_notes, sampler_from_config
 from drafter.served import bench_prompts, generation_tau, held_out_prompts, replayed_tau
-from drafter.target import context_features, input_embedding_scale, load_target, random_qwen3, target_config
+from drafter.target import (TargetError, context_features, input_embedding_scale, load_target, random_qwen3,
+                            target_config)
 from drafter.target_cache import continuation_refusal
 from drafter.tracking import RunLogger, console_line, eval_line
 
-USER_ERRORS = (ConfigError, DataError, EngineConfigError, ResumeError, LaunchError)
+USER_ERRORS = (ConfigError, DataError, EngineConfigError, ResumeError, LaunchError, TargetError)
 
 
 # ----------------------------------------------------------------------------- setup
