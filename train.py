@@ -39,12 +39,13 @@ from drafter.objective import ObjectiveConfig, attention_kernel, finalize_metric
 from drafter.run_lock import RunDirectoryBusy, hold_run_directory
 from drafter.sampler import bucket_table, held_out_share, make_loader, plan_notes, sampler_from_config
 from drafter.served import bench_prompts, generation_tau, held_out_prompts, replayed_tau
-from drafter.target import random_qwen3
+from drafter.target import TargetError, input_embedding_scale, random_qwen3
+from drafter.target_cache import continuation_refusal
 from drafter.tensor_parallel import (TargetFeatures, TensorParallelError, check_tensor_parallel, form_tp_group,
                                      load_tp_target, shard_target)
 from drafter.tracking import RunLogger, console_line, eval_line
 
-USER_ERRORS = (ConfigError, DataError, EngineConfigError, ResumeError, LaunchError, RunDirectoryBusy,
+USER_ERRORS = (ConfigError, DataError, EngineConfigError, ResumeError, LaunchError, TargetError, RunDirectoryBusy,
                MemoryPlanError, TensorParallelError)
 
 
@@ -85,7 +86,8 @@ def build_drafter(cfg, target, tokenizer):
         mask_token_id = resolve_mask_token_id(tokenizer, target.config.vocab_size)
     config = drafter_config(target.config, num_layers=cfg.drafter.num_layers,
                             block_size=cfg.drafter.block_size, mask_token_id=mask_token_id,
-                            target_layer_ids=cfg.drafter.target_layer_ids, target_path=cfg.target.path,
+                            target_layer_ids=cfg.drafter.target_layer_ids,
+                            input_embedding_scale=input_embedding_scale(target), target_path=cfg.target.path,
                             chat_template_kwargs=dict(cfg.target.chat_template_kwargs))
     torch.manual_seed(cfg.run.seed)  # same initial weights on every rank
     return DFlashDraftModel(config)
@@ -356,6 +358,9 @@ def train(cfg, rank, world_size, device) -> int:
     target_features = TargetFeatures(target, tp_group, device)  # this rank's features, whatever the tp size
     drafter = build_drafter(cfg, target, tokenizer)
     generate_prompts = generation_prompts(cfg, tokenizer, eval_set)
+    if generate_prompts and (refusal := continuation_refusal(target)):
+        raise ConfigError(f"{refusal}: set train.generate_every=0 (the replayed tau of the eval steps needs "
+                          "no decoding)")
     stops = stop_token_ids(target, tokenizer)
     attention = attention_kernel(cfg.objective.attention, device)
     objective = ObjectiveConfig(block_size=drafter.block_size, mask_token_id=drafter.mask_token_id,
