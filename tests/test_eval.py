@@ -12,6 +12,7 @@ from torch.distributed import distributed_c10d as dist_c10d
 from conftest import make_drafter
 from drafter.benchmarks import REASON_BOXED, load_jsonl, load_prompts
 from drafter.target import random_qwen3
+from drafter.tensor_parallel import form_tp_group
 from eval import ddtree_accept
 from tiny_tokenizer import save_tiny_tokenizer
 
@@ -86,8 +87,9 @@ def test_target_flag_overrides_the_recorded_target(checkpoint, tmp_path):
     drafter.save_pretrained(tmp_path / "drafter_only")
     args = ddtree_accept.parse_args(["--ckpt", str(tmp_path / "drafter_only"),
                                      "--target", str(checkpoint / "target"), "--budgets", "4"])
-    evaluator = ddtree_accept.Evaluator(args, ddtree_accept.torch.device("cpu"))
-    assert evaluator.target_path == str(checkpoint / "target")
+    target_path = ddtree_accept.target_path_of(args)
+    assert target_path == str(checkpoint / "target")
+    evaluator = ddtree_accept.Evaluator(args, ddtree_accept.torch.device("cpu"), target_path, form_tp_group(1))
     assert evaluator.enable_thinking is False and evaluator.methods == ["ar", "dflash", "ddtree@4"]
 
 
