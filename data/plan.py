@@ -111,7 +111,7 @@ def parse_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r}: give GPU memory as e.g. 80GB") from None
 
 
-def memory_report(cfg, world_size: int, gpu_bytes: int) -> tuple[str, dict]:
+def memory_report(cfg, world_size: int, gpu_bytes: int, gpus_per_node: int) -> tuple[str, dict]:
     """The plan training prints at start-up, on a GPU of `gpu_bytes` (bf16 unless target.dtype=fp32)."""
     cfg = OmegaConf.merge(OmegaConf.structured(Config), cfg)
     dtype_bytes = 4 if cfg.target.dtype in ("fp32", "float32") else 2
@@ -122,7 +122,7 @@ def memory_report(cfg, world_size: int, gpu_bytes: int) -> tuple[str, dict]:
     plan = plan_memory(plan_inputs(cfg, model_config, world_size, ds, dtype_bytes))
     lines = plan.lines(gpu_bytes)
     if plan.total > gpu_bytes:
-        changes = fitting_changes(plan.inputs, gpu_bytes, node_ranks=min(world_size, 8))
+        changes = fitting_changes(plan.inputs, gpu_bytes, node_ranks=min(world_size, gpus_per_node))
         lines.append("does not fit; changes that fit: " + ("; ".join(changes) or "none alone, combine them"))
     return "\n".join(lines), {"gpu": plan.gpu, "host": plan.host, "total": plan.total, "gpu_memory": gpu_bytes}
 
@@ -139,13 +139,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--gpu-memory", type=parse_bytes, help="print the per-GPU memory plan for GPUs of this "
                         "size, e.g. 80GB")
     parser.add_argument("--memory-only", action="store_true", help="only the memory plan (no dataset needed)")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="the largest target.tp_size a change may suggest")
     parser.add_argument("overrides", nargs="*", help="OmegaConf dotlist overrides, e.g. data.tokens_per_batch=32768")
     args = parser.parse_args(argv)
 
     cfg = OmegaConf.merge(OmegaConf.load(args.cfg), OmegaConf.from_dotlist(args.overrides))
     memory = None
     if args.gpu_memory:
-        text, memory = memory_report(cfg, args.world_size, args.gpu_memory)
+        text, memory = memory_report(cfg, args.world_size, args.gpu_memory, args.gpus_per_node)
         print(text)
         if args.memory_only:
             return {"memory": memory}

@@ -55,12 +55,12 @@ def check_tensor_parallel(model_config, tp_size: int, node_ranks: int, world_siz
     plan = family_plan(model_config)
     if not plan:
         raise TensorParallelError(f"{key}={tp_size}: the {text.model_type} family has no tensor-parallel "
-                                  "plan in transformers; use target.tp_size=1")
+                                  f"plan in transformers; use {key}=1")
     unknown = sorted({f"{name}: {style}" for name, style in plan.items()
                       if style not in (*SPLIT_DIM, *SUMMED, *WHOLE)})
     if unknown:
         raise TensorParallelError(f"{key}={tp_size}: the {text.model_type} plan shards "
-                                  f"{', '.join(unknown)}, a style this trainer does not apply; use target.tp_size=1")
+                                  f"{', '.join(unknown)}, a style this trainer does not apply; use {key}=1")
     for name in SPLIT_WIDTHS:
         width = getattr(text, name, None)
         if width is not None and width % tp_size:

@@ -73,7 +73,7 @@ def qwen3(**widths):
     (qwen3(num_attention_heads=4, num_key_value_heads=1), 2, 2,
      "target.tp_size=2 cannot split the target's num_key_value_heads=1 (qwen3)"),
     (qwen3(num_attention_heads=4, num_key_value_heads=2), 4, 2, "target.tp_size=4 must divide the ranks of a node (2 "),
-    (GPT2Config(), 2, 2, "target.tp_size=2: the gpt2 family has no tensor-parallel plan"),
+    (GPT2Config(), 2, 2, "target.tp_size=2: the gpt2 family has no tensor-parallel plan in transformers; use target.tp_size=1"),
 ])
 def test_a_target_the_group_cannot_split_is_refused_by_name(config, tp_size, node_ranks, message):
     with pytest.raises(TensorParallelError, match=re.escape(message)):
