@@ -40,7 +40,7 @@ from drafter.run_lock import RunDirectoryBusy, hold_run_directory
 from drafter.sampler import bucket_table, held_out_share, make_loader, plan_notes, sampler_from_config
 from drafter.served import bench_prompts, generation_tau, held_out_prompts, replayed_tau
 from drafter.target import TargetError, input_embedding_scale, random_qwen3
-from drafter.target_cache import continuation_refusal
+from drafter.target_cache import probe_decoding
 from drafter.tensor_parallel import (TargetFeatures, TensorParallelError, check_tensor_parallel, form_tp_group,
                                      load_tp_target, shard_target)
 from drafter.tracking import RunLogger, console_line, eval_line
@@ -358,7 +358,8 @@ def train(cfg, rank, world_size, device) -> int:
     target_features = TargetFeatures(target, tp_group, device)  # this rank's features, whatever the tp size
     drafter = build_drafter(cfg, target, tokenizer)
     generate_prompts = generation_prompts(cfg, tokenizer, eval_set)
-    if generate_prompts and (refusal := continuation_refusal(target)):
+    probe = probe_decoding(target) if generate_prompts else None
+    if probe and (refusal := probe.cannot_decode or probe.cannot_verify):
         raise ConfigError(f"{refusal}: set train.generate_every=0 (the replayed tau of the eval steps needs "
                           "no decoding)")
     stops = stop_token_ids(target, tokenizer)

@@ -385,7 +385,7 @@ def check_ddtree_step_syncs(target, drafter, device, run) -> dict:
     cache, draft_cache = TargetCache(target), DraftCache()
     committed_per_step = []
     with torch.inference_mode(), tensor_tree_backend(device), feature_tap(target, drafter.target_layer_ids) as tap:
-        out = target(prompt, past_key_values=cache.cache, use_cache=True, logits_to_keep=1)
+        out = cache.forward(prompt, logits_to_keep=1)
         root, start = int(out.logits[0, -1].argmax()), prompt.shape[1]
         context = tap.features()
         for _ in range(2):
@@ -396,8 +396,7 @@ def check_ddtree_step_syncs(target, drafter, device, run) -> dict:
                 tree = build_tree(logits, run["budget"], "tensor")
                 input_ids, position_ids, visible = tree_verify_inputs(tree, block[0, 0], start)
                 mask = cache.tree_attention_mask(visible, position_ids[0] - start, start, target.dtype)
-                out = target(input_ids, position_ids=position_ids, attention_mask=mask, past_key_values=cache.cache,
-                             use_cache=True)
+                out = cache.forward(input_ids, position_ids=position_ids, attention_mask=mask)
                 features = tap.features()
                 picks = pick(out.logits[0], 0.0)
                 path, accepted = follow_tree(tree, picks)

@@ -27,7 +27,7 @@ import torch
 from drafter.ddtree import build_tree, committed_tokens, follow_tree, tree_verify_inputs
 from drafter.model import DraftCache
 from drafter.target import TargetError, feature_tap, model_type
-from drafter.target_cache import TargetCache, continuation_refusal
+from drafter.target_cache import TargetCache, probe_decoding
 
 METHODS = ("ar", "dflash", "ddtree")
 SAMPLING = ("match", "rejection")
@@ -120,22 +120,14 @@ class _Steps:
             self.margins.append(top_two[0] - top_two[1])
         return int(pick(logits, self.temperature))
 
-    def positions(self, start: int, length: int) -> torch.Tensor:
-        return torch.arange(start, start + length, device=self.target.device)[None]
-
-    def forward(self, input_ids: torch.Tensor, start: int, **kwargs):
-        """The target over `input_ids` [1, n] at positions start.. (or `position_ids`), on the cache."""
-        kwargs.setdefault("position_ids", self.positions(start, input_ids.shape[1]))
-        return self.target(input_ids, past_key_values=self.cache.cache, use_cache=True, **kwargs)
-
     def prefill(self, prompt_ids: torch.Tensor):
-        out = self.forward(prompt_ids, 0, logits_to_keep=1)
+        out = self.cache.forward(prompt_ids, logits_to_keep=1)
         context = self.tap.features() if self.tap else None
         return self.next_token(out.logits[0, -1]), context
 
     def ar(self, root: int, start: int, context):
         with self.timer("verify"):
-            out = self.forward(torch.tensor([[root]], device=self.target.device), start)
+            out = self.cache.forward(torch.tensor([[root]], device=self.target.device))
         with self.timer("commit"):
             return [self.next_token(out.logits[0, -1])], None
 
@@ -155,7 +147,7 @@ class _Steps:
                 block[0, 1:] = logits.argmax(-1)
         with self.timer("verify"):
             recurrent = self.cache.snapshot()
-            out = self.forward(block, start)
+            out = self.cache.forward(block)
             features = self.tap.features()
         with self.timer("commit"):
             drafted = block[0, 1:]
@@ -177,7 +169,7 @@ class _Steps:
         with self.timer("recompute"):
             self.cache.restore(recurrent)
             self.cache.rollback(start)
-            self.forward(kept_ids, start, logits_to_keep=1)
+            self.cache.forward(kept_ids, logits_to_keep=1)
 
     def ddtree(self, root: int, start: int, context):
         with self.timer("draft"):
@@ -187,7 +179,7 @@ class _Steps:
         with self.timer("verify"):
             input_ids, position_ids, visible = tree_verify_inputs(tree, block[0, 0], start)
             mask = self.cache.tree_attention_mask(visible, position_ids[0] - start, start, self.target.dtype)
-            out = self.forward(input_ids, start, position_ids=position_ids, attention_mask=mask)
+            out = self.cache.forward(input_ids, position_ids=position_ids, attention_mask=mask)
             features = self.tap.features()
         with self.timer("commit"):
             picks = pick(out.logits[0], self.temperature)
@@ -241,8 +233,9 @@ def generate(target, prompt_ids: torch.Tensor, max_new_tokens: int, stop_token_i
     settings.check(drafter)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if method != "ar" and (refusal := continuation_refusal(target)):
-        raise TargetError(refusal)
+    probe = probe_decoding(target)
+    if probe.cannot_decode or (method != "ar" and probe.cannot_verify):
+        raise TargetError(probe.cannot_decode or probe.cannot_verify)
     if method == "ddtree" and (refusal := tree_verify_refusal(target)):
         raise TreeVerifyUnsupported(refusal)
     if method == "ar":

@@ -12,7 +12,8 @@ from unittest import mock
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM, masking_utils
+from transformers import (AutoModelForCausalLM, AutoModelForImageTextToText, Qwen3Config, Qwen3ForCausalLM,
+                          masking_utils)
 
 
 class TargetError(ValueError):
@@ -20,8 +21,15 @@ class TargetError(ValueError):
 
 
 def load_target(path: str, device: torch.device | str, dtype: torch.dtype) -> nn.Module:
-    """Load a HF causal LM frozen: eval mode, no grad, in `dtype` on `device`."""
-    target = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    """Load a HF causal LM frozen: eval mode, no grad, in `dtype` on `device`. A multimodal checkpoint
+    that transformers maps to image-text-to-text only (Kimi-K2.5) loads as that model: its decoder,
+    embedding and LM head are found the same way."""
+    try:
+        target = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except ValueError as error:
+        if "Unrecognized configuration class" not in str(error):
+            raise
+        target = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
     decoder_layers(target)  # an unreadable structure stops here, before any training or decoding
     return freeze(target.to(device))
 

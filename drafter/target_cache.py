@@ -17,9 +17,10 @@ rejected draft needs until the next rollback trims it back to its window. On top
                     target before any work.
 A cache layer of a kind not listed here stops decoding by name (`TargetError`), and so does a family
 whose forward over several new tokens does not continue its cached state (Jamba's Mamba restarts its
-scan there: `continuation_refusal` probes it once per target), since every verify is such a forward.
+scan there: `probe_decoding` probes it once per target), since every verify is such a forward.
 """
 import weakref
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
@@ -38,9 +39,11 @@ def is_attention_layer(layer) -> bool:
 
 
 class TargetCache:
-    """One decode's cache of the target (module docstring)."""
+    """One decode's cache of the target (module docstring). Every target forward on it goes through
+    `forward`, which counts the positions it holds (a pure recurrent cache has no length to read)."""
 
     def __init__(self, target):
+        self.target = target
         self.cache = DynamicCache(config=target.config)
         self.cache.activate_past_recording()
         self.config = target.config.get_text_config()
@@ -50,10 +53,16 @@ class TargetCache:
             raise TargetError(f"target {model_type(target)}: cache layers {sorted(unknown)} cannot be rolled "
                               "back after a rejected draft")
         self.layer_types = getattr(self.config, "layer_types", None)
+        self.length = 0
 
-    @property
-    def length(self) -> int:
-        return self.cache.get_seq_length()
+    def forward(self, input_ids: torch.Tensor, **kwargs):
+        """The target over `input_ids` [1, n] at positions length.. (unless `position_ids` say
+        otherwise), on this cache."""
+        kwargs.setdefault("position_ids", torch.arange(self.length, self.length + input_ids.shape[1],
+                                                       device=input_ids.device)[None])
+        out = self.target(input_ids, past_key_values=self.cache, use_cache=True, **kwargs)
+        self.length += input_ids.shape[1]
+        return out
 
     def rollback(self, length: int) -> None:
         """Drop every position from `length` on (attention keys, conv history); a sliding or conv
@@ -61,7 +70,14 @@ class TargetCache:
         remove = self.length - length
         if remove < 0:
             raise ValueError(f"cannot roll the cache of {self.length} positions forward to {length}")
-        self.cache.crop(-remove)
+        for layer in self.cache.layers:
+            if is_state_layer(layer) and None in layer.conv_kernel_size.values():
+                if remove:  # its conv history cannot be cut (Mamba-2 records no kernel width): refuse
+                    raise TargetError(f"target {model_type(self.target)}: a conv state of unknown width "
+                                      "cannot be rolled back after a rejected draft")
+                continue
+            layer.crop(-remove)
+        self.length = length
 
     def snapshot(self) -> list[tuple[dict, int, torch.Tensor]] | None:
         """Copies of every recurrent state, or None when the target has none."""
@@ -125,41 +141,74 @@ class TargetCache:
         mask = torch.zeros(seen.shape, dtype=dtype, device=depths.device)
         return mask.masked_fill_(~seen, torch.finfo(dtype).min)[None, None]
 
+    # what an attention cache layer holds per position, and along which dim (DSA layers: an indexer too)
+    _PER_POSITION = (("keys", -2), ("values", -2), ("indexer_keys", 1), ("indexer_position_ids", -1))
+
     def compact(self, tree_rows: int, keep_rows: torch.Tensor) -> None:
         """After a verify forward of `tree_rows` rows: keep, in each attention layer, its past and
         then the rows `keep_rows` (in that order); drop the other tree rows."""
         for layer in self.cache.layers:
-            if not is_attention_layer(layer) or layer.keys is None or layer.keys.numel() == 0:
+            if not is_attention_layer(layer):
                 continue
-            past = layer.keys.shape[-2] - tree_rows
-            for name in ("keys", "values"):
-                states = getattr(layer, name)
-                kept = states[..., past:, :].index_select(-2, keep_rows)
-                setattr(layer, name, torch.cat([states[..., :past, :], kept], dim=-2))
+            for name, dim in self._PER_POSITION:
+                states = getattr(layer, name, None)
+                if states is None or states.numel() == 0:
+                    continue
+                past = states.shape[dim] - tree_rows
+                kept = states.narrow(dim, past, tree_rows).index_select(dim, keep_rows)
+                setattr(layer, name, torch.cat([states.narrow(dim, 0, past), kept], dim=dim))
             if hasattr(layer, "cumulative_length"):
                 layer.cumulative_length += len(keep_rows) - tree_rows
+        self.length += len(keep_rows) - tree_rows
 
 
-_CONTINUATION = weakref.WeakKeyDictionary()  # target -> refusal message or None
+@dataclass(frozen=True)
+class DecodeProbe:
+    """What decoding can do on a target: `cannot_decode` / `cannot_verify` say why not, or None."""
+    cannot_decode: str | None
+    cannot_verify: str | None
+
+
+_PROBES = weakref.WeakKeyDictionary()  # target -> DecodeProbe
 
 
 @torch.no_grad()
-def continuation_refusal(target, tolerance: float = 0.1) -> str | None:
-    """Why speculative decoding cannot run on `target`, or None: its forward over 4 new tokens on a
-    cache of 6 must give the logits of one forward over all 10 (within `tolerance` of the logits'
-    spread, far above bf16 noise and far below a state that restarted). Probed once per target on a
-    fixed pseudo-random sequence; no global RNG is touched."""
-    if target not in _CONTINUATION:
-        vocab = target.config.get_text_config().vocab_size
-        ids = torch.randint(0, vocab, (1, 10), generator=torch.Generator().manual_seed(0)).to(target.device)
-        whole = target(ids).logits[0, 6:].float()
-        cache = TargetCache(target)
-        target(ids[:, :6], past_key_values=cache.cache, use_cache=True)
-        steps = target(ids[:, 6:], position_ids=torch.arange(6, 10, device=ids.device)[None],
-                       past_key_values=cache.cache, use_cache=True).logits[0].float()
-        error = float((steps - whole).abs().max() / whole.std().clamp_min(1e-6))
-        _CONTINUATION[target] = None if error <= tolerance else (
-            f"target {model_type(target)}: its forward over several new tokens on a cache does not continue "
-            f"the cached state (logits off by {error:.2f} of their spread on a probe), and every verify is such "
-            "a forward; dflash and ddtree cannot run on it (ar can)")
-    return _CONTINUATION[target]
+def probe_decoding(target, tolerance: float = 0.25) -> DecodeProbe:
+    """Whether the target decodes exactly on its own cache, as `decode.generate` drives it: after a
+    forward over 6 tokens, 4 one-token forwards (ar) and, on a second cache, one forward over the 4
+    (every verify is such a forward) must each give the logits of one forward over all 10: their RMS
+    difference within `tolerance` of the logits' spread (bf16 noise is far below, a state that
+    restarted far above). Probed once per target on a fixed pseudo-random sequence; no global RNG
+    is touched."""
+    if target in _PROBES:
+        return _PROBES[target]
+    name = model_type(target)
+    vocab = target.config.get_text_config().vocab_size
+    ids = torch.randint(0, vocab, (1, 10), generator=torch.Generator().manual_seed(0)).to(target.device)
+    whole = target(ids).logits[0, 6:].float()
+
+    def off(logits) -> float:
+        return float((logits.float() - whole).pow(2).mean().sqrt() / whole.std().clamp_min(1e-6))
+
+    try:
+        one_by_one, at_once = TargetCache(target), TargetCache(target)
+        one_by_one.forward(ids[:, :6])
+        stepped = []
+        for position in range(6, 10):
+            stepped.append(one_by_one.forward(ids[:, position:position + 1]).logits[0, -1])
+            one_by_one.rollback(position + 1)
+        at_once.forward(ids[:, :6])
+        verify_error, ar_error = off(at_once.forward(ids[:, 6:]).logits[0]), off(torch.stack(stepped))
+    except (TargetError, ValueError, RuntimeError, TypeError, NotImplementedError) as error:
+        probe = DecodeProbe(f"target {name}: it does not decode on its own DynamicCache ({error})", None)
+    else:
+        probe = DecodeProbe(
+            None if ar_error <= tolerance else (
+                f"target {name}: one-token forwards on its own cache with past recording do not give its logits "
+                f"(off by {ar_error:.2f} of their spread on a probe); no method can decode it here"),
+            None if verify_error <= tolerance else (
+                f"target {name}: its forward over several new tokens on a cache does not continue the cached "
+                f"state (logits off by {verify_error:.2f} of their spread on a probe), and every verify is such "
+                "a forward; dflash and ddtree cannot run on it (ar can)"))
+    _PROBES[target] = probe
+    return probe

@@ -19,7 +19,9 @@ A target with conv or recurrent layers (Qwen3.5, Qwen3-Next, Nemotron-H, LFM2) c
 one flat sequence (`drafter.decode.tree_verify_refusal`). There, at temperature 0, each `ddtree@N` row is
 the exact DDTree tau of `ar`'s own greedy text, replayed under teacher forcing (`drafter.served`: the
 tree of N nodes built from the drafter's block at each step's anchor, walked along the text) and
-labelled `replayed`, with no timing; above temperature 0 those rows are left out.
+labelled `replayed`, with no timing; above temperature 0 those rows are left out. A target whose cached
+multi-token forward does not continue its state (Jamba; `drafter.target_cache.probe_decoding`) gets
+its `dflash` row replayed the same way.
 
 With --tp G, consecutive groups of G ranks each hold one copy of the target sharded by tensor
 parallelism (drafter/tensor_parallel.py); a group's members decode the same prompts in lockstep (the
@@ -44,7 +46,8 @@ from drafter.decode import SAMPLING, STAGES, generate, stop_token_ids, tree_veri
 from drafter.lossless import BF16_TIE_TOLERANCE, first_divergence, lossless_verdict, near_tie_share
 from drafter.model import DFlashDraftModel
 from drafter.served import replay_steps
-from drafter.target import context_features
+from drafter.target import TargetError, context_features
+from drafter.target_cache import probe_decoding
 from drafter.tensor_parallel import TensorParallelError, check_tensor_parallel, form_tp_group, load_tp_target
 
 
@@ -150,23 +153,28 @@ class Evaluator:
         thinking = recorded.get("chat_template_kwargs", {}).get("enable_thinking", False)
         self.enable_thinking = thinking if args.enable_thinking is None else args.enable_thinking == "true"
         self.stop_token_ids = stop_token_ids(self.target, self.tokenizer)
-        self.tree_refusal = tree_verify_refusal(self.target)
-        replayable = args.temperature <= 0 or not self.tree_refusal
-        self.methods = ["ar", "dflash"] + [f"ddtree@{b}" for b in args.budgets if replayable]
+        probe = probe_decoding(self.target)
+        if probe.cannot_decode:
+            raise TargetError(probe.cannot_decode)
+        self.verify_refusal = probe.cannot_verify
+        self.tree_refusal = self.verify_refusal or tree_verify_refusal(self.target)
         self.args, self.dtype = args, dtype
+        methods = ["dflash"] + [f"ddtree@{b}" for b in args.budgets]
+        self.methods = ["ar"] + [m for m in methods if args.temperature <= 0 or not self.replays(m)]
 
     def replays(self, method: str) -> bool:
         """Whether `method` is replayed on `ar`'s text instead of generated (module docstring)."""
-        return method.startswith("ddtree") and self.tree_refusal is not None
+        refusal = self.tree_refusal if method.startswith("ddtree") else self.verify_refusal
+        return method != "ar" and refusal is not None
 
     def replayed_record(self, ar_record: dict, method: str) -> dict:
-        """The steps DDTree would take serving `ar`'s answer, from the training path."""
+        """The steps `method` would take serving `ar`'s answer, from the training path."""
         ids = torch.tensor([ar_record["prompt_ids"] + ar_record["output_ids"]], device=self.target.device)
         loss_mask = torch.zeros_like(ids)
         loss_mask[0, len(ar_record["prompt_ids"]):] = 1
         features = context_features(self.target, ids, self.drafter.target_layer_ids)
-        budget = int(method.partition("@")[2])
-        steps = replay_steps(self.drafter, self.target, features, ids, loss_mask, [budget], attention="dense")
+        budgets = [int(method.partition("@")[2])] if method.startswith("ddtree") else []
+        steps = replay_steps(self.drafter, self.target, features, ids, loss_mask, budgets, attention="dense")
         return {**ar_record, "acceptance_lengths": steps[method][0] if steps[method] else [],
                 "decode_seconds": None, "stage_seconds": {}, "margins": [], "replayed": True}
 
@@ -323,6 +331,7 @@ def report(records_by_bench: dict, args, evaluator: Evaluator, world: int) -> di
               "enable_thinking": evaluator.enable_thinking, "dtype": str(evaluator.dtype),
               "device": str(evaluator.target.device), "world_size": world, "tp_size": args.tp,
               "block_size": evaluator.drafter.block_size, "tree_verify_refusal": evaluator.tree_refusal,
+              "verify_refusal": evaluator.verify_refusal,
               "stage_times_synchronized":
               args.sync_stages or evaluator.target.device.type != "cuda"}
     return {"config": config, "benchmarks": benchmarks}
@@ -346,7 +355,8 @@ def markdown_table(results: dict) -> str:
                          f"| {fmt(tpot and tpot * 1e3, '.2f')} | {fmt(s['speedup'], '.2f')} "
                          f"| {lossless} | {stages} |")
     if results["config"].get("tree_verify_refusal"):
-        lines.append(f"\n{results['config']['tree_verify_refusal']}: the ddtree rows are DDTree's exact tau on "
+        rows = "dflash and ddtree" if results["config"].get("verify_refusal") else "ddtree"
+        lines.append(f"\n{results['config']['tree_verify_refusal']}: the {rows} rows are the exact tau on "
                      "ar's greedy text, replayed under teacher forcing (no timing)")
     for bench, entry in results["benchmarks"].items():
         if entry.get("near_tie_share") is not None:

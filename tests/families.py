@@ -43,6 +43,10 @@ FAMILIES = {
     "granite": dict(embedding_multiplier=12.0, logits_scaling=2.0),
     "llama4_text": dict(attention_chunk_size=WINDOW, num_local_experts=2, interleave_moe_layer_step=2,
                         intermediate_size_mlp=96),
+    # indexed sparse attention (DSA) on MLA; enough indexer heads that their relu scores do not tie
+    "deepseek_v32": dict(_MOE, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                         v_head_dim=16, num_key_value_heads=4, head_dim=8, index_topk=6, index_head_dim=16,
+                         index_n_heads=32),
     "falcon_h1": dict(mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8, mamba_n_groups=1,
                       mamba_chunk_size=8),
 }

@@ -183,15 +183,14 @@ def test_tree_forward_matches_causal_forward_and_compaction(family):
     layer_ids = [1, 4]
     prompt = torch.randint(0, 250, (1, 12), generator=torch.Generator().manual_seed(7))
     cache = TargetCache(target)
-    target(prompt[:, :-1], past_key_values=cache.cache, use_cache=True)
+    cache.forward(prompt[:, :-1])
     cache.rollback(prompt.shape[1] - 1)  # a sliding layer keeps only its window from here on
     start, root = prompt.shape[1] - 1, prompt[0, -1]
     tree = build_tree(torch.randn(3, 256, generator=torch.Generator().manual_seed(8)), 12)
     input_ids, positions, visible = tree_verify_inputs(tree, root, start)
     mask = cache.tree_attention_mask(visible, positions[0] - start, start, target.dtype)
     with feature_tap(target, layer_ids) as tap:
-        out = target(input_ids, position_ids=positions, attention_mask=mask, past_key_values=cache.cache,
-                     use_cache=True)
+        out = cache.forward(input_ids, position_ids=positions, attention_mask=mask)
         features = tap.features()
     paths = node_prefixes(tree)
     for node in range(tree.size):
@@ -206,8 +205,7 @@ def test_tree_forward_matches_causal_forward_and_compaction(family):
     accepted = torch.cat([prompt, torch.tensor([paths[deepest]])], dim=1)
     assert cache.length == start + len(rows)
     with feature_tap(target, layer_ids) as tap:  # the compacted cache serves the next forward exactly
-        after = target(torch.tensor([[5]]), position_ids=torch.tensor([[accepted.shape[1]]]),
-                       past_key_values=cache.cache, use_cache=True).logits[0, -1]
+        after = cache.forward(torch.tensor([[5]])).logits[0, -1]
         target(accepted)
         torch.testing.assert_close(features.index_select(1, rows), tap.features()[:, start:], rtol=1e-4, atol=1e-4)
     expected = target(torch.cat([accepted, torch.tensor([[5]])], dim=1)).logits[0, -1]

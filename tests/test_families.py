@@ -13,7 +13,7 @@ from conftest import MASK_ID, make_drafter
 from drafter.decode import TreeVerifyUnsupported, generate
 from drafter.model import DraftCache
 from drafter.target import TargetError, context_features, decoder_layers, select_features
-from families import FAMILIES, RECURRENT, random_target
+from families import FAMILIES, RECURRENT, family_config, random_target
 
 FLAT_TREE_REFUSED = RECURRENT + ("lfm2", "llama4_text")  # conv or recurrent mixers; chunked attention
 SLIDING = ("mistral", "gpt_oss", "gemma3_text", "gemma4_text", "olmo3")
@@ -174,3 +174,42 @@ def test_a_hybrid_family_end_to_end(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     answer = json.loads(out.read_text().splitlines()[0])["messages"][-1]
     assert answer["role"] == "assistant" and answer["content"]
+
+
+def test_a_multimodal_checkpoint_loads_through_its_wrapper(tmp_path):
+    """Kimi-K2.5 (a DeepSeek-V3 text model in a vision-language wrapper that transformers maps to
+    image-text-to-text only) loads as that wrapper; its decoder layers, embedding and head are found."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from drafter.target import load_target
+    config = AutoConfig.for_model("kimi_k25", text_config=family_config("deepseek_v3").to_dict(),
+                                  vision_config=dict(num_hidden_layers=1, hidden_size=32, intermediate_size=32,
+                                                     num_attention_heads=2))
+    AutoModelForImageTextToText.from_config(config).save_pretrained(tmp_path)
+    target = load_target(str(tmp_path), "cpu", torch.float32)
+    ids = torch.randint(0, 250, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = select_features(target(input_ids=ids, output_hidden_states=True).hidden_states, [1, 3])
+    torch.testing.assert_close(context_features(target, ids, [1, 3]), expected, rtol=0, atol=0)
+
+
+def test_eval_replays_what_a_target_cannot_verify(tmp_path):
+    """On Jamba (no exact multi-token verify) eval/ddtree_accept.py reports ar, and dflash and ddtree
+    replayed on ar's text, instead of stopping."""
+    import json
+
+    from eval import ddtree_accept
+    from tiny_tokenizer import save_tiny_tokenizer
+    target_dir = save_tiny_tokenizer(tmp_path / "target")
+    target = random_target("jamba", vocab_size=384)
+    target.save_pretrained(target_dir)
+    make_drafter(target, block_size=4, target_path=str(target_dir)).save_pretrained(tmp_path / "drafter")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "What is the capital of France?"}) + "\n")
+    results = ddtree_accept.main(["--ckpt", str(tmp_path / "drafter"), "--bench", str(prompts), "--budgets", "4",
+                                  "--max-new-tokens", "8", "--out", str(tmp_path / "r.json")])
+    methods = results["benchmarks"]["prompts"]["methods"]
+    assert not methods["ar"]["replayed"] and methods["ar"]["lossless"] == "yes"
+    assert methods["dflash"]["replayed"] and methods["ddtree@4"]["replayed"]
+    assert methods["dflash"]["steps"] > 0 and methods["dflash"]["tau"] >= 1
+    assert "jamba" in results["config"]["verify_refusal"]
