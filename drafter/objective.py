@@ -155,7 +155,7 @@ def drafter_hidden(drafter, target, features, blocks: Blocks, attention: str) ->
         filler = max(0, _DEFAULT_SPARSE_BLOCK_SIZE // block_size + 1 - num_blocks)
         anchors, ids, positions = (F.pad(x, (0, 0) * (x.dim() - 2) + (0, filler))
                                    for x in (anchors, ids, positions))
-    block_embeds = target.get_input_embeddings()(ids.view(b, -1)).to(features.dtype)
+    block_embeds = drafter.embed_block(target, ids.view(b, -1)).to(features.dtype)
     ctx_positions = torch.arange(T, device=features.device)[None].expand(b, -1)
     if attention == "dense":
         mask = dense_block_mask(anchors, T, block_size)

@@ -4,6 +4,7 @@
         [--bench gsm8k,math500=/data/math500,prompts.jsonl] [--budgets 16,32,64,128,256,512] \\
         [--temperature 0] [--max-new-tokens 2048] [--max-samples N] [--out results.json] [--save-samples]
     torchrun --nproc_per_node 8 eval/ddtree_accept.py ...        # prompts split over the ranks
+    torchrun --nproc_per_node 8 eval/ddtree_accept.py --tp 4 ... # a target sharded over 4 ranks: 2 copies
 
 Runs, on the same prompts: plain autoregressive decoding (`ar`), DFlash single-path verification
 (`dflash`) and DDTree at each budget (`ddtree@N`). The target and the chat settings come from the
@@ -13,6 +14,19 @@ plots next to --out. Definitions: RESEARCH.md section 3 (tau counts the bonus to
 ratio of decode time per output token to `ar`'s, prefill excluded). At temperature 0, `lossless`
 compares every method's tokens with `ar`'s (`drafter/lossless.py`): yes, ties-only (every divergence
 starts where the target's top-2 logits were within --tie-tolerance: a floating-point tie) or no.
+
+A target with conv or recurrent layers (Qwen3.5, Qwen3-Next, Nemotron-H, LFM2) cannot verify a tree as
+one flat sequence (`drafter.decode.tree_verify_refusal`). There, at temperature 0, each `ddtree@N` row is
+the exact DDTree tau of `ar`'s own greedy text, replayed under teacher forcing (`drafter.served`: the
+tree of N nodes built from the drafter's block at each step's anchor, walked along the text) and
+labelled `replayed`, with no timing; above temperature 0 those rows are left out. A target whose cached
+multi-token forward does not continue its state (Jamba; `drafter.target_cache.probe_decoding`) gets
+its `dflash` row replayed the same way.
+
+With --tp G, consecutive groups of G ranks each hold one copy of the target sharded by tensor
+parallelism (drafter/tensor_parallel.py); a group's members decode the same prompts in lockstep (the
+sharded forwards are collectives, and their outputs are the same on every member), the groups split
+the prompts, and each group's first rank reports.
 """
 import argparse
 import json
@@ -24,14 +38,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 from drafter.benchmarks import load_prompts
 from drafter.chat import prompt_token_ids
-from drafter.decode import SAMPLING, STAGES, generate, stop_token_ids
+from drafter.decode import SAMPLING, STAGES, generate, stop_token_ids, tree_verify_refusal
 from drafter.lossless import BF16_TIE_TOLERANCE, first_divergence, lossless_verdict, near_tie_share
 from drafter.model import DFlashDraftModel
-from drafter.target import load_target
+from drafter.served import replay_steps
+from drafter.target import TargetError, context_features
+from drafter.target_cache import probe_decoding
+from drafter.tensor_parallel import TensorParallelError, check_tensor_parallel, form_tp_group, load_tp_target
 
 
 def parse_args(argv=None):
@@ -64,12 +81,16 @@ def parse_args(argv=None):
     parser.add_argument("--sync-stages", action="store_true",
                         help="synchronise CUDA around every stage so that stage times are exact")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tp", type=int, default=1, help="ranks that share one tensor-parallel copy of the "
+                        "target (torchrun; it must divide the ranks of a node)")
     args = parser.parse_args(argv)
     args.budgets = [int(b) for b in args.budgets.split(",") if b]
     if any(b < 1 for b in args.budgets):
         parser.error("--budgets must be positive integers")
     if args.max_samples is not None and args.max_samples < 1:
         parser.error("--max-samples must be >= 1")
+    if args.tp < 1:
+        parser.error("--tp must be >= 1")
     return args
 
 
@@ -80,6 +101,25 @@ def drafter_dir(ckpt: str) -> Path:
         if config.is_file() and "DFlashDraftModel" in json.loads(config.read_text()).get("architectures", []):
             return candidate
     raise FileNotFoundError(f"{ckpt}: no DFlashDraftModel config.json here or in {ckpt}/drafter")
+
+
+def target_path_of(args) -> str:
+    """--target, or the target the drafter's config records."""
+    directory = drafter_dir(args.ckpt)
+    recorded = json.loads((directory / "config.json").read_text()).get("dflash_config", {}).get("target_path")
+    if not (args.target or recorded):
+        raise ValueError(f"{directory}/config.json records no dflash_config.target_path: pass --target")
+    return args.target or recorded
+
+
+def tensor_parallel_group(args, target_path: str, world: int, device: torch.device):
+    """This rank's group of --tp ranks, after checking that the target can be split so (before it loads)."""
+    try:
+        check_tensor_parallel(AutoConfig.from_pretrained(target_path), args.tp,
+                              int(os.environ.get("LOCAL_WORLD_SIZE", world)), world, key="--tp")
+    except TensorParallelError as error:
+        raise SystemExit(f"error: {error}") from None
+    return form_tp_group(args.tp, backend="nccl" if device.type == "cuda" else None)
 
 
 def setup_distributed(gather_timeout_minutes: float) -> tuple[int, int, torch.device]:
@@ -101,22 +141,42 @@ def setup_distributed(gather_timeout_minutes: float) -> tuple[int, int, torch.de
 class Evaluator:
     """The models and settings shared by every benchmark."""
 
-    def __init__(self, args, device: torch.device):
+    def __init__(self, args, device: torch.device, target_path: str, tp_group):
         dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
                  "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
         directory = drafter_dir(args.ckpt)
         self.drafter = DFlashDraftModel.from_pretrained(directory, dtype=dtype).to(device).eval()
         recorded = self.drafter.config.dflash_config
-        self.target_path = args.target or recorded.get("target_path")
-        if not self.target_path:
-            raise ValueError(f"{directory}/config.json records no dflash_config.target_path: pass --target")
-        self.target = load_target(self.target_path, device, dtype)
+        self.target_path = target_path
+        self.target = load_tp_target(self.target_path, tp_group, device, dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(self.target_path)
         thinking = recorded.get("chat_template_kwargs", {}).get("enable_thinking", False)
         self.enable_thinking = thinking if args.enable_thinking is None else args.enable_thinking == "true"
         self.stop_token_ids = stop_token_ids(self.target, self.tokenizer)
-        self.methods = ["ar", "dflash"] + [f"ddtree@{b}" for b in args.budgets]
+        probe = probe_decoding(self.target)
+        if probe.cannot_decode:
+            raise TargetError(probe.cannot_decode)
+        self.verify_refusal = probe.cannot_verify
+        self.tree_refusal = self.verify_refusal or tree_verify_refusal(self.target)
         self.args, self.dtype = args, dtype
+        methods = ["dflash"] + [f"ddtree@{b}" for b in args.budgets]
+        self.methods = ["ar"] + [m for m in methods if args.temperature <= 0 or not self.replays(m)]
+
+    def replays(self, method: str) -> bool:
+        """Whether `method` is replayed on `ar`'s text instead of generated (module docstring)."""
+        refusal = self.tree_refusal if method.startswith("ddtree") else self.verify_refusal
+        return method != "ar" and refusal is not None
+
+    def replayed_record(self, ar_record: dict, method: str) -> dict:
+        """The steps `method` would take serving `ar`'s answer, from the training path."""
+        ids = torch.tensor([ar_record["prompt_ids"] + ar_record["output_ids"]], device=self.target.device)
+        loss_mask = torch.zeros_like(ids)
+        loss_mask[0, len(ar_record["prompt_ids"]):] = 1
+        features = context_features(self.target, ids, self.drafter.target_layer_ids)
+        budgets = [int(method.partition("@")[2])] if method.startswith("ddtree") else []
+        steps = replay_steps(self.drafter, self.target, features, ids, loss_mask, budgets, attention="dense")
+        return {**ar_record, "acceptance_lengths": steps[method][0] if steps[method] else [],
+                "decode_seconds": None, "stage_seconds": {}, "margins": [], "replayed": True}
 
     def generate(self, method: str, prompt_ids: torch.Tensor, max_new_tokens: int):
         name, _, budget = method.partition("@")
@@ -150,18 +210,23 @@ class Evaluator:
         """First calls pay for allocation and kernel selection: keep them out of the timings."""
         ids = self.prompt_ids(list(prompt.history) + [{"role": "user", "content": prompt.turns[0]}])
         for method in self.methods:
-            self.generate(method, ids, min(16, self.args.max_new_tokens))
+            if not self.replays(method):
+                self.generate(method, ids, min(16, self.args.max_new_tokens))
 
 
-def run_benchmark(evaluator: Evaluator, prompts, rank: int, world: int) -> dict[str, list[dict]]:
-    """Records per method for this rank's share of the prompts."""
-    shard = prompts[rank::world]
+def run_benchmark(evaluator: Evaluator, prompts, group_id: int, groups: int) -> dict[str, list[dict]]:
+    """Records per method for this rank's group's share of the prompts (a group: --tp ranks, or one)."""
+    shard = prompts[group_id::groups]
     records = {method: [] for method in evaluator.methods}
     if shard:
         evaluator.warm_up(shard[0])
-    for prompt in tqdm(shard, desc="prompts", disable=rank != 0, dynamic_ncols=True):
+    for prompt in tqdm(shard, desc="prompts", disable=group_id != 0, dynamic_ncols=True):
         for method in evaluator.methods:
-            records[method] += evaluator.run_prompt(prompt, method)
+            if evaluator.replays(method):
+                turns = [r for r in records["ar"] if r["source"] == prompt.source]
+                records[method] += [evaluator.replayed_record(r, method) for r in turns]
+            else:
+                records[method] += evaluator.run_prompt(prompt, method)
     return records
 
 
@@ -211,12 +276,14 @@ def summarize(records: list[dict], reference: list[dict], greedy: bool, save_sam
     logit at `ar`'s step, tie: below `tie_tolerance`); `lossless` "yes", "ties-only" or "no";
     divergence_rate the fraction of prompts that diverge.
     """
+    replayed = any(r.get("replayed") for r in records)
+    greedy = greedy and not replayed  # a replay follows ar's tokens by construction
     steps = [length for r in records for length in r["acceptance_lengths"]]
     per_response = [sum(r["acceptance_lengths"]) / len(r["acceptance_lengths"])
                     for r in records if r["acceptance_lengths"]]
     longest = max(steps, default=1)
     output_tokens = sum(len(r["output_ids"]) for r in records)
-    decode_seconds = sum(r["decode_seconds"] for r in records)
+    decode_seconds = None if replayed else sum(r["decode_seconds"] for r in records)
     divergences = divergences_from(records, reference, tie_tolerance) if greedy else []
     prompts = len({r["source"] for r in records})
     summary = {
@@ -225,7 +292,7 @@ def summarize(records: list[dict], reference: list[dict], greedy: bool, save_sam
         "tau_histogram": [steps.count(k) for k in range(1, longest + 1)],
         "acceptance_by_depth": [sum(s > d for s in steps) / len(steps) if steps else None
                                 for d in range(1, longest)],
-        "time_per_output_token": decode_seconds / output_tokens if output_tokens else None,
+        "time_per_output_token": decode_seconds / output_tokens if output_tokens and not replayed else None,
         "stage_ms_per_step": {stage: 1e3 * sum(r["stage_seconds"].get(stage, 0.0) for r in records)
                               / max(len(steps), 1)
                               for stage in STAGES if any(stage in r["stage_seconds"] for r in records)},
@@ -233,6 +300,7 @@ def summarize(records: list[dict], reference: list[dict], greedy: bool, save_sam
         "divergence_rate": len(divergences) / prompts if greedy and prompts else None,
         "divergences": [{"source": r["source"], "turn": r["turn"], **asdict(d)} for r, d in divergences]
         if greedy else None,
+        "replayed": replayed,
         "responses": len(records),
         "output_tokens": output_tokens,
         "steps": len(steps),
@@ -261,8 +329,10 @@ def report(records_by_bench: dict, args, evaluator: Evaluator, world: int) -> di
               "temperature": args.temperature, "sampling": args.sampling,
               "tie_tolerance": args.tie_tolerance, "max_new_tokens": args.max_new_tokens,
               "enable_thinking": evaluator.enable_thinking, "dtype": str(evaluator.dtype),
-              "device": str(evaluator.target.device), "world_size": world,
-              "block_size": evaluator.drafter.block_size, "stage_times_synchronized":
+              "device": str(evaluator.target.device), "world_size": world, "tp_size": args.tp,
+              "block_size": evaluator.drafter.block_size, "tree_verify_refusal": evaluator.tree_refusal,
+              "verify_refusal": evaluator.verify_refusal,
+              "stage_times_synchronized":
               args.sync_stages or evaluator.target.device.type != "cuda"}
     return {"config": config, "benchmarks": benchmarks}
 
@@ -277,13 +347,17 @@ def markdown_table(results: dict) -> str:
     for bench, entry in results["benchmarks"].items():
         for method, s in entry["methods"].items():
             tpot = s["time_per_output_token"]
-            lossless = s["lossless"] or "-"
+            lossless = "replayed" if s.get("replayed") else s["lossless"] or "-"
             if s["divergence_rate"]:
                 lossless += f" ({s['divergence_rate']:.0%} differ)"
             stages = " | ".join(fmt(s["stage_ms_per_step"].get(st), ".2f") for st in STAGES)
             lines.append(f"| {bench} | {method} | {fmt(s['tau'], '.2f')} | {fmt(s['tau_pooled'], '.2f')} "
                          f"| {fmt(tpot and tpot * 1e3, '.2f')} | {fmt(s['speedup'], '.2f')} "
                          f"| {lossless} | {stages} |")
+    if results["config"].get("tree_verify_refusal"):
+        rows = "dflash and ddtree" if results["config"].get("verify_refusal") else "ddtree"
+        lines.append(f"\n{results['config']['tree_verify_refusal']}: the {rows} rows are the exact tau on "
+                     "ar's greedy text, replayed under teacher forcing (no timing)")
     for bench, entry in results["benchmarks"].items():
         if entry.get("near_tie_share") is not None:
             lines.append(f"\n{bench}: {entry['near_tie_share']:.1%} of ar's steps have a top-2 logit margin "
@@ -320,7 +394,10 @@ def save_plots(results: dict, out: Path) -> list[Path]:
         tree = {int(m.split("@")[1]): s for m, s in entry["methods"].items() if m.startswith("ddtree@")}
         budgets = sorted(tree)
         for ax, key in ((tau_ax, "tau"), (speed_ax, "speedup")):
-            line = ax.plot(budgets, [tree[b][key] for b in budgets], marker="o", label=f"{bench} ddtree")
+            points = [(b, tree[b][key]) for b in budgets if tree[b][key] is not None]  # replayed: no timing
+            if not points:
+                continue
+            line = ax.plot(*zip(*points), marker="o", label=f"{bench} ddtree")
             dflash = entry["methods"]["dflash"][key]
             if dflash is not None:
                 ax.axhline(dflash, linestyle="--", color=line[0].get_color(), label=f"{bench} dflash")
@@ -339,8 +416,11 @@ def save_plots(results: dict, out: Path) -> list[Path]:
 def main(argv=None) -> dict | None:
     args = parse_args(argv)
     rank, world, device = setup_distributed(args.gather_timeout)
-    torch.manual_seed(args.seed + rank)
-    evaluator = Evaluator(args, device)
+    target_path = target_path_of(args)
+    tp_group = tensor_parallel_group(args, target_path, world, device)
+    group_id, groups = rank // args.tp, world // args.tp
+    torch.manual_seed(args.seed + group_id)  # a group's members sample alike, in lockstep
+    evaluator = Evaluator(args, device, target_path, tp_group)
     prompt_sets = {}
     for spec in filter(None, args.bench.split(",")):
         name, prompts = load_prompts(spec, args.max_samples)
@@ -351,7 +431,8 @@ def main(argv=None) -> dict | None:
     for name, prompts in prompt_sets.items():
         if rank == 0:
             print(f"{name}: {len(prompts)} prompts, methods {', '.join(evaluator.methods)}", flush=True)
-        records[name] = run_benchmark(evaluator, prompts, rank, world)
+        ran = run_benchmark(evaluator, prompts, group_id, groups)
+        records[name] = ran if tp_group.index == 0 else {method: [] for method in ran}  # one report per group
     if world > 1:
         records = gather_records(records, world)
         dist.destroy_process_group()

@@ -191,6 +191,12 @@ def test_bad_objective_settings_are_refused_naming_the_key(override, message):
         load_config(str(REPO / "configs" / "v3.yaml"), ["data.path=/x", override])
 
 
+def test_distillation_with_a_tensor_parallel_target_is_refused_naming_both_keys():
+    with pytest.raises(ConfigError, match=re.escape("objective.labels=target needs target.tp_size=1 (got 2)")):
+        load_config(str(REPO / "configs" / "v3.yaml"),
+                    ["data.path=/x", "objective.labels=target", "target.tp_size=2", "train.generate_every=0"])
+
+
 def test_the_run_name_says_the_objective():
     cfg = load_config(str(REPO / "configs" / "v3.yaml"),
                       ["data.path=/x", "objective.labels=target", "objective.loss=kl", "objective.position_weights=tree"])
