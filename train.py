@@ -30,7 +30,8 @@ from drafter.data import DataError, load_datasets
 from drafter.engine import DeepSpeedEngine, EngineConfigError, FSDPEngine, deepspeed_config
 from drafter.decode import stop_token_ids
 from drafter.launch import LaunchError, init_distributed
-from drafter.model import DFlashDraftModel, drafter_config, drafter_from_state_dict, resolve_mask_token_id
+from drafter.model import (DFlashDraftModel, drafter_config, drafter_from_state_dict, drafter_variant,
+                           resolve_mask_token_id)
 from drafter.objective import ObjectiveConfig, attention_kernel, finalize_metrics, training_step
 from drafter.sampler import bucket_table, held_out_share, make_loader, plan_notes, sampler_from_config
 from drafter.served import bench_prompts, generation_tau, held_out_prompts, replayed_tau
@@ -72,7 +73,8 @@ def build_drafter(cfg, target, tokenizer):
         mask_token_id = resolve_mask_token_id(tokenizer, target.config.vocab_size)
     config = drafter_config(target.config, num_layers=cfg.drafter.num_layers,
                             block_size=cfg.drafter.block_size, mask_token_id=mask_token_id,
-                            target_layer_ids=cfg.drafter.target_layer_ids, target_path=cfg.target.path,
+                            target_layer_ids=cfg.drafter.target_layer_ids,
+                            variant=drafter_variant(cfg.drafter), target_path=cfg.target.path,
                             chat_template_kwargs=dict(cfg.target.chat_template_kwargs))
     torch.manual_seed(cfg.run.seed)  # same initial weights on every rank
     return DFlashDraftModel(config)

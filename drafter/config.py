@@ -35,6 +35,10 @@ class DrafterConfig:
     target_layer_ids: Optional[list[int]] = None  # null: evenly spaced from 1 to L-3
     mask_token_id: Optional[int] = None           # null: the tokenizer's mask token (added if absent)
     init_from: Optional[str] = None               # an exported drafter/ dir to start from
+    # Variants (README "Drafter variants"; written to the export as dflash 0.1.0 reads them):
+    layer_types: Optional[list[str]] = None       # one per layer: full_attention | sliding_attention; null: all full
+    sliding_window: Optional[int] = None          # positions a sliding layer sees, the query's own and block ones included
+    causal: Optional[bool] = None                 # null: sliding layers causal in the block, full ones not; true/false: all
 
 
 @dataclass
@@ -223,6 +227,8 @@ def validate(cfg) -> list[str]:
     layer_ids = cfg.drafter.target_layer_ids
     if layer_ids is not None and (not layer_ids or min(layer_ids) < 0 or len(set(layer_ids)) != len(layer_ids)):
         problems.append(f"drafter.target_layer_ids={list(layer_ids)} must be distinct layer indices >= 0 (or null)")
+    from drafter.model import drafter_variant
+    problems += [f"drafter.{problem}" for problem in drafter_variant(cfg.drafter).problems(cfg.drafter.num_layers)]
     if not cfg.train.tau_budgets or min(cfg.train.tau_budgets) < 1:
         problems.append(f"train.tau_budgets={list(cfg.train.tau_budgets)} must be tree budgets >= 1")
     bounds = cfg.data.bucket_boundaries

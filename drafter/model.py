@@ -7,6 +7,11 @@ Data flow (one forward):
     (KV injection); the context never passes through an MLP.
     final norm --> the target's LM head (frozen, not ours) --> logits.
 
+Variants (DESIGN.md contract 11, config `drafter.*`): a layer is `full_attention` or
+`sliding_attention` (`layer_types`, `sliding_window`), causal inside the block or not (`causal`);
+`LayerAttention` says which keys each layer's block queries see, exactly as `dflash` 0.1.0 reads
+the exported config.
+
 The same `forward` serves training (all anchors' blocks of a sequence at once, ctx = the whole
 sequence, a block mask) and inference (one block, ctx = new context positions appended to a
 `DraftCache`, no mask). Weight names and config follow the public `dflash` format, so
@@ -32,13 +37,70 @@ _TARGET_WIDTH_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads
                       "hidden_act", "rope_parameters", "attention_bias")
 
 
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclass(frozen=True)
+class DrafterVariant:
+    """What tells the drafter variants apart (config keys `drafter.*`, README "Drafter variants").
+
+    layer_types: one of LAYER_TYPES per draft layer (None: all full_attention).
+    sliding_window: the window of the sliding layers, in positions, the query's own included.
+    causal: None is the public default (sliding layers causal inside the block, full layers
+        bidirectional); True / False makes every layer causal / bidirectional (`is_causal`).
+    """
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None
+    causal: bool | None = None
+
+    def problems(self, num_layers: int) -> list[str]:
+        """What is wrong with this variant for a drafter of `num_layers` layers, each naming its key."""
+        problems = []
+        types = self.layer_types
+        if types is not None and len(types) != num_layers:
+            problems.append(f"layer_types has {len(types)} entries for {num_layers} draft layers "
+                            "(one per layer)")
+        if types is not None and not set(types) <= set(LAYER_TYPES):
+            problems.append(f"layer_types {list(types)}: each entry must be one of {', '.join(LAYER_TYPES)}")
+        sliding = types is not None and "sliding_attention" in types
+        if sliding and self.sliding_window is None:
+            problems.append("sliding_window must be set for sliding_attention layers")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            problems.append(f"sliding_window={self.sliding_window} must be >= 1 (the query itself)")
+        if self.sliding_window is not None and not sliding:
+            problems.append(f"sliding_window={self.sliding_window} is set but no layer_types entry is "
+                            "sliding_attention")
+        return problems
+
+    def config_fields(self, num_layers: int) -> dict:
+        """The Qwen3Config fields that `dflash` 0.1.0 reads for this variant."""
+        types = list(self.layer_types or ["full_attention"] * num_layers)
+        sliding = "sliding_attention" in types
+        fields = {"layer_types": types, "use_sliding_window": sliding,
+                  "sliding_window": self.sliding_window if sliding else None}
+        if self.causal is not None:
+            fields["is_causal"] = bool(self.causal)
+        return fields
+
+
+def drafter_variant(drafter_section) -> DrafterVariant:
+    """The DrafterVariant of the config's `drafter` section (drafter.config.DrafterConfig)."""
+    types = drafter_section.layer_types
+    return DrafterVariant(layer_types=None if types is None else tuple(types),
+                          sliding_window=drafter_section.sliding_window, causal=drafter_section.causal)
+
+
 def drafter_config(target_config, *, num_layers: int, block_size: int, mask_token_id: int,
-                   target_layer_ids: list[int] | None = None, **record) -> Qwen3Config:
+                   target_layer_ids: list[int] | None = None,
+                   variant: DrafterVariant = DrafterVariant(), **record) -> Qwen3Config:
     """A drafter config for any HF causal-LM target config.
 
     `record` lands in `dflash_config` (e.g. target_path, chat_template_kwargs) so that a checkpoint can
     be evaluated without flags.
     """
+    problems = variant.problems(num_layers)
+    if problems:
+        raise ValueError("; ".join(problems))
     text_config = target_config.get_text_config()
     num_target_layers = text_config.num_hidden_layers
     if target_layer_ids is None:
@@ -52,7 +114,7 @@ def drafter_config(target_config, *, num_layers: int, block_size: int, mask_toke
     widths.setdefault("head_dim", text_config.hidden_size // text_config.num_attention_heads)
     return Qwen3Config(
         **widths, num_hidden_layers=num_layers, num_target_layers=num_target_layers,
-        block_size=block_size, tie_word_embeddings=False, use_sliding_window=False,
+        block_size=block_size, tie_word_embeddings=False, **variant.config_fields(num_layers),
         architectures=["DFlashDraftModel"],
         dflash_config={"target_layer_ids": target_layer_ids, "mask_token_id": int(mask_token_id),
                        **record})
@@ -73,8 +135,57 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
 
+@dataclass(frozen=True)
+class LayerAttention:
+    """Which keys a draft layer's block queries see beyond the DFlash rule (the context before the
+    anchor, the own block): a key `offset` = query position - key position before the query is
+    dropped if the layer is causal and the key is later (offset < 0), or if the layer slides and
+    the key is `window` or more positions away (offset >= window; and, when not causal, offset <=
+    -window). Block positions count in the window, as `dflash` 0.1.0 counts them."""
+    window: int | None = None
+    causal: bool = False
+
+    @property
+    def restricts(self) -> bool:
+        return self.causal or self.window is not None
+
+    def restrict(self, visible: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+        """`visible` (bool) and what this layer lets a query see of a key `offset` positions back."""
+        if self.causal:
+            visible = visible & (offset >= 0)
+        if self.window is not None:
+            visible = visible & (offset < self.window)
+            if not self.causal:
+                visible = visible & (offset > -self.window)
+        return visible
+
+    def inference_mask(self, ctx_len: int, block_len: int, device) -> torch.Tensor | None:
+        """Bool [1, 1, block_len, ctx_len + block_len] over keys [context 0..ctx_len-1 || block] for
+        one block at positions ctx_len.., or None where every key is visible."""
+        if not self.restricts:
+            return None
+        query = ctx_len + torch.arange(block_len, device=device)[:, None]
+        offset = query - torch.arange(ctx_len + block_len, device=device)[None]
+        return self.restrict(torch.ones_like(offset, dtype=torch.bool), offset)[None, None]
+
+
+def layer_attention(config: Qwen3Config) -> list[LayerAttention]:
+    """Each draft layer's LayerAttention, read from the config as `dflash` 0.1.0 reads it: a
+    `sliding_attention` layer slides over `sliding_window` positions and is causal, a
+    `full_attention` layer neither, unless `is_causal` (every layer) says otherwise."""
+    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    is_causal = getattr(config, "is_causal", None)
+    attention = []
+    for layer_type in types:
+        sliding = layer_type == "sliding_attention"
+        attention.append(LayerAttention(config.sliding_window if sliding else None,
+                                        sliding if is_causal is None else bool(is_causal)))
+    return attention
+
+
 class DraftCache:
-    """Per-layer K/V of the context only: block entries are never stored, so no crop is needed."""
+    """Per-layer K/V of the context only: block entries are never stored, so no crop is needed.
+    Sliding layers keep their whole context too (their masks drop what lies outside the window)."""
 
     def __init__(self):
         self.keys: list[torch.Tensor] = []
@@ -190,6 +301,7 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         self.fc = nn.Linear(num_features * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.layer_attention = layer_attention(config)
         self.post_init()
 
     @property
@@ -204,21 +316,22 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
     def mask_token_id(self) -> int:
         return self.config.dflash_config["mask_token_id"]
 
-    def forward(self, block_embeds, block_positions, features, ctx_positions, mask=None, cache=None):
+    def forward(self, block_embeds, block_positions, features, ctx_positions, masks, cache=None):
         """Final-normed block states [b, Q, H].
 
         block_embeds [b, Q, H], block_positions [b, Q]; target features [b, n, K*H] of the context
         positions ctx_positions [b, n], fused here (fc, hidden_norm) into the states every layer
-        projects to K/V. Keys are ordered [context (cache first, if any) || block]; `mask` indexes
-        them in that order. Everything runs inside forward, so sharding wrappers (ZeRO-3, FSDP2)
-        gather every weight through the module's own hooks.
+        projects to K/V. Keys are ordered [context (cache first, if any) || block]; `masks` maps each
+        of `self.layer_attention` to the mask (see `attend`) its layers use over keys in that order.
+        Everything runs inside forward, so sharding wrappers (ZeRO-3, FSDP2) gather every weight
+        through the module's own hooks.
         """
         ctx = self.hidden_norm(self.fc(features))
         block_rope = self.rotary_emb(block_embeds, block_positions)
         ctx_rope = self.rotary_emb(ctx, ctx_positions)
         x = block_embeds
-        for i, layer in enumerate(self.layers):
-            x = layer(x, ctx, block_rope, ctx_rope, mask, cache, i)
+        for i, (layer, attention) in enumerate(zip(self.layers, self.layer_attention)):
+            x = layer(x, ctx, block_rope, ctx_rope, masks[attention], cache, i)
         return self.norm(x)
 
     @torch.no_grad()
@@ -233,7 +346,8 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         positions = torch.arange(start, start + n + block_len, device=block_ids.device)[None]
         positions = positions.expand(block_ids.shape[0], -1)
         block_embeds = target.get_input_embeddings()(block_ids).to(self.dtype)
-        hidden = self(block_embeds, positions[:, n:], ctx_features.to(self.dtype), positions[:, :n], None, cache)
+        masks = {a: a.inference_mask(start + n, block_len, block_ids.device) for a in set(self.layer_attention)}
+        hidden = self(block_embeds, positions[:, n:], ctx_features.to(self.dtype), positions[:, :n], masks, cache)
         return target.get_output_embeddings()(hidden[:, 1:].to(target.dtype)).float()
 
 

@@ -5,7 +5,8 @@ One training forward over a right-padded batch [b, T]:
   2. build each anchor's block [x_p, MASK x (B-1)] at positions p..p+B-1, labels x_{p+k} at slot k
      (same-position labels; slot 0 gets no loss);
   3. run all blocks of the batch in one drafter forward under the block mask: a block sees the context
-     strictly before its anchor, its own block bidirectionally, nothing else;
+     strictly before its anchor, its own block bidirectionally, nothing else (a sliding or causal
+     layer, `model.LayerAttention`, sees less of both);
   4. loss = sum_k w_k CE_k / sum_k w_k with w_k = exp(-(k-1)/gamma), computed in row chunks so the
      full anchors x block x vocab logits never exist at once.
 """
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import _DEFAULT_SPARSE_BLOCK_SIZE, create_block_mask
 
 from drafter.ddtree import build_tree_from_logprobs, teacher_forced_accept
-from drafter.model import FlexMask, compile_dynamic
+from drafter.model import FlexMask, LayerAttention, compile_dynamic
 
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # DFlash paper, by block size
 
@@ -93,12 +94,17 @@ def build_blocks(input_ids, loss_mask, anchors, valid, block_size: int, mask_tok
     return Blocks(anchors, valid, ids, positions, labels, weights)
 
 
-def dense_block_mask(anchors: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
-    """Bool [b, 1, A*B, T + A*B] over keys [context (T) || blocks (A*B)]."""
+def dense_block_mask(anchors: torch.Tensor, seq_len: int, block_size: int,
+                     attention: LayerAttention = LayerAttention()) -> torch.Tensor:
+    """Bool [b, 1, A*B, T + A*B] over keys [context (T) || blocks (A*B)], for a layer of `attention`."""
     b, num_blocks = anchors.shape
-    query_block = torch.arange(num_blocks * block_size, device=anchors.device) // block_size
-    ctx_visible = torch.arange(seq_len, device=anchors.device) < anchors[:, query_block, None]
-    own_block = query_block[:, None] == query_block[None, :]
+    query = torch.arange(num_blocks * block_size, device=anchors.device)
+    query_block, query_slot = query // block_size, query % block_size
+    query_anchor = anchors[:, query_block, None]
+    ctx = torch.arange(seq_len, device=anchors.device)
+    ctx_visible = attention.restrict(ctx < query_anchor, query_anchor + query_slot[:, None] - ctx)
+    own_block = attention.restrict(query_block[:, None] == query_block[None, :],
+                                   query_slot[:, None] - query_slot[None, :])
     return torch.cat([ctx_visible, own_block.expand(b, -1, -1)], dim=2)[:, None]
 
 
@@ -120,7 +126,8 @@ def attention_kernel(setting: str, device: torch.device | str) -> str:
 _compiled_create_block_mask = compile_dynamic(create_block_mask)
 
 
-def flex_block_mask(anchors: torch.Tensor, seq_len: int, block_size: int, compiled: bool) -> FlexMask:
+def flex_block_mask(anchors: torch.Tensor, seq_len: int, block_size: int, compiled: bool,
+                    attention: LayerAttention = LayerAttention()) -> FlexMask:
     """The same mask as `dense_block_mask`, for flex_attention. Compiled, the dense mask is never
     built; the context length is a tensor and the anchors a closure tensor, so new lengths and
     anchor counts are symbolic sizes, not constants baked into the compiled graph."""
@@ -128,8 +135,12 @@ def flex_block_mask(anchors: torch.Tensor, seq_len: int, block_size: int, compil
     ctx_len = torch.full((), seq_len, device=anchors.device)
 
     def mask_mod(batch, head, q, kv):
-        block = q // block_size
-        return torch.where(kv < ctx_len, kv < anchors[batch, block], (kv - ctx_len) // block_size == block)
+        block, slot = q // block_size, q % block_size
+        anchor = anchors[batch, block]
+        in_ctx = kv < ctx_len
+        visible = torch.where(in_ctx, kv < anchor, (kv - ctx_len) // block_size == block)
+        offset = torch.where(in_ctx, anchor + slot - kv, slot - (kv - ctx_len) % block_size)
+        return attention.restrict(visible, offset)
 
     make = _compiled_create_block_mask if compiled else create_block_mask
     block_mask = make(mask_mod, B=b, H=None, Q_LEN=num_blocks * block_size,
@@ -156,13 +167,15 @@ def drafter_hidden(drafter, target, features, blocks: Blocks, attention: str) ->
                                    for x in (anchors, ids, positions))
     block_embeds = target.get_input_embeddings()(ids.view(b, -1)).to(features.dtype)
     ctx_positions = torch.arange(T, device=features.device)[None].expand(b, -1)
-    if attention == "dense":
-        mask = dense_block_mask(anchors, T, block_size)
-    elif attention in ATTENTION_KERNELS:
-        mask = flex_block_mask(anchors, T, block_size, compiled=attention == "flex_compiled")
-    else:
+    if attention not in ATTENTION_KERNELS:
         raise ValueError(f"attention {attention!r} not in {ATTENTION_KERNELS}")
-    hidden = drafter(block_embeds, positions.view(b, -1), features, ctx_positions, mask)
+    masks = {}
+    for layer in set(drafter.layer_attention):
+        if attention == "dense":
+            masks[layer] = dense_block_mask(anchors, T, block_size, layer)
+        else:
+            masks[layer] = flex_block_mask(anchors, T, block_size, attention == "flex_compiled", layer)
+    hidden = drafter(block_embeds, positions.view(b, -1), features, ctx_positions, masks)
     return hidden.view(b, -1, block_size, hidden.shape[-1])[:, :num_blocks]
 
 

@@ -6,10 +6,20 @@ import torch
 
 torch.set_num_threads(int(os.environ.get("TEST_TORCH_THREADS", "1")))
 
-from drafter.model import DFlashDraftModel, drafter_config  # noqa: E402
+from drafter.model import DFlashDraftModel, DrafterVariant, drafter_config  # noqa: E402
 from drafter.target import random_qwen3  # noqa: E402
 
 MASK_ID = 255
+
+# Two-layer drafter variants (DESIGN.md contract 11). The windows are shorter than the test contexts;
+# "window_bidirectional"'s is shorter than the block too, so it cuts later block positions as well.
+VARIANTS = {
+    "full": DrafterVariant(),
+    "sliding": DrafterVariant(layer_types=("sliding_attention", "full_attention"), sliding_window=5),
+    "window_bidirectional": DrafterVariant(layer_types=("sliding_attention",) * 2, sliding_window=3,
+                                           causal=False),
+    "causal": DrafterVariant(causal=True),
+}
 
 
 def randomize_(module: torch.nn.Module, seed: int, scale: float = 0.2) -> torch.nn.Module:

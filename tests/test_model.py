@@ -4,8 +4,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import MASK_ID, make_drafter
-from drafter.model import DFlashDraftModel, DraftCache, drafter_config, resolve_mask_token_id
+from conftest import MASK_ID, VARIANTS, make_drafter
+from drafter.model import (DFlashDraftModel, DraftCache, DrafterVariant, LayerAttention, drafter_config,
+                           layer_attention, resolve_mask_token_id)
 from drafter.target import context_features, default_target_layer_ids, select_features
 
 
@@ -71,15 +72,22 @@ def test_mask_token_is_added_when_missing():
         resolve_mask_token_id(_Tok(None, 200), 200)
 
 
-def test_public_dflash_package_loads_our_export_with_equal_logits(target, tmp_path):
-    """DESIGN.md contract 1: the z-lab `dflash` package loads the export and computes our logits."""
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_public_dflash_package_loads_our_export_with_equal_logits(target, tmp_path, variant):
+    """DESIGN.md contracts 1 and 11: the z-lab `dflash` package loads the export of every variant,
+    reads each layer's window and causality as ours, and computes our logits (the context, 21
+    positions, is longer than every window)."""
     from dflash.model import DFlashDraftModel as PublicDraftModel
 
-    drafter = make_drafter(target, num_layers=2, block_size=8)
+    drafter = make_drafter(target, num_layers=2, block_size=8, variant=VARIANTS[variant])
     drafter.save_pretrained(tmp_path)
     public = PublicDraftModel.from_pretrained(tmp_path, dtype=torch.float32).eval()
     assert public.target_layer_ids == drafter.target_layer_ids
     assert public.mask_token_id == MASK_ID and public.block_size == 8
+    assert [(layer.self_attn.sliding_window, layer.self_attn.is_causal) for layer in public.layers] == \
+        [(a.window, a.causal) for a in drafter.layer_attention]
+    reloaded = DFlashDraftModel.from_pretrained(tmp_path)
+    assert reloaded.layer_attention == drafter.layer_attention
 
     ids = torch.randint(0, 250, (1, 30))
     features = context_features(target, ids, drafter.target_layer_ids)
@@ -92,8 +100,10 @@ def test_public_dflash_package_loads_our_export_with_equal_logits(target, tmp_pa
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
-def test_cache_keeps_context_only_and_matches_one_shot(drafter, target):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_cache_keeps_context_only_and_matches_one_shot(target, variant):
     """Drafting with context added in pieces through the cache equals drafting with it all at once."""
+    drafter = make_drafter(target, variant=VARIANTS[variant])
     ids = torch.randint(0, 250, (1, 24))
     features = context_features(target, ids, drafter.target_layer_ids)
     block = torch.tensor([[int(ids[0, 20])] + [MASK_ID] * 7])
@@ -127,3 +137,32 @@ def test_last_target_layer_is_refused_with_the_reason(target):
     torch.testing.assert_close(context_features(target, ids, [4]),
                                select_features(target(ids, output_hidden_states=True).hidden_states, [4]),
                                rtol=0, atol=1e-5)
+
+
+def test_layer_attention_reads_the_config_as_dflash_does(target):
+    """The public defaults: a sliding layer is causal and a full one is not, unless is_causal says
+    otherwise for every layer; a variant without sliding layers writes no window."""
+    def read(**variant):
+        config = drafter_config(target.config, num_layers=2, block_size=8, mask_token_id=MASK_ID,
+                                variant=DrafterVariant(**variant))
+        return layer_attention(config), config
+    mixed, config = read(layer_types=("full_attention", "sliding_attention"), sliding_window=4)
+    assert mixed == [LayerAttention(None, False), LayerAttention(4, True)]
+    assert config.layer_types == ["full_attention", "sliding_attention"] and config.sliding_window == 4
+    assert not hasattr(config, "is_causal")
+    assert read(layer_types=("full_attention", "sliding_attention"), sliding_window=4, causal=False)[0] == \
+        [LayerAttention(None, False), LayerAttention(4, False)]
+    full, config = read(causal=True)
+    assert full == [LayerAttention(None, True)] * 2 and config.sliding_window is None
+
+
+@pytest.mark.parametrize("variant,message", [
+    (DrafterVariant(layer_types=("full_attention",)), "layer_types has 1 entries for 2 draft layers"),
+    (DrafterVariant(layer_types=("full_attention", "sliding")), "each entry must be one of"),
+    (DrafterVariant(layer_types=("sliding_attention",) * 2), "sliding_window must be set"),
+    (DrafterVariant(layer_types=("sliding_attention",) * 2, sliding_window=0), "sliding_window=0 must be >= 1"),
+    (DrafterVariant(sliding_window=8), "no layer_types entry is sliding_attention"),
+])
+def test_bad_variants_are_refused_with_the_reason(target, variant, message):
+    with pytest.raises(ValueError, match=message):
+        drafter_config(target.config, num_layers=2, block_size=8, mask_token_id=MASK_ID, variant=variant)

@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import MASK_ID, fit_drafter, make_drafter
+from conftest import MASK_ID, VARIANTS, fit_drafter, make_drafter
 from drafter import ddtree, model, objective
 from drafter.ddtree import build_tree, teacher_forced_accept
 from drafter.host_sync import HostSyncCounter
-from drafter.model import DraftCache, compiled_graph_count
+from drafter.model import DraftCache, LayerAttention, compiled_graph_count
 from drafter.objective import (ATTENTION_KERNELS, ChunkedLMHeadLoss, ObjectiveConfig, attention_kernel,
                                build_blocks, dense_block_mask, dense_lm_head_loss, ddtree_accept_metric,
                                drafter_hidden, finalize_metrics, position_weights, rank_metrics,
@@ -36,9 +36,12 @@ def training_logits(drafter, target, features, blocks, attention):
     return target.lm_head(hidden)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("attention", ["dense", "flex"])
-def test_training_logits_equal_inference_logits(drafter, target, attention):
-    """DESIGN.md contract 2 on a padded batch of sequences of different lengths, several anchors each."""
+def test_training_logits_equal_inference_logits(target, attention, variant):
+    """DESIGN.md contract 2 on a padded batch of sequences of different lengths, several anchors each,
+    for every drafter variant (contract 11)."""
+    drafter = make_drafter(target, variant=VARIANTS[variant])
     ids, loss_mask = padded_batch([29, 40, 17])
     features = context_features(target, ids, drafter.target_layer_ids)
     anchors, valid = sample_anchors(loss_mask, 5, torch.Generator().manual_seed(3))
@@ -58,8 +61,10 @@ def test_training_logits_equal_inference_logits(drafter, target, attention):
     assert checked >= 12  # every sequence contributed anchors, including the short one
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("attention", ["dense", "flex"])
-def test_features_at_or_after_anchor_have_no_influence(drafter, target, attention):
+def test_features_at_or_after_anchor_have_no_influence(target, attention, variant):
+    drafter = make_drafter(target, variant=VARIANTS[variant])
     ids, loss_mask = padded_batch([33, 26], seed=1)
     features = context_features(target, ids, drafter.target_layer_ids)
     anchors, valid = sample_anchors(loss_mask, 4, torch.Generator().manual_seed(0))
@@ -94,6 +99,27 @@ def test_block_mask_sees_strict_past_and_own_block_only():
     assert mask[4, :8].tolist() == [True] * 5 + [False] * 3
     assert mask[1, 8:].tolist() == [True, True, True, False, False, False]
     assert mask[5, 8:].tolist() == [False, False, False, True, True, True]
+
+
+def test_block_mask_of_sliding_and_causal_layers():
+    """Hand-built cases: a window (3) shorter than the context counts the query and block positions;
+    a causal block sees its earlier slots; a bidirectional window (2) cuts later slots too."""
+    anchors = torch.tensor([[2, 5]])
+    sliding = dense_block_mask(anchors, 8, 3, LayerAttention(window=3, causal=True))[0, 0]
+    # block 1 (anchor 5) queries at positions 5, 6, 7: context 3..4, 4, nothing
+    assert sliding[3, :8].tolist() == [False] * 3 + [True, True] + [False] * 3
+    assert sliding[4, :8].tolist() == [False] * 4 + [True] + [False] * 3
+    assert not sliding[5, :8].any()
+    assert sliding[3, 11:].tolist() == [True, False, False]
+    assert sliding[5, 11:].tolist() == [True, True, True]
+    assert sliding[0, :8].tolist() == [True, True] + [False] * 6  # anchor 2: both context positions
+    causal = dense_block_mask(anchors, 8, 3, LayerAttention(causal=True))[0, 0]
+    assert causal[5, :8].tolist() == [True] * 5 + [False] * 3  # the whole context before the anchor
+    assert causal[3:6, 11:].tolist() == [[True, False, False], [True, True, False], [True, True, True]]
+    assert not causal[3:6, 8:11].any()
+    both_ways = dense_block_mask(anchors, 8, 3, LayerAttention(window=2))[0, 0]
+    assert both_ways[3:6, 11:].tolist() == [[True, True, False], [True, True, True], [False, True, True]]
+    assert both_ways[3, :8].tolist() == [False] * 4 + [True] + [False] * 3
 
 
 def test_anchors_are_supervised_distinct_and_redrawn():
