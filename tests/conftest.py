@@ -89,11 +89,11 @@ class TrainedDrafter:
     sequences: torch.Tensor
 
 
-@pytest.fixture(scope="session")
-def trained(target) -> TrainedDrafter:
-    """A drafter that has learned something, in a few seconds: 30 steps of the project's own training
-    step (`training_step` on `context_features`) over the target's greedy continuations of 8 random
-    prompts. Served on those prompts its tau is about 5 (DFlash, block 8); a random drafter's is 1."""
+def train_on_greedy_text(target, variant: DrafterVariant = DrafterVariant()) -> TrainedDrafter:
+    """A drafter of `variant` that has learned something, in a few seconds: 30 steps of the project's
+    own training step (`training_step` on `context_features`) over the target's greedy continuations
+    of 8 random prompts. Served on those prompts its tau is about 5 (DFlash, block 8); a random
+    drafter's is 1."""
     from drafter.decode import generate
     from drafter.objective import ObjectiveConfig
 
@@ -102,8 +102,19 @@ def trained(target) -> TrainedDrafter:
                              for p in prompts])
     loss_mask = torch.zeros_like(sequences)
     loss_mask[:, prompts.shape[1]:] = 1
-    drafter = make_drafter(target, num_layers=2, block_size=8)
+    drafter = make_drafter(target, num_layers=2, block_size=8, variant=variant)
     cfg = ObjectiveConfig(block_size=8, mask_token_id=MASK_ID, num_anchors=16, ddtree_budget=16)
     fit_drafter(drafter, target, sequences, loss_mask, cfg, steps=30, lr=1e-2)
     drafter.requires_grad_(False)
     return TrainedDrafter(target, drafter, prompts, sequences)
+
+
+@pytest.fixture(scope="session")
+def trained(target) -> TrainedDrafter:
+    return train_on_greedy_text(target)
+
+
+@pytest.fixture(scope="session")
+def trained_sliding(target) -> TrainedDrafter:
+    """As `trained`, with the "sliding" variant (a causal 5-position window, then a full layer)."""
+    return train_on_greedy_text(target, VARIANTS["sliding"])

@@ -58,11 +58,13 @@ def replayed_lengths(trained, sequence: torch.Tensor, num_prompt: int, method: s
     return lengths
 
 
-@pytest.mark.parametrize("method,budget", SPECULATIVE)
-def test_served_steps_follow_the_training_path(trained, monkeypatch, method, budget):
+@pytest.mark.parametrize("world,method,budget", [("trained", *case) for case in SPECULATIVE]
+                         + [("trained_sliding", "dflash", None), ("trained_sliding", "ddtree", 32)])
+def test_served_steps_follow_the_training_path(request, monkeypatch, world, method, budget):
     """At every decode step the drafter sees exactly the context the training forward gives the block
     at that anchor (same logits), and each step commits what a teacher-forced replay of the training
-    path says it must: accepted tokens plus the bonus, no more, no less."""
+    path says it must: accepted tokens plus the bonus, no more, no less. Also for sliding layers."""
+    trained = request.getfixturevalue(world)
     calls = []
     draft_logits = trained.drafter.draft_logits
 
@@ -93,11 +95,14 @@ def test_served_steps_follow_the_training_path(trained, monkeypatch, method, bud
 
         assert result.acceptance_lengths == replayed_lengths(trained, sequence, num_prompt, method, budget)
         taus.append(sum(result.acceptance_lengths) / len(result.acceptance_lengths))
-    assert min(taus) > (3.0 if budget != 4 else 2.5), taus  # the drafter has learned something
+    assert min(taus) > (3.0 if budget != 4 and world == "trained" else 2.5), taus  # it has learned
 
 
-def test_dflash_matches_public_dflash_generate(trained, monkeypatch):
-    """Token for token and step for step the public package's loop on the same trained drafter."""
+@pytest.mark.parametrize("world", ["trained", "trained_sliding"])
+def test_dflash_matches_public_dflash_generate(request, monkeypatch, world):
+    """Token for token and step for step the public package's loop on the same trained drafter, for
+    full and for sliding layers (the public loop keeps a sliding layer's last window of context)."""
+    trained = request.getfixturevalue(world)
     dflash_model = pytest.importorskip("dflash.model")
     monkeypatch.setattr(dflash_model, "_cuda_time", time.perf_counter)  # its timer syncs CUDA
     with tempfile.TemporaryDirectory() as directory:
@@ -115,7 +120,7 @@ def test_dflash_matches_public_dflash_generate(trained, monkeypatch):
         assert ours.acceptance_lengths == theirs.acceptance_lengths
         assert ours.output_ids == theirs.output_ids[0, num_prompt:].tolist()
         taus.append(sum(ours.acceptance_lengths) / len(ours.acceptance_lengths))
-    assert min(taus) > 3.0, taus
+    assert min(taus) > (3.0 if world == "trained" else 2.5), taus  # a random drafter's: 1
 
 
 # ---------------------------------------------------------------------------------------------
