@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import Qwen3Config
+from transformers import initialization as init
 from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3MLP, Qwen3PreTrainedModel, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half)
 
@@ -48,10 +49,17 @@ class DrafterVariant:
     sliding_window: the window of the sliding layers, in positions, the query's own included.
     causal: None is the public default (sliding layers causal inside the block, full layers
         bidirectional); True / False makes every layer causal / bidirectional (`is_causal`).
+    arch: "dflash" or "dflash2" (DFlash2DraftModel); the conv_* and selector_* settings are
+        DFlash2's: the convolution's taps and channel group, the selector's rank and candidates.
     """
     layer_types: tuple[str, ...] | None = None
     sliding_window: int | None = None
     causal: bool | None = None
+    arch: str = "dflash"
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
 
     def problems(self, num_layers: int) -> list[str]:
         """What is wrong with this variant for a drafter of `num_layers` layers, each naming its key."""
@@ -70,6 +78,26 @@ class DrafterVariant:
         if self.sliding_window is not None and not sliding:
             problems.append(f"sliding_window={self.sliding_window} is set but no layer_types entry is "
                             "sliding_attention")
+        if self.arch not in ARCHITECTURES:
+            problems.append(f"arch={self.arch!r} is not one of {', '.join(ARCHITECTURES)}")
+        for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            if getattr(self, key) < 1:
+                problems.append(f"{key}={getattr(self, key)} must be >= 1")
+        return problems
+
+    def width_problems(self, hidden_size: int, vocab_size: int, block_size: int) -> list[str]:
+        """What DFlash2's settings cannot do with the target's widths and the block size."""
+        if self.arch != "dflash2":
+            return []
+        problems = []
+        if hidden_size % self.conv_group_size:
+            problems.append(f"conv_group_size={self.conv_group_size} does not divide the hidden size "
+                            f"{hidden_size} (the convolution's channel groups)")
+        if self.selector_top_k > vocab_size:
+            problems.append(f"selector_top_k={self.selector_top_k} exceeds the vocabulary ({vocab_size})")
+        if self.conv_kernel_size > block_size:
+            problems.append(f"conv_kernel_size={self.conv_kernel_size} exceeds block_size={block_size}: "
+                            "taps past the block's start see only zeros")
         return problems
 
     def config_fields(self, num_layers: int) -> dict:
@@ -82,12 +110,23 @@ class DrafterVariant:
             fields["is_causal"] = bool(self.causal)
         return fields
 
+    def dflash_config_fields(self) -> dict:
+        """The `dflash_config` entries (and architecture) `dflash` 0.1.0 reads for this variant."""
+        if self.arch != "dflash2":
+            return {}
+        return {"conv_kernel_size": self.conv_kernel_size, "conv_group_size": self.conv_group_size,
+                "selector_rank": self.selector_rank, "selector_top_k": self.selector_top_k}
+
 
 def drafter_variant(drafter_section) -> DrafterVariant:
     """The DrafterVariant of the config's `drafter` section (drafter.config.DrafterConfig)."""
     types = drafter_section.layer_types
     return DrafterVariant(layer_types=None if types is None else tuple(types),
-                          sliding_window=drafter_section.sliding_window, causal=drafter_section.causal)
+                          sliding_window=drafter_section.sliding_window, causal=drafter_section.causal,
+                          arch=drafter_section.arch, conv_kernel_size=drafter_section.conv_kernel_size,
+                          conv_group_size=drafter_section.conv_group_size,
+                          selector_rank=drafter_section.selector_rank,
+                          selector_top_k=drafter_section.selector_top_k)
 
 
 def drafter_config(target_config, *, num_layers: int, block_size: int, mask_token_id: int,
@@ -98,10 +137,11 @@ def drafter_config(target_config, *, num_layers: int, block_size: int, mask_toke
     `record` lands in `dflash_config` (e.g. target_path, chat_template_kwargs) so that a checkpoint can
     be evaluated without flags.
     """
-    problems = variant.problems(num_layers)
+    text_config = target_config.get_text_config()
+    problems = variant.problems(num_layers) + variant.width_problems(
+        text_config.hidden_size, text_config.vocab_size, block_size)
     if problems:
         raise ValueError("; ".join(problems))
-    text_config = target_config.get_text_config()
     num_target_layers = text_config.num_hidden_layers
     if target_layer_ids is None:
         target_layer_ids = default_target_layer_ids(num_target_layers, num_layers)
@@ -115,9 +155,9 @@ def drafter_config(target_config, *, num_layers: int, block_size: int, mask_toke
     return Qwen3Config(
         **widths, num_hidden_layers=num_layers, num_target_layers=num_target_layers,
         block_size=block_size, tie_word_embeddings=False, **variant.config_fields(num_layers),
-        architectures=["DFlashDraftModel"],
+        architectures=["DFlash2DraftModel" if variant.arch == "dflash2" else "DFlashDraftModel"],
         dflash_config={"target_layer_ids": target_layer_ids, "mask_token_id": int(mask_token_id),
-                       **record})
+                       **variant.dflash_config_fields(), **record})
 
 
 def resolve_mask_token_id(tokenizer, target_vocab_size: int) -> int:
@@ -244,6 +284,18 @@ def attend(q, k, v, mask):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
+@dataclass
+class LayerInputs:
+    """What every draft layer of one forward shares: the fused context states [b, n, H] and rotary
+    tables of context and blocks, the cache (inference) and the block length (blocks lie back to
+    back along the query axis)."""
+    ctx: torch.Tensor
+    block_rope: tuple[torch.Tensor, torch.Tensor]
+    ctx_rope: tuple[torch.Tensor, torch.Tensor]
+    cache: DraftCache | None
+    block_len: int
+
+
 class DFlashAttention(nn.Module):
     def __init__(self, config: Qwen3Config):
         super().__init__()
@@ -264,15 +316,53 @@ class DFlashAttention(nn.Module):
         k = apply_rope(self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads)), *rope)
         return k, self._heads(self.v_proj(x), self.num_kv_heads)
 
-    def forward(self, block, ctx, block_rope, ctx_rope, mask, cache=None, layer_idx=0):
-        q = apply_rope(self.q_norm(self._heads(self.q_proj(block), self.num_heads)), *block_rope)
-        k_ctx, v_ctx = self._keys_values(ctx, ctx_rope)
-        if cache is not None:
-            k_ctx, v_ctx = cache.extend(layer_idx, k_ctx, v_ctx)
-        k_blk, v_blk = self._keys_values(block, block_rope)
+    def forward(self, block, inputs: LayerInputs, mask, layer_idx: int):
+        q = apply_rope(self.q_norm(self._heads(self.q_proj(block), self.num_heads)), *inputs.block_rope)
+        k_ctx, v_ctx = self._keys_values(inputs.ctx, inputs.ctx_rope)
+        if inputs.cache is not None:
+            k_ctx, v_ctx = inputs.cache.extend(layer_idx, k_ctx, v_ctx)
+        k_blk, v_blk = self._keys_values(block, inputs.block_rope)
         k, v = torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2)
         out = attend(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(*block.shape[:2], -1))
+
+
+class DynamicBlockConv(nn.Module):
+    """DFlash2's grouped dynamic depthwise convolution around one sublayer (attention or MLP): a
+    causal convolution along the block before the sublayer and one after it. Tap o of channel c at
+    slot t weighs slot t - o (zero before the block's first slot) by base_kernel[i, o, c] plus an
+    offset shared by c's group of `group_size` channels, predicted from the sublayer's input at t
+    (one projection predicts the offsets of both convolutions). Starts as the identity."""
+
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int):
+        super().__init__()
+        self.kernel_size, self.group_size = kernel_size, group_size
+        self.groups = hidden_size // group_size
+        self.base_kernel = nn.Parameter(torch.empty(2, kernel_size, hidden_size))
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
+
+    def reset_to_identity(self):
+        identity = torch.zeros_like(self.base_kernel)
+        identity[:, 0] = 1.0
+        init.copy_(self.base_kernel, identity)
+        init.zeros_(self.kernel_projection.weight)
+
+    def _convolve(self, x, base, offsets, block_len: int):
+        """x [b, Q, H], base [kernel, H], offsets [b, Q, kernel, groups] -> [b, Q, H], block by block."""
+        b, length, hidden = x.shape
+        shape = (b, length // block_len, block_len, self.groups, self.group_size)
+        blocks, offsets = x.view(shape), offsets.view(*shape[:3], self.kernel_size, self.groups, 1)
+        base = base.view(self.kernel_size, self.groups, self.group_size).to(x.dtype)
+        out = torch.zeros_like(blocks)
+        for tap in range(self.kernel_size):
+            earlier = F.pad(blocks, (0, 0, 0, 0, tap, 0))[:, :, :block_len]  # slot t - tap
+            out = out + (base[tap] + offsets[:, :, :, tap]) * earlier
+        return out.view(b, length, hidden)
+
+    def forward(self, x, sublayer, block_len: int):
+        offsets = self.kernel_projection(x).view(*x.shape[:-1], 2, self.kernel_size, self.groups)
+        before = self._convolve(x, self.base_kernel[0], offsets[..., 0, :, :], block_len)
+        return self._convolve(sublayer(before), self.base_kernel[1], offsets[..., 1, :, :], block_len)
 
 
 class DFlashDecoderLayer(nn.Module):
@@ -282,11 +372,17 @@ class DFlashDecoderLayer(nn.Module):
         self.mlp = Qwen3MLP(config)
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.attention_conv: DynamicBlockConv | None = None  # DFlash2 sets both
+        self.mlp_conv: DynamicBlockConv | None = None
 
-    def forward(self, x, ctx, block_rope, ctx_rope, mask, cache=None, layer_idx=0):
-        x = x + self.self_attn(self.input_layernorm(x), ctx, block_rope, ctx_rope, mask, cache,
-                               layer_idx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    @staticmethod
+    def _through(conv, sublayer, x, block_len):
+        return sublayer(x) if conv is None else conv(x, sublayer, block_len)
+
+    def forward(self, x, inputs: LayerInputs, mask, layer_idx: int):
+        attention = lambda h: self.self_attn(h, inputs, mask, layer_idx)  # noqa: E731
+        x = x + self._through(self.attention_conv, attention, self.input_layernorm(x), inputs.block_len)
+        return x + self._through(self.mlp_conv, self.mlp, self.post_attention_layernorm(x), inputs.block_len)
 
 
 class DFlashDraftModel(Qwen3PreTrainedModel):
@@ -302,7 +398,11 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         self.fc = nn.Linear(num_features * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.layer_attention = layer_attention(config)
+        self._add_variant_modules(config)
         self.post_init()
+
+    def _add_variant_modules(self, config: Qwen3Config):
+        """Nothing for DFlash; DFlash2DraftModel adds its convolutions and selector."""
 
     @property
     def block_size(self) -> int:
@@ -317,26 +417,27 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         return self.config.dflash_config["mask_token_id"]
 
     def forward(self, block_embeds, block_positions, features, ctx_positions, masks, cache=None):
-        """Final-normed block states [b, Q, H].
+        """Final-normed block states [b, A, L, H] of A blocks of L slots each.
 
-        block_embeds [b, Q, H], block_positions [b, Q]; target features [b, n, K*H] of the context
-        positions ctx_positions [b, n], fused here (fc, hidden_norm) into the states every layer
-        projects to K/V. Keys are ordered [context (cache first, if any) || block]; `masks` maps each
-        of `self.layer_attention` to the mask (see `attend`) its layers use over keys in that order.
-        Everything runs inside forward, so sharding wrappers (ZeRO-3, FSDP2) gather every weight
-        through the module's own hooks.
+        block_embeds [b, A, L, H], block_positions [b, A, L]; target features [b, n, K*H] of the
+        context positions ctx_positions [b, n], fused here (fc, hidden_norm) into the states every
+        layer projects to K/V. Keys are ordered [context (cache first, if any) || blocks]; `masks`
+        maps each of `self.layer_attention` to the mask (see `attend`) its layers use over keys in
+        that order, queries being the blocks' slots back to back. Everything runs inside forward,
+        so sharding wrappers (ZeRO-3, FSDP2) gather every weight through the module's own hooks.
         """
+        b, num_blocks, block_len, width = block_embeds.shape
+        x = block_embeds.reshape(b, num_blocks * block_len, width)
         ctx = self.hidden_norm(self.fc(features))
-        block_rope = self.rotary_emb(block_embeds, block_positions)
-        ctx_rope = self.rotary_emb(ctx, ctx_positions)
-        x = block_embeds
+        inputs = LayerInputs(ctx, self.rotary_emb(x, block_positions.reshape(b, -1)),
+                             self.rotary_emb(ctx, ctx_positions), cache, block_len)
         for i, (layer, attention) in enumerate(zip(self.layers, self.layer_attention)):
-            x = layer(x, ctx, block_rope, ctx_rope, masks[attention], cache, i)
-        return self.norm(x)
+            x = layer(x, inputs, masks[attention], i)
+        return self.norm(x).view(b, num_blocks, block_len, width)
 
     @torch.no_grad()
-    def draft_logits(self, target, ctx_features, block_ids, cache: DraftCache) -> torch.Tensor:
-        """Inference: fp32 logits [b, B-1, V] for block positions 1..B-1.
+    def draft_hidden(self, target, ctx_features, block_ids, cache: DraftCache) -> torch.Tensor:
+        """Inference: the final-normed states [b, B, H] of one block.
 
         ctx_features [b, n, K*H] are the new context positions cache.length .. cache.length+n-1 (they
         are appended to `cache`); block_ids [b, B] = [anchor, MASK, ...] sit right after them.
@@ -347,14 +448,117 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         positions = positions.expand(block_ids.shape[0], -1)
         block_embeds = target.get_input_embeddings()(block_ids).to(self.dtype)
         masks = {a: a.inference_mask(start + n, block_len, block_ids.device) for a in set(self.layer_attention)}
-        hidden = self(block_embeds, positions[:, n:], ctx_features.to(self.dtype), positions[:, :n], masks, cache)
+        hidden = self(block_embeds[:, None], positions[:, None, n:], ctx_features.to(self.dtype),
+                      positions[:, :n], masks, cache)
+        return hidden[:, 0]
+
+    @torch.no_grad()
+    def draft_logits(self, target, ctx_features, block_ids, cache: DraftCache) -> torch.Tensor:
+        """Inference: fp32 logits [b, B-1, V] for block positions 1..B-1 (arguments: `draft_hidden`)."""
+        hidden = self.draft_hidden(target, ctx_features, block_ids, cache)
         return target.get_output_embeddings()(hidden[:, 1:].to(target.dtype)).float()
+
+    @torch.no_grad()
+    def draft_chain(self, target, ctx_features, block_ids, cache: DraftCache) -> torch.Tensor:
+        """Inference: the single path [b, B-1] DFlash verifies: the argmax of every slot's logits
+        (arguments: `draft_hidden`)."""
+        return self.draft_logits(target, ctx_features, block_ids, cache).argmax(-1)
+
+    def chain_picks(self, hidden, logits, predecessors) -> torch.Tensor:
+        """The token the drafted path takes at each slot [...] given the token before it
+        (`predecessors` [...]; unused by DFlash) from the slot's state and logits [..., V]."""
+        return logits.argmax(-1)
+
+
+class CandidateSelector(nn.Module):
+    """DFlash2's low-rank candidate selector: at each block slot it re-scores the drafter's top-K
+    tokens by how well each follows the token drafted before it, given the slot's state:
+    score(candidate) = logit(candidate) + <P[previous] * W h, S[candidate]>, P and S [V, rank]
+    codebooks, W [rank, H]. The chain walked from the anchor takes each slot's best-scored token.
+    The codebooks are plain parameters, so they are saved under the names `dflash` 0.1.0 maps."""
+
+    def __init__(self, config: Qwen3Config, rank: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.predecessor_codebook = nn.Parameter(torch.empty(config.vocab_size, rank))
+        self.successor_codebook = nn.Parameter(torch.empty(config.vocab_size, rank))
+        self.hidden_projection = nn.Linear(config.hidden_size, rank, bias=False)
+
+    def reset_parameters(self, std: float):
+        init.normal_(self.predecessor_codebook, mean=0.0, std=std)
+        init.normal_(self.successor_codebook, mean=0.0, std=std)
+
+    def forward(self, hidden, predecessors, candidates) -> torch.Tensor:
+        """Pair scores [..., K] of candidates [..., K] after predecessors [...], states hidden [..., H]."""
+        query = F.embedding(predecessors, self.predecessor_codebook) * self.hidden_projection(hidden)
+        keys = F.embedding(candidates, self.successor_codebook)
+        return (keys * query[..., None, :].to(keys.dtype)).sum(-1)
+
+    def candidates(self, logits) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, token ids) [..., K] of the top-K tokens, most likely first."""
+        return logits.topk(self.top_k, dim=-1)
+
+    def pick(self, hidden, logits, predecessors) -> torch.Tensor:
+        """The best-scored candidate [...] of every slot given its predecessor."""
+        unary, candidates = self.candidates(logits)
+        scores = unary + self(hidden, predecessors, candidates).to(unary.dtype)
+        return candidates.gather(-1, scores.argmax(-1, keepdim=True))[..., 0]
+
+
+class DFlash2DraftModel(DFlashDraftModel):
+    """DFlash with a DynamicBlockConv around every attention and MLP sublayer and a
+    CandidateSelector over the block's slots (`dflash.model.DFlash2DraftModel`'s structure)."""
+    _no_split_modules = ["DFlashDecoderLayer", "CandidateSelector"]
+
+    def _add_variant_modules(self, config: Qwen3Config):
+        settings = config.dflash_config
+        for layer in self.layers:
+            for name in ("attention_conv", "mlp_conv"):
+                setattr(layer, name, DynamicBlockConv(config.hidden_size, settings["conv_kernel_size"],
+                                                      settings["conv_group_size"]))
+        self.candidate_selector = CandidateSelector(config, settings["selector_rank"],
+                                                    settings["selector_top_k"])
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, DynamicBlockConv):
+            module.reset_to_identity()
+        elif isinstance(module, CandidateSelector):
+            module.reset_parameters(self.config.initializer_range)
+
+    def chain_picks(self, hidden, logits, predecessors) -> torch.Tensor:
+        return self.candidate_selector.pick(hidden, logits, predecessors)
+
+    @torch.no_grad()
+    def draft_chain(self, target, ctx_features, block_ids, cache: DraftCache) -> torch.Tensor:
+        """Inference: the selector's chain [b, B-1], walked from the anchor one slot at a time, each
+        slot's predecessor the token picked before it."""
+        hidden = self.draft_hidden(target, ctx_features, block_ids, cache)[:, 1:]
+        logits = target.get_output_embeddings()(hidden.to(target.dtype)).float()
+        previous, chain = block_ids[:, 0], []
+        for slot in range(hidden.shape[1]):
+            previous = self.chain_picks(hidden[:, slot], logits[:, slot], previous)
+            chain.append(previous)
+        return torch.stack(chain, dim=1)
+
+
+ARCHITECTURES = {"dflash": DFlashDraftModel, "dflash2": DFlash2DraftModel}
+
+
+def drafter_class(config: Qwen3Config) -> type[DFlashDraftModel]:
+    """The class a drafter config is for, by its `architectures` (as the serving stacks pick it)."""
+    return DFlash2DraftModel if "DFlash2DraftModel" in (config.architectures or []) else DFlashDraftModel
+
+
+def load_drafter(directory, **kwargs) -> DFlashDraftModel:
+    """An exported drafter directory, DFlash or DFlash2 (`from_pretrained` kwargs pass through)."""
+    return drafter_class(Qwen3Config.from_pretrained(directory)).from_pretrained(directory, **kwargs)
 
 
 def drafter_from_state_dict(config: Qwen3Config, state_dict: dict[str, torch.Tensor]) -> DFlashDraftModel:
     """A plain (unsharded) drafter on the CPU holding `state_dict`, built without a random init first."""
     with torch.device("meta"):
-        drafter = DFlashDraftModel(config)
+        drafter = drafter_class(config)(config)
     drafter.to_empty(device="cpu")
     drafter.load_state_dict(state_dict)
     drafter.rotary_emb = Qwen3RotaryEmbedding(config)  # its buffers are not in state dicts

@@ -6,7 +6,7 @@ import torch
 
 torch.set_num_threads(int(os.environ.get("TEST_TORCH_THREADS", "1")))
 
-from drafter.model import DFlashDraftModel, DrafterVariant, drafter_config  # noqa: E402
+from drafter.model import DFlashDraftModel, DrafterVariant, drafter_class, drafter_config  # noqa: E402
 from drafter.target import random_qwen3  # noqa: E402
 
 MASK_ID = 255
@@ -19,6 +19,8 @@ VARIANTS = {
     "window_bidirectional": DrafterVariant(layer_types=("sliding_attention",) * 2, sliding_window=3,
                                            causal=False),
     "causal": DrafterVariant(causal=True),
+    "dflash2": DrafterVariant(layer_types=("sliding_attention", "full_attention"), sliding_window=5,
+                              arch="dflash2", conv_group_size=16, selector_rank=8, selector_top_k=4),
 }
 
 
@@ -35,7 +37,7 @@ def randomize_(module: torch.nn.Module, seed: int, scale: float = 0.2) -> torch.
 def make_drafter(target, num_layers=2, block_size=8, seed=1, **kw) -> DFlashDraftModel:
     cfg = drafter_config(target.config, num_layers=num_layers, block_size=block_size,
                          mask_token_id=MASK_ID, **kw)
-    return randomize_(DFlashDraftModel(cfg), seed).eval()
+    return randomize_(drafter_class(cfg)(cfg), seed).eval()
 
 
 def fit_drafter(drafter, target, input_ids, loss_mask, cfg, steps: int, lr: float) -> list[float]:
@@ -118,3 +120,9 @@ def trained(target) -> TrainedDrafter:
 def trained_sliding(target) -> TrainedDrafter:
     """As `trained`, with the "sliding" variant (a causal 5-position window, then a full layer)."""
     return train_on_greedy_text(target, VARIANTS["sliding"])
+
+
+@pytest.fixture(scope="session")
+def trained_dflash2(target) -> TrainedDrafter:
+    """As `trained`, with the "dflash2" variant (convolutions, selector, a sliding layer)."""
+    return train_on_greedy_text(target, VARIANTS["dflash2"])

@@ -5,8 +5,8 @@ import torch
 from safetensors import safe_open
 
 from conftest import MASK_ID, VARIANTS, make_drafter
-from drafter.model import (DFlashDraftModel, DraftCache, DrafterVariant, LayerAttention, drafter_config,
-                           layer_attention, resolve_mask_token_id)
+from drafter.model import (DFlash2DraftModel, DFlashDraftModel, DraftCache, DrafterVariant, LayerAttention,
+                           drafter_config, layer_attention, load_drafter, resolve_mask_token_id)
 from drafter.target import context_features, default_target_layer_ids, select_features
 
 
@@ -74,30 +74,45 @@ def test_mask_token_is_added_when_missing():
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_public_dflash_package_loads_our_export_with_equal_logits(target, tmp_path, variant):
-    """DESIGN.md contracts 1 and 11: the z-lab `dflash` package loads the export of every variant,
-    reads each layer's window and causality as ours, and computes our logits (the context, 21
-    positions, is longer than every window)."""
-    from dflash.model import DFlashDraftModel as PublicDraftModel
+    """DESIGN.md contracts 1 and 11: the z-lab `dflash` package loads the export of every variant
+    (DFlash2 in its DFlash2DraftModel), reads each layer's window and causality as ours, and computes
+    our logits and, for DFlash2, our selector chain (the context, 21 positions, is longer than every
+    window)."""
+    from dflash import model as public_model
 
     drafter = make_drafter(target, num_layers=2, block_size=8, variant=VARIANTS[variant])
+    dflash2 = isinstance(drafter, DFlash2DraftModel)
+    if dflash2:
+        with torch.no_grad():  # pair scores as large as the logits' gaps: the selector re-ranks
+            drafter.candidate_selector.successor_codebook.mul_(20)
     drafter.save_pretrained(tmp_path)
-    public = PublicDraftModel.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    public_class = public_model.DFlash2DraftModel if dflash2 else public_model.DFlashDraftModel
+    public, loading = public_class.from_pretrained(tmp_path, dtype=torch.float32, output_loading_info=True)
+    public.eval()
+    assert not any(loading.values()), loading  # no missing, unexpected or mismatched weights
     assert public.target_layer_ids == drafter.target_layer_ids
     assert public.mask_token_id == MASK_ID and public.block_size == 8
     assert [(layer.self_attn.sliding_window, layer.self_attn.is_causal) for layer in public.layers] == \
         [(a.window, a.causal) for a in drafter.layer_attention]
-    reloaded = DFlashDraftModel.from_pretrained(tmp_path)
-    assert reloaded.layer_attention == drafter.layer_attention
+    reloaded = load_drafter(tmp_path)
+    assert type(reloaded) is type(drafter) and reloaded.layer_attention == drafter.layer_attention
 
-    ids = torch.randint(0, 250, (1, 30))
+    ids = torch.randint(0, 250, (3, 30), generator=torch.Generator().manual_seed(5))
     features = context_features(target, ids, drafter.target_layer_ids)
-    block = torch.tensor([[int(ids[0, 21])] + [MASK_ID] * 7])
+    block = torch.cat([ids[:, 21:22], torch.full((3, 7), MASK_ID)], 1)
     ours = drafter.draft_logits(target, features[:, :21], block, DraftCache())
     with torch.no_grad():
         hidden = public(target_hidden=features[:, :21], noise_embedding=target.model.embed_tokens(block),
-                        position_ids=torch.arange(29)[None])
-    theirs = target.lm_head(hidden[:, 1:])
-    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+                        position_ids=torch.arange(29)[None])[:, 1:]
+    torch.testing.assert_close(ours, target.lm_head(hidden), rtol=1e-5, atol=1e-5)
+    chain = drafter.draft_chain(target, features[:, :21], block, DraftCache())
+    if dflash2:
+        with torch.no_grad():
+            theirs = public.propose(hidden, block[:, 0], target.lm_head, temperature=0.0)[0]
+        assert torch.equal(chain, theirs)
+        assert not torch.equal(chain, ours.argmax(-1))  # the selector re-ranked some slot
+    else:
+        assert torch.equal(chain, ours.argmax(-1))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -8,14 +8,14 @@ from conftest import MASK_ID, VARIANTS, fit_drafter, make_drafter
 from drafter import ddtree, model, objective
 from drafter.ddtree import build_tree, teacher_forced_accept
 from drafter.host_sync import HostSyncCounter
-from drafter.model import DraftCache, LayerAttention, compiled_graph_count
+from drafter.model import CandidateSelector, DraftCache, LayerAttention, compiled_graph_count, drafter_config
 from drafter.objective import (ATTENTION_KERNELS, ChunkedLMHeadLoss, ObjectiveConfig, attention_kernel,
                                build_blocks, dense_block_mask, dense_lm_head_loss, ddtree_accept_metric,
                                drafter_hidden, finalize_metrics, position_weights, rank_metrics,
-                               resolve_gamma, sample_anchors, sample_complete_blocks, top_logprobs,
-                               training_step)
+                               resolve_gamma, sample_anchors, sample_complete_blocks, selector_loss,
+                               SelectorRows, top_logprobs, training_step)
 from drafter.sampler import BucketSampler, collate, make_buckets
-from drafter.target import context_features
+from drafter.target import context_features, random_qwen3_config
 
 B = 8
 
@@ -469,3 +469,36 @@ def test_training_step_ddtree_accept_is_each_blocks_own_walk(trained):
              for b, a in complete.nonzero().tolist()]
     assert len(set(walks)) > 3  # blocks differ, so a mispairing changes the sum
     assert metrics["anchor_ddtree@16"].tolist() == [sum(walks), len(walks)]
+
+
+def test_selector_loss_on_a_hand_built_case():
+    """DFlash2's K-way cross entropy (K = 3) on two rows with logits [3, 2, 1, 0, -1, -2]: gold 1 is
+    among the top 3, gold 4 is not and replaces the third candidate. With pair terms of +10 for
+    token 1 and +20 for token 4 the selector picks both golds, but the inserted one counts as a
+    miss (serving never has it)."""
+    vocab = 6
+    logits = torch.tensor([3.0, 2.0, 1.0, 0.0, -1.0, -2.0])
+    hidden = torch.cat([logits.expand(2, -1), torch.ones(2, 1)], 1)  # the last channel feeds the selector
+    head = torch.cat([torch.eye(vocab), torch.zeros(vocab, 1)], 1)
+    rows = SelectorRows(hidden, predecessors=torch.tensor([5, 5]), labels=torch.tensor([1, 4]),
+                        weights=torch.tensor([1.0, 3.0]))
+    config = drafter_config(random_qwen3_config(vocab_size=vocab, hidden_size=vocab + 1, num_hidden_layers=2,
+                                                num_attention_heads=1, num_key_value_heads=1, head_dim=8),
+                            num_layers=1, block_size=4, mask_token_id=0, target_layer_ids=[0])
+    selector = CandidateSelector(config, rank=1, top_k=3)
+    with torch.no_grad():
+        selector.hidden_projection.weight.copy_(torch.eye(vocab + 1)[-1:])
+        selector.predecessor_codebook.fill_(1.0)
+        selector.successor_codebook.zero_()
+    lse = lambda *x: torch.logsumexp(torch.tensor(x), 0)  # noqa: E731
+    loss, hit = selector_loss(selector, rows, head, chunk_rows=1)
+    expected = ((lse(3.0, 2.0, 1.0) - 2.0) + 3 * (lse(3.0, 2.0, -1.0) + 1.0)) / 4
+    torch.testing.assert_close(loss, expected)
+    assert hit.tolist() == [False, False]  # the top candidate, 0, is picked
+    with torch.no_grad():
+        selector.successor_codebook[1] = 10.0
+        selector.successor_codebook[4] = 20.0
+    loss, hit = selector_loss(selector, rows, head, chunk_rows=1)
+    expected = ((lse(3.0, 12.0, 1.0) - 12.0) + 3 * (lse(3.0, 12.0, 19.0) - 19.0)) / 4
+    torch.testing.assert_close(loss, expected)
+    assert hit.tolist() == [True, False]
