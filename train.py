@@ -30,7 +30,7 @@ from drafter.data import DataError, load_datasets
 from drafter.engine import DeepSpeedEngine, EngineConfigError, FSDPEngine, deepspeed_config
 from drafter.decode import stop_token_ids
 from drafter.launch import LaunchError, init_distributed
-from drafter.model import (DFlashDraftModel, drafter_config, drafter_from_state_dict, drafter_variant,
+from drafter.model import (drafter_class, drafter_config, drafter_from_state_dict, drafter_variant, load_drafter,
                            resolve_mask_token_id)
 from drafter.objective import ObjectiveConfig, attention_kernel, finalize_metrics, training_step
 from drafter.sampler import bucket_table, held_out_share, make_loader, plan_notes, sampler_from_config
@@ -65,7 +65,7 @@ def build_target_and_tokenizer(cfg, device, dtype):
 def build_drafter(cfg, target, tokenizer):
     """fp32 weights (the engines keep fp32 masters and compute in the training dtype)."""
     if cfg.drafter.init_from:
-        return DFlashDraftModel.from_pretrained(cfg.drafter.init_from, dtype=torch.float32)
+        return load_drafter(cfg.drafter.init_from, dtype=torch.float32)
     mask_token_id = cfg.drafter.mask_token_id
     if mask_token_id is None:
         if tokenizer is None:
@@ -77,7 +77,7 @@ def build_drafter(cfg, target, tokenizer):
                             variant=drafter_variant(cfg.drafter), target_path=cfg.target.path,
                             chat_template_kwargs=dict(cfg.target.chat_template_kwargs))
     torch.manual_seed(cfg.run.seed)  # same initial weights on every rank
-    return DFlashDraftModel(config)
+    return drafter_class(config)(config)
 
 
 def engine_settings(cfg, world_size, device, dtype, hidden_size):
@@ -326,7 +326,8 @@ def train(cfg, rank, world_size, device) -> int:
                                 num_anchors=cfg.objective.num_anchors, gamma=cfg.objective.gamma,
                                 ddtree_budget=cfg.objective.ddtree_budget,
                                 ddtree_blocks=cfg.objective.ddtree_blocks,
-                                anchors_per_batch=cfg.objective.anchors_per_batch)
+                                anchors_per_batch=cfg.objective.anchors_per_batch,
+                                selector_alpha=cfg.objective.selector_alpha)
     engine = build_engine(cfg, drafter, device, dtype, ds_config)
 
     state = {"step": 0, "epoch": 0, "micro_step_in_epoch": 0, "skipped_steps": 0, "wandb_id": None,

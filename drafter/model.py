@@ -175,13 +175,42 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
 
+@dataclass
+class VisibleKeys:
+    """The keys each block query sees, as two index intervals [b, Q] each into keys ordered
+    [context (T) || blocks (A*B)]: [ctx_start, ctx_end) of the context and [block_start, block_end)
+    of its own block. Intervals, not an offset rule, so that the compiled flex kernel gets a mask of
+    gathers and comparisons only (inductor's CPU template fails on index arithmetic in a mask)."""
+    ctx_start: torch.Tensor
+    ctx_end: torch.Tensor
+    block_start: torch.Tensor
+    block_end: torch.Tensor
+
+    @staticmethod
+    def _contain(kv, ctx_start, ctx_end, block_start, block_end):
+        return ((kv >= ctx_start) & (kv < ctx_end)) | ((kv >= block_start) & (kv < block_end))
+
+    def dense(self, num_keys: int) -> torch.Tensor:
+        """Bool [b, 1, Q, num_keys]."""
+        kv = torch.arange(num_keys, device=self.ctx_end.device)
+        bounds = (self.ctx_start, self.ctx_end, self.block_start, self.block_end)
+        return self._contain(kv, *(x[..., None] for x in bounds))[:, None]
+
+    def mask_mod(self):
+        """The same mask as a flex_attention mask_mod."""
+        def mask_mod(batch, head, q, kv):
+            bounds = (self.ctx_start, self.ctx_end, self.block_start, self.block_end)
+            return self._contain(kv, *(x[batch, q] for x in bounds))
+        return mask_mod
+
+
 @dataclass(frozen=True)
 class LayerAttention:
-    """Which keys a draft layer's block queries see beyond the DFlash rule (the context before the
-    anchor, the own block): a key `offset` = query position - key position before the query is
-    dropped if the layer is causal and the key is later (offset < 0), or if the layer slides and
-    the key is `window` or more positions away (offset >= window; and, when not causal, offset <=
-    -window). Block positions count in the window, as `dflash` 0.1.0 counts them."""
+    """Which keys a draft layer's block queries see, as `dflash` 0.1.0 reads its config. DFlash: the
+    context before the anchor and the whole own block. A sliding layer sees only keys fewer than
+    `window` positions before the query (its own position included; block positions count, as the
+    public class counts them) and, when not causal, fewer than `window` after it; a causal layer sees
+    no later slot of its block."""
     window: int | None = None
     causal: bool = False
 
@@ -189,24 +218,31 @@ class LayerAttention:
     def restricts(self) -> bool:
         return self.causal or self.window is not None
 
-    def restrict(self, visible: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-        """`visible` (bool) and what this layer lets a query see of a key `offset` positions back."""
-        if self.causal:
-            visible = visible & (offset >= 0)
+    def visible_keys(self, anchors: torch.Tensor, seq_len: int, block_size: int) -> VisibleKeys:
+        """For blocks at `anchors` [b, A] over a context of `seq_len` positions (keys [context ||
+        A blocks of block_size])."""
+        b, num_blocks = anchors.shape
+        query = torch.arange(num_blocks * block_size, device=anchors.device)
+        slot, block = query % block_size, query // block_size
+        anchor = anchors[:, block]
+        ctx_start, first, end = torch.zeros_like(anchor), torch.zeros_like(slot), torch.full_like(slot, block_size)
         if self.window is not None:
-            visible = visible & (offset < self.window)
-            if not self.causal:
-                visible = visible & (offset > -self.window)
-        return visible
+            ctx_start = (anchor + slot - self.window + 1).clamp(min=0)
+            first = (slot - self.window + 1).clamp(min=0)
+        if self.causal:
+            end = slot + 1
+        elif self.window is not None:
+            end = (slot + self.window).clamp(max=block_size)
+        block_keys = seq_len + block * block_size
+        return VisibleKeys(ctx_start, anchor, (block_keys + first).expand(b, -1), (block_keys + end).expand(b, -1))
 
     def inference_mask(self, ctx_len: int, block_len: int, device) -> torch.Tensor | None:
         """Bool [1, 1, block_len, ctx_len + block_len] over keys [context 0..ctx_len-1 || block] for
         one block at positions ctx_len.., or None where every key is visible."""
         if not self.restricts:
             return None
-        query = ctx_len + torch.arange(block_len, device=device)[:, None]
-        offset = query - torch.arange(ctx_len + block_len, device=device)[None]
-        return self.restrict(torch.ones_like(offset, dtype=torch.bool), offset)[None, None]
+        anchor = torch.full((1, 1), ctx_len, device=device)
+        return self.visible_keys(anchor, ctx_len, block_len).dense(ctx_len + block_len)
 
 
 def layer_attention(config: Qwen3Config) -> list[LayerAttention]:

@@ -97,15 +97,8 @@ def build_blocks(input_ids, loss_mask, anchors, valid, block_size: int, mask_tok
 def dense_block_mask(anchors: torch.Tensor, seq_len: int, block_size: int,
                      attention: LayerAttention = LayerAttention()) -> torch.Tensor:
     """Bool [b, 1, A*B, T + A*B] over keys [context (T) || blocks (A*B)], for a layer of `attention`."""
-    b, num_blocks = anchors.shape
-    query = torch.arange(num_blocks * block_size, device=anchors.device)
-    query_block, query_slot = query // block_size, query % block_size
-    query_anchor = anchors[:, query_block, None]
-    ctx = torch.arange(seq_len, device=anchors.device)
-    ctx_visible = attention.restrict(ctx < query_anchor, query_anchor + query_slot[:, None] - ctx)
-    own_block = attention.restrict(query_block[:, None] == query_block[None, :],
-                                   query_slot[:, None] - query_slot[None, :])
-    return torch.cat([ctx_visible, own_block.expand(b, -1, -1)], dim=2)[:, None]
+    num_keys = seq_len + anchors.shape[1] * block_size
+    return attention.visible_keys(anchors, seq_len, block_size).dense(num_keys)
 
 
 ATTENTION_KERNELS = ("dense", "flex", "flex_compiled")
@@ -129,18 +122,10 @@ _compiled_create_block_mask = compile_dynamic(create_block_mask)
 def flex_block_mask(anchors: torch.Tensor, seq_len: int, block_size: int, compiled: bool,
                     attention: LayerAttention = LayerAttention()) -> FlexMask:
     """The same mask as `dense_block_mask`, for flex_attention. Compiled, the dense mask is never
-    built; the context length is a tensor and the anchors a closure tensor, so new lengths and
-    anchor counts are symbolic sizes, not constants baked into the compiled graph."""
+    built; the key intervals are closure tensors, so new lengths and anchor counts are symbolic
+    sizes, not constants baked into the compiled graph."""
     b, num_blocks = anchors.shape
-    ctx_len = torch.full((), seq_len, device=anchors.device)
-    query_positions = (anchors[..., None] + torch.arange(block_size, device=anchors.device)).view(b, -1)
-    key_positions = torch.cat([torch.arange(seq_len, device=anchors.device).expand(b, -1), query_positions], 1)
-
-    def mask_mod(batch, head, q, kv):
-        block = q // block_size
-        visible = torch.where(kv < ctx_len, kv < anchors[batch, block], (kv - ctx_len) // block_size == block)
-        return attention.restrict(visible, query_positions[batch, q] - key_positions[batch, kv])
-
+    mask_mod = attention.visible_keys(anchors, seq_len, block_size).mask_mod()
     make = _compiled_create_block_mask if compiled else create_block_mask
     block_mask = make(mask_mod, B=b, H=None, Q_LEN=num_blocks * block_size,
                       KV_LEN=seq_len + num_blocks * block_size, device=anchors.device)

@@ -96,6 +96,7 @@ def test_public_dflash_package_loads_our_export_with_equal_logits(target, tmp_pa
         [(a.window, a.causal) for a in drafter.layer_attention]
     reloaded = load_drafter(tmp_path)
     assert type(reloaded) is type(drafter) and reloaded.layer_attention == drafter.layer_attention
+    assert all(torch.equal(value, reloaded.state_dict()[name]) for name, value in drafter.state_dict().items())
 
     ids = torch.randint(0, 250, (3, 30), generator=torch.Generator().manual_seed(5))
     features = context_features(target, ids, drafter.target_layer_ids)
@@ -181,3 +182,24 @@ def test_layer_attention_reads_the_config_as_dflash_does(target):
 def test_bad_variants_are_refused_with_the_reason(target, variant, message):
     with pytest.raises(ValueError, match=message):
         drafter_config(target.config, num_layers=2, block_size=8, mask_token_id=MASK_ID, variant=variant)
+
+
+def test_dflash2_starts_as_the_dflash_of_its_other_weights(target):
+    """Identity-initialised convolutions: a new DFlash2 drafter computes what a DFlash drafter with
+    its attention, MLP and fusion weights computes."""
+    variant = DrafterVariant(arch="dflash2", selector_rank=8, selector_top_k=4)
+    config = drafter_config(target.config, num_layers=2, block_size=8, mask_token_id=MASK_ID, variant=variant)
+    torch.manual_seed(0)
+    dflash2 = DFlash2DraftModel(config).eval()
+    dflash = DFlashDraftModel(drafter_config(target.config, num_layers=2, block_size=8, mask_token_id=MASK_ID))
+    shared = {k: v for k, v in dflash2.state_dict().items() if "conv" not in k and "selector" not in k}
+    dflash.load_state_dict(shared)
+    conv = dflash2.layers[0].attention_conv
+    assert conv.base_kernel[:, 0].eq(1).all() and conv.base_kernel[:, 1:].eq(0).all()
+    assert conv.kernel_projection.weight.eq(0).all()
+    ids = torch.randint(0, 250, (2, 20), generator=torch.Generator().manual_seed(2))
+    features = context_features(target, ids, dflash.target_layer_ids)
+    block = torch.cat([ids[:, 12:13], torch.full((2, 7), MASK_ID)], 1)
+    torch.testing.assert_close(dflash2.draft_logits(target, features[:, :12], block, DraftCache()),
+                               dflash.draft_logits(target, features[:, :12], block, DraftCache()),
+                               rtol=0, atol=1e-6)

@@ -12,7 +12,7 @@ from drafter.model import CandidateSelector, DraftCache, LayerAttention, compile
 from drafter.objective import (ATTENTION_KERNELS, ChunkedLMHeadLoss, ObjectiveConfig, attention_kernel,
                                build_blocks, dense_block_mask, dense_lm_head_loss, ddtree_accept_metric,
                                drafter_hidden, finalize_metrics, position_weights, rank_metrics,
-                               resolve_gamma, sample_anchors, sample_complete_blocks, selector_loss,
+                               resolve_gamma, sample_anchors, sample_complete_blocks, selector_loss, selector_metrics,
                                SelectorRows, top_logprobs, training_step)
 from drafter.sampler import BucketSampler, collate, make_buckets
 from drafter.target import context_features, random_qwen3_config
@@ -175,9 +175,16 @@ def test_loss_weights_follow_configured_gamma(drafter, target, gamma):
     assert position_weights(16, gamma)[2] / position_weights(16, gamma)[1] == pytest.approx(math.exp(-1 / gamma))
 
 
-def test_training_step_metrics_are_those_of_its_logits(drafter, target):
+@pytest.mark.parametrize("variant", ["full", "dflash2"])
+def test_training_step_metrics_are_those_of_its_logits(target, variant):
     """The rank metrics and anchor_ddtree@B from training_step equal those computed from the dense
-    logits of the same anchors and sampled blocks (the row layout of the loss and the top-k rows)."""
+    logits of the same anchors and sampled blocks (the row layout of the loss and the top-k rows);
+    DFlash2's selector metrics are those of the serving chain's picks (`chain_picks`) after the
+    text's tokens."""
+    drafter = make_drafter(target, variant=VARIANTS[variant])
+    if variant == "dflash2":
+        with torch.no_grad():  # pair scores as large as the logits' gaps: the selector re-ranks
+            drafter.candidate_selector.successor_codebook.mul_(20)
     ids, loss_mask = padded_batch([40, 33, 21], seed=8)
     features = context_features(target, ids, drafter.target_layer_ids)
     cfg = ObjectiveConfig(block_size=B, mask_token_id=MASK_ID, num_anchors=6, ddtree_budget=12, ddtree_blocks=5)
@@ -198,6 +205,19 @@ def test_training_step_metrics_are_those_of_its_logits(drafter, target):
     block_logits = logits.view(-1, B, logits.shape[-1])[sampled, 1:]
     committed = teacher_forced_accept(build_tree(block_logits, 12), blocks.labels.view(-1, B)[sampled, 1:])
     torch.testing.assert_close(metrics["anchor_ddtree@12"], torch.tensor([committed.sum().item(), 5.0]))
+    if variant == "dflash2":
+        with torch.no_grad():
+            hidden = drafter_hidden(drafter, target, features, blocks, "dense")[:, :, 1:]
+            picks = drafter.chain_picks(hidden, logits[:, :, 1:], blocks.labels[..., :-1])
+        labels = blocks.labels[..., 1:]
+        in_top = (logits[:, :, 1:].topk(drafter.candidate_selector.top_k).indices == labels[..., None]).any(-1)
+        expected = selector_metrics((picks == labels) & in_top, blocks)
+        assert 0 < expected["selector_acc"][0] < expected["selector_acc"][1]
+        assert (picks != logits[:, :, 1:].argmax(-1)).any()  # the predecessors matter
+        for name, value in expected.items():
+            torch.testing.assert_close(metrics[name], value, msg=name)
+    else:
+        assert "selector_acc" not in metrics
 
 
 def test_default_gamma_by_block_size():
@@ -294,9 +314,10 @@ def plan_batches(count: int) -> list[dict]:
 def test_compiled_flex_equals_dense_and_compiles_once_for_all_shapes(target, monkeypatch):
     """Issue 13 item 1: the training forward through the compiled path (compiled block mask, compiled
     flex_attention, selected by attention="flex_compiled", not by the device) over 12 batch shapes of
-    a real plan gives the dense path's logits and loss. Bound: one compilation of the block mask and
-    one of the kernel (2 graphs) for all batches of two or more sequences; a new padded length or
-    anchor count never compiles again. The first batch holds as many sequences as the model has
+    a real plan gives the dense path's logits and loss, for a drafter with a sliding causal layer and
+    a full one (contract 11). Bound: one compilation of the block mask per layer kind and one of the
+    kernel (3 graphs) for all batches of two or more sequences; a new padded length or anchor count
+    never compiles again. The first batch holds as many sequences as the model has
     key/value heads (duck sizing would bake it in), and some batches have a single 128-query tile
     (the filler blocks keep them out of their own compilation)."""
     calls = {"mask": 0, "kernel": 0}
@@ -306,7 +327,7 @@ def test_compiled_flex_equals_dense_and_compiles_once_for_all_shapes(target, mon
             calls[_name] += 1
             return _compiled(*args, **kwargs)
         monkeypatch.setattr(module, attribute, spy)
-    drafter = make_drafter(target, block_size=16)
+    drafter = make_drafter(target, block_size=16, variant=VARIANTS["sliding"])
     cfg = ObjectiveConfig(block_size=16, mask_token_id=MASK_ID, num_anchors=32, anchors_per_batch=64,
                           ddtree_budget=16)
     batches = plan_batches(12)
@@ -331,12 +352,12 @@ def test_compiled_flex_equals_dense_and_compiles_once_for_all_shapes(target, mon
         torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-5)
         if i == 0:
             first = compiled_graph_count() - start
-            assert first <= 2
+            assert first <= 3
         assert compiled_graph_count() - start == first, f"batch {i} {shapes[i]} compiled again"
     assert len({T for _, T in shapes}) >= 10 and len(anchor_counts) >= 4
     assert min(anchor_counts) * 16 <= 128  # a single query tile, padded
-    assert calls == {"mask": 2 * 12, "kernel": 2 * 12 * 2}  # the compiled functions ran (2 layers)
-    assert compiled_graph_count() >= 2  # here or earlier in this process
+    assert calls == {"mask": 2 * 12 * 2, "kernel": 2 * 12 * 2}  # they ran (2 layer kinds, 2 layers)
+    assert compiled_graph_count() >= 3  # here or earlier in this process
 
 
 def test_a_micro_step_waits_on_the_host_once(target, monkeypatch):
