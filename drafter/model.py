@@ -180,7 +180,7 @@ class VisibleKeys:
     """The keys each block query sees, as two index intervals [b, Q] each into keys ordered
     [context (T) || blocks (A*B)]: [ctx_start, ctx_end) of the context and [block_start, block_end)
     of its own block. Intervals, not an offset rule, so that the compiled flex kernel gets a mask of
-    gathers and comparisons only (inductor's CPU template fails on index arithmetic in a mask)."""
+    gathers and comparisons only (an offset rule failed to compile in inductor's CPU flex template)."""
     ctx_start: torch.Tensor
     ctx_end: torch.Tensor
     block_start: torch.Tensor
@@ -198,9 +198,13 @@ class VisibleKeys:
 
     def mask_mod(self):
         """The same mask as a flex_attention mask_mod."""
+        # Closure locals, gathered one by one: read through `self` or a generator expression, the
+        # mask miscompiled in inductor's CPU flex template (torch 2.13).
+        ctx_start, ctx_end, block_start, block_end = self.ctx_start, self.ctx_end, self.block_start, self.block_end
+
         def mask_mod(batch, head, q, kv):
-            bounds = (self.ctx_start, self.ctx_end, self.block_start, self.block_end)
-            return self._contain(kv, *(x[batch, q] for x in bounds))
+            return self._contain(kv, ctx_start[batch, q], ctx_end[batch, q], block_start[batch, q],
+                                 block_end[batch, q])
         return mask_mod
 
 

@@ -178,6 +178,10 @@ def test_layer_attention_reads_the_config_as_dflash_does(target):
     (DrafterVariant(layer_types=("sliding_attention",) * 2), "sliding_window must be set"),
     (DrafterVariant(layer_types=("sliding_attention",) * 2, sliding_window=0), "sliding_window=0 must be >= 1"),
     (DrafterVariant(sliding_window=8), "no layer_types entry is sliding_attention"),
+    (DrafterVariant(arch="eagle"), "arch='eagle' is not one of dflash, dflash2"),
+    (DrafterVariant(arch="dflash2", conv_group_size=24), "conv_group_size=24 does not divide the hidden size 64"),
+    (DrafterVariant(arch="dflash2", selector_top_k=300), "selector_top_k=300 exceeds the vocabulary"),
+    (DrafterVariant(arch="dflash2", conv_kernel_size=9), "conv_kernel_size=9 exceeds block_size=8"),
 ])
 def test_bad_variants_are_refused_with_the_reason(target, variant, message):
     with pytest.raises(ValueError, match=message):

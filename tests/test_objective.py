@@ -315,9 +315,9 @@ def test_compiled_flex_equals_dense_and_compiles_once_for_all_shapes(target, mon
     """Issue 13 item 1: the training forward through the compiled path (compiled block mask, compiled
     flex_attention, selected by attention="flex_compiled", not by the device) over 12 batch shapes of
     a real plan gives the dense path's logits and loss, for a drafter with a sliding causal layer and
-    a full one (contract 11). Bound: one compilation of the block mask per layer kind and one of the
-    kernel (3 graphs) for all batches of two or more sequences; a new padded length or anchor count
-    never compiles again. The first batch holds as many sequences as the model has
+    a full one (contract 11). Bound: one compilation of the block mask (the layer kinds differ only
+    in its key-interval tensors) and one of the kernel (2 graphs) for all batches of two or more
+    sequences; a new padded length or anchor count never compiles again. The first batch holds as many sequences as the model has
     key/value heads (duck sizing would bake it in), and some batches have a single 128-query tile
     (the filler blocks keep them out of their own compilation)."""
     calls = {"mask": 0, "kernel": 0}
@@ -352,12 +352,12 @@ def test_compiled_flex_equals_dense_and_compiles_once_for_all_shapes(target, mon
         torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-5)
         if i == 0:
             first = compiled_graph_count() - start
-            assert first <= 3
+            assert first <= 2
         assert compiled_graph_count() - start == first, f"batch {i} {shapes[i]} compiled again"
     assert len({T for _, T in shapes}) >= 10 and len(anchor_counts) >= 4
     assert min(anchor_counts) * 16 <= 128  # a single query tile, padded
     assert calls == {"mask": 2 * 12 * 2, "kernel": 2 * 12 * 2}  # they ran (2 layer kinds, 2 layers)
-    assert compiled_graph_count() >= 3  # here or earlier in this process
+    assert compiled_graph_count() >= 2  # here or earlier in this process
 
 
 def test_a_micro_step_waits_on_the_host_once(target, monkeypatch):

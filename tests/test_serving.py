@@ -256,6 +256,13 @@ def test_sampled_tokens_follow_the_target_distribution(tiny_world, method, budge
     assert statistic < chi_square_bound(len(observed) - 1), (statistic, len(observed))
 
 
+def test_rejection_sampling_is_refused_for_a_dflash2_drafter(trained_dflash2):
+    """DFlash2 drafts its selector chain, not samples of its marginals: no min(1, p/q) test applies."""
+    with pytest.raises(ValueError, match="rejection sampling is not supported for it"):
+        generate(trained_dflash2.target, trained_dflash2.prompts[:1], 4, method="dflash",
+                 drafter=trained_dflash2.drafter, temperature=1.0, sampling="rejection")
+
+
 @pytest.mark.parametrize("sampling", ["match", "rejection"])
 def test_dflash_drafts_the_argmax_to_match_and_samples_to_reject(tiny_world, monkeypatch, sampling):
     """At T = 1 the default (sample-and-match, the papers' loop) verifies the drafter's argmax chain
