@@ -35,10 +35,12 @@ from drafter.model import (drafter_class, drafter_config, drafter_from_state_dic
 from drafter.objective import ObjectiveConfig, attention_kernel, finalize_metrics, training_step
 from drafter.sampler import bucket_table, held_out_share, make_loader, plan_notes, sampler_from_config
 from drafter.served import bench_prompts, generation_tau, held_out_prompts, replayed_tau
-from drafter.target import context_features, load_target, random_qwen3, target_config
+from drafter.target import (TargetError, context_features, input_embedding_scale, load_target, random_qwen3,
+                            target_config)
+from drafter.target_cache import continuation_refusal
 from drafter.tracking import RunLogger, console_line, eval_line
 
-USER_ERRORS = (ConfigError, DataError, EngineConfigError, ResumeError, LaunchError)
+USER_ERRORS = (ConfigError, DataError, EngineConfigError, ResumeError, LaunchError, TargetError)
 
 
 # ----------------------------------------------------------------------------- setup
@@ -74,7 +76,8 @@ def build_drafter(cfg, target, tokenizer):
     config = drafter_config(target.config, num_layers=cfg.drafter.num_layers,
                             block_size=cfg.drafter.block_size, mask_token_id=mask_token_id,
                             target_layer_ids=cfg.drafter.target_layer_ids,
-                            variant=drafter_variant(cfg.drafter), target_path=cfg.target.path,
+                            variant=drafter_variant(cfg.drafter),
+                            input_embedding_scale=input_embedding_scale(target), target_path=cfg.target.path,
                             chat_template_kwargs=dict(cfg.target.chat_template_kwargs))
     torch.manual_seed(cfg.run.seed)  # same initial weights on every rank
     return drafter_class(config)(config)
@@ -320,6 +323,9 @@ def train(cfg, rank, world_size, device) -> int:
     target, tokenizer = build_target_and_tokenizer(cfg, device, dtype)
     drafter = build_drafter(cfg, target, tokenizer)
     generate_prompts = generation_prompts(cfg, tokenizer, eval_set)
+    if generate_prompts and (refusal := continuation_refusal(target)):
+        raise ConfigError(f"{refusal}: set train.generate_every=0 (the replayed tau of the eval steps needs "
+                          "no decoding)")
     stops = stop_token_ids(target, tokenizer)
     attention = attention_kernel(cfg.objective.attention, device)
     objective = ObjectiveConfig(block_size=drafter.block_size, mask_token_id=drafter.mask_token_id,

@@ -58,11 +58,9 @@ from unittest import mock
 
 import numpy as np
 import torch
-from transformers import DynamicCache
 
 from drafter import ddtree
-from drafter.ddtree import (build_tree, committed_tokens, compact_cache, follow_tree, path_features,
-                            tree_verify_inputs)
+from drafter.ddtree import build_tree, committed_tokens, follow_tree, tree_verify_inputs
 from drafter.decode import generate, pick
 from drafter.host_sync import host_syncs
 from drafter.lossless import first_divergence, lossless_verdict, near_tie_share
@@ -70,7 +68,8 @@ from drafter.model import DFlashDraftModel, DraftCache, compiled_graph_count, dr
 from drafter.objective import (ObjectiveConfig, attention_kernel, build_blocks, drafter_hidden, resolve_gamma,
                                sample_anchors, training_step)
 from drafter.sampler import BucketSampler, collate, make_buckets
-from drafter.target import context_features, random_qwen3, select_features
+from drafter.target import context_features, feature_tap, random_qwen3
+from drafter.target_cache import TargetCache
 
 QWEN3_8B = dict(vocab_size=151_936, hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, intermediate_size=12_288, rope_theta=1e6,
@@ -383,29 +382,32 @@ def check_ddtree_step_syncs(target, drafter, device, run) -> dict:
     the walk inside a region where a host sync raises; the commit after it."""
     gen = torch.Generator().manual_seed(3)
     prompt = torch.randint(0, target.config.vocab_size, (1, run["prompt_len"]), generator=gen).to(device)
-    cache, draft_cache = DynamicCache(config=target.config), DraftCache()
+    cache, draft_cache = TargetCache(target), DraftCache()
     committed_per_step = []
-    with torch.inference_mode(), tensor_tree_backend(device):
-        out = target(prompt, past_key_values=cache, use_cache=True, output_hidden_states=True, logits_to_keep=1)
+    with torch.inference_mode(), tensor_tree_backend(device), feature_tap(target, drafter.target_layer_ids) as tap:
+        out = target(prompt, past_key_values=cache.cache, use_cache=True, logits_to_keep=1)
         root, start = int(out.logits[0, -1].argmax()), prompt.shape[1]
-        context = select_features(out.hidden_states, drafter.target_layer_ids)
+        context = tap.features()
         for _ in range(2):
             with host_syncs(device, forbid=True):
                 block = torch.full((1, drafter.block_size), drafter.mask_token_id, device=device)
                 block[0, 0] = root
                 logits = drafter.draft_logits(target, context, block, draft_cache)[0]
                 tree = build_tree(logits, run["budget"], "tensor")
-                input_ids, position_ids, mask = tree_verify_inputs(tree, block[0, 0], start, target.dtype)
-                out = target(input_ids, position_ids=position_ids, attention_mask=mask, past_key_values=cache,
-                             use_cache=True, output_hidden_states=True)
+                input_ids, position_ids, visible = tree_verify_inputs(tree, block[0, 0], start)
+                mask = cache.tree_attention_mask(visible, position_ids[0] - start, start, target.dtype)
+                out = target(input_ids, position_ids=position_ids, attention_mask=mask, past_key_values=cache.cache,
+                             use_cache=True)
+                features = tap.features()
                 picks = pick(out.logits[0], 0.0)
                 path, accepted = follow_tree(tree, picks)
             with host_syncs(device) as commit_syncs:
                 committed, path = committed_tokens(input_ids[0], picks, path, accepted)
             require(len(commit_syncs) == 1, f"the commit synchronised {len(commit_syncs)} times: {commit_syncs}")
-            compact_cache(cache, start, path)
-            context = path_features(out.hidden_states, drafter.target_layer_ids, path)
+            cache.compact(input_ids.shape[1], path)
+            context = features.index_select(1, path)
             root, start = committed[-1], start + len(committed)
+            cache.rollback(start)
             committed_per_step.append(len(committed))
     return {"budget": run["budget"], "committed_per_step": committed_per_step}
 
@@ -432,6 +434,10 @@ class ReplayDrafter:
                 if position % 4 == 0:
                     proposal[0, k, (true + 1) % logits.shape[-1]] = 6.0
         return proposal
+
+    def draft_chain(self, target, ctx_features, block_ids, cache):
+        """DFlash's path through the replaced logits: their argmax."""
+        return self.draft_logits(target, ctx_features, block_ids, cache).argmax(-1)
 
 
 def check_lossless(target, drafter, device, run) -> dict:

@@ -21,8 +21,8 @@ Verification. One target forward over [root (the bonus token) + N nodes] at posi
 each node seeing the whole past and its own ancestors. The walk starts at the root and moves to the
 child carrying the target's token at the current node (argmax, or a sample at temperature > 0: the
 sampled walk is lossless); the token that finds no child is the next bonus. The cache rows of the
-accepted path are then moved down and the rest cropped; their hidden states are the drafter's next
-context features.
+accepted path are then moved down and the rest cropped (`drafter.target_cache`); their features are
+the drafter's next context features.
 """
 import ctypes
 import functools
@@ -37,7 +37,6 @@ from pathlib import Path
 
 import torch
 
-from drafter.target import select_features
 
 SCORE_SCALE = 2.0 ** 32    # fixed-point step of a log-probability: 2^-32 nats
 SCORE_FLOOR = -2.0 ** 20   # lower clamp (-inf included), so that sums over many depths fit int64
@@ -271,16 +270,14 @@ def tree_visibility(tree: DraftTree) -> torch.Tensor:
     return visible
 
 
-def tree_verify_inputs(tree: DraftTree, root_token: torch.Tensor, start: int, dtype: torch.dtype):
-    """(input_ids [1, N+1], position_ids [1, N+1], additive attention mask [1, 1, N+1, start+N+1])
-    for a target forward over the tree on top of a cache holding positions 0..start-1."""
+def tree_verify_inputs(tree: DraftTree, root_token: torch.Tensor, start: int):
+    """(input_ids [1, N+1], position_ids [1, N+1], visibility [N+1, N+1]) of a target forward over the
+    tree on top of a cache holding positions 0..start-1; the attention mask over the keys of each
+    layer type comes from `drafter.target_cache.TargetCache.tree_attention_mask`."""
     device = tree.tokens.device
     input_ids = torch.cat([root_token.view(1), tree.tokens])[None]
     positions = start + torch.cat([torch.zeros(1, dtype=torch.long, device=device), tree.depths])[None]
-    rows = tree.size + 1
-    mask = torch.zeros((1, 1, rows, start + rows), dtype=dtype, device=device)
-    mask[0, 0, :, start:].masked_fill_(~tree_visibility(tree), torch.finfo(dtype).min)
-    return input_ids, positions, mask
+    return input_ids, positions, tree_visibility(tree)
 
 
 def _on_path(tree: DraftTree, wanted: torch.Tensor) -> torch.Tensor:
@@ -323,32 +320,3 @@ def teacher_forced_accept(tree: DraftTree, labels: torch.Tensor) -> torch.Tensor
     no node carries (e.g. an ignore index) ends the walk."""
     on_path = _on_path(tree, labels.gather(-1, tree.depths - 1))
     return on_path.sum(-1) + 1
-
-
-def compact_cache(cache, past_length: int, keep_rows: torch.Tensor) -> None:
-    """Keep positions 0..past_length-1 of a HF DynamicCache, then its rows past_length + keep_rows
-    (in that order); drop the rest."""
-    for layer in cache.layers:
-        if getattr(layer, "is_sliding", False):
-            raise NotImplementedError("tree verification needs full-attention cache layers")
-        if layer.keys is None or layer.keys.numel() == 0:
-            continue
-        for name in ("keys", "values"):
-            states = getattr(layer, name)
-            kept = states[..., past_length:, :].index_select(-2, keep_rows)
-            states[..., past_length:past_length + len(keep_rows), :] = kept
-            setattr(layer, name, states[..., :past_length + len(keep_rows), :])
-
-
-def truncate_cache(cache, length: int) -> None:
-    """Drop every cache position from `length` on."""
-    for layer in cache.layers:
-        if layer.keys is not None and layer.keys.shape[-2] > length:
-            layer.keys, layer.values = layer.keys[..., :length, :], layer.values[..., :length, :]
-
-
-def path_features(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int],
-                  path_rows: torch.Tensor) -> torch.Tensor:
-    """The drafter's next context features [1, len(path), K*H]: the verify forward's features at
-    the accepted path's rows."""
-    return select_features(hidden_states, layer_ids).index_select(1, path_rows)

@@ -23,16 +23,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
-from drafter.ddtree import (build_tree, compact_cache, committed_tokens, follow_tree, path_features,
-                            tree_verify_inputs, truncate_cache)
+from drafter.ddtree import build_tree, committed_tokens, follow_tree, tree_verify_inputs
 from drafter.model import DFlash2DraftModel, DraftCache
-from drafter.target import select_features
+from drafter.target import TargetError, feature_tap, model_type
+from drafter.target_cache import TargetCache, continuation_refusal
 
 METHODS = ("ar", "dflash", "ddtree")
 SAMPLING = ("match", "rejection")
-STAGES = ("draft", "tree_build", "verify", "commit")
+STAGES = ("draft", "tree_build", "verify", "recompute", "commit")
 
 
 @dataclass
@@ -105,15 +104,14 @@ class _Steps:
     """One decode step per method: returns the committed tokens after the root and the context
     features of the root and the accepted tokens (None for `ar`)."""
 
-    def __init__(self, target, drafter, budget, temperature, sampling, max_length, timer, tree_backend,
-                 record_margins):
-        self.target, self.drafter = target, drafter
-        self.budget, self.temperature = budget, temperature
-        self.rejection = sampling == "rejection" and temperature > 0
-        self.max_length, self.timer, self.tree_backend = max_length, timer, tree_backend
-        self.cache = DynamicCache(config=target.config)
+    def __init__(self, target, drafter, settings: "DecodeSettings", max_length, timer, tap):
+        self.target, self.drafter, self.tap = target, drafter, tap
+        self.budget, self.temperature = settings.budget, settings.temperature
+        self.rejection = settings.sampling == "rejection" and settings.temperature > 0
+        self.max_length, self.timer, self.tree_backend = max_length, timer, settings.tree_backend
+        self.cache = TargetCache(target)
         self.draft_cache = DraftCache()
-        self.margins = [] if record_margins else None  # 0-d tensors, read once at the end
+        self.margins = [] if settings.method == "ar" else None  # 0-d tensors, read once at the end
 
     def next_token(self, logits: torch.Tensor) -> int:
         """The target's next token from one row of logits; records the top-2 margin for `ar`."""
@@ -125,17 +123,19 @@ class _Steps:
     def positions(self, start: int, length: int) -> torch.Tensor:
         return torch.arange(start, start + length, device=self.target.device)[None]
 
-    def prefill(self, prompt_ids: torch.Tensor, features: bool):
-        out = self.target(prompt_ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1,
-                          output_hidden_states=features)
-        context = select_features(out.hidden_states, self.drafter.target_layer_ids) if features else None
+    def forward(self, input_ids: torch.Tensor, start: int, **kwargs):
+        """The target over `input_ids` [1, n] at positions start.. (or `position_ids`), on the cache."""
+        kwargs.setdefault("position_ids", self.positions(start, input_ids.shape[1]))
+        return self.target(input_ids, past_key_values=self.cache.cache, use_cache=True, **kwargs)
+
+    def prefill(self, prompt_ids: torch.Tensor):
+        out = self.forward(prompt_ids, 0, logits_to_keep=1)
+        context = self.tap.features() if self.tap else None
         return self.next_token(out.logits[0, -1]), context
 
     def ar(self, root: int, start: int, context):
         with self.timer("verify"):
-            out = self.target(torch.tensor([[root]], device=self.target.device),
-                              position_ids=self.positions(start, 1), past_key_values=self.cache,
-                              use_cache=True)
+            out = self.forward(torch.tensor([[root]], device=self.target.device), start)
         with self.timer("commit"):
             return [self.next_token(out.logits[0, -1])], None
 
@@ -159,8 +159,9 @@ class _Steps:
                 block = self.block(root, verify_size)
                 block[0, 1:] = self.drafter.draft_chain(self.target, context, block, self.draft_cache)[0]
         with self.timer("verify"):
-            out = self.target(block, position_ids=self.positions(start, verify_size),
-                              past_key_values=self.cache, use_cache=True, output_hidden_states=True)
+            recurrent = self.cache.snapshot()
+            out = self.forward(block, start)
+            features = self.tap.features()
         with self.timer("commit"):
             drafted = block[0, 1:]
             if self.rejection:
@@ -170,8 +171,18 @@ class _Steps:
                 posterior = pick(out.logits[0], self.temperature)
                 accepted = int((drafted == posterior[:-1]).long().cumprod(0).sum())
                 bonus = int(posterior[accepted])
-            features = select_features(out.hidden_states, self.drafter.target_layer_ids)
-            return drafted[:accepted].tolist() + [bonus], features[:, :accepted + 1]
+        if recurrent is not None and accepted + 1 < verify_size:
+            self.advance_recurrent(recurrent, block[:, :accepted + 1], start)
+        return drafted[:accepted].tolist() + [bonus], features[:, :accepted + 1]
+
+    def advance_recurrent(self, recurrent, kept_ids: torch.Tensor, start: int):
+        """A recurrent state has absorbed the rejected drafts and cannot be cut back: put it back as
+        it was before the verify and run the target over the tokens kept. (A stop token or the length
+        limit can keep fewer; generation ends there, so the cache is not used again.)"""
+        with self.timer("recompute"):
+            self.cache.restore(recurrent)
+            self.cache.rollback(start)
+            self.forward(kept_ids, start, logits_to_keep=1)
 
     def ddtree(self, root: int, start: int, context):
         with self.timer("draft"):
@@ -179,14 +190,50 @@ class _Steps:
         with self.timer("tree_build"):
             tree = build_tree(logits, self.budget, self.tree_backend)
         with self.timer("verify"):
-            input_ids, position_ids, mask = tree_verify_inputs(tree, block[0, 0], start, self.target.dtype)
-            out = self.target(input_ids, position_ids=position_ids, attention_mask=mask,
-                              past_key_values=self.cache, use_cache=True, output_hidden_states=True)
+            input_ids, position_ids, visible = tree_verify_inputs(tree, block[0, 0], start)
+            mask = self.cache.tree_attention_mask(visible, position_ids[0] - start, start, self.target.dtype)
+            out = self.forward(input_ids, start, position_ids=position_ids, attention_mask=mask)
+            features = self.tap.features()
         with self.timer("commit"):
             picks = pick(out.logits[0], self.temperature)
             committed, path = committed_tokens(input_ids[0], picks, *follow_tree(tree, picks))
-            compact_cache(self.cache, start, path)
-            return committed, path_features(out.hidden_states, self.drafter.target_layer_ids, path)
+            self.cache.compact(input_ids.shape[1], path)
+            return committed, features.index_select(1, path)
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    """What stays fixed during one generate call."""
+    method: str = "ar"
+    budget: int | None = None
+    temperature: float = 0.0
+    sampling: str = "match"
+    tree_backend: str = "auto"
+
+    def check(self, drafter) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method {self.method!r} not in {METHODS}")
+        if self.sampling not in SAMPLING:
+            raise ValueError(f"sampling {self.sampling!r} not in {SAMPLING}")
+        if self.sampling == "rejection" and self.method == "ddtree":
+            raise ValueError("ddtree verifies by sample-and-match only (sampling='match')")
+        if self.method != "ar" and drafter is None:
+            raise ValueError(f"method {self.method!r} needs a drafter")
+        if self.method == "ddtree" and (self.budget is None or self.budget < 1):
+            raise ValueError("ddtree needs a tree budget >= 1")
+        if self.sampling == "rejection" and isinstance(drafter, DFlash2DraftModel):
+            raise ValueError("a DFlash2 drafter drafts its selector chain, not samples of its marginals: "
+                             "rejection sampling is not supported for it (use sampling='match')")
+
+
+class TreeVerifyUnsupported(TargetError):
+    """DDTree cannot verify a tree exactly on this target (see target_cache.TargetCache.tree_refusal)."""
+
+
+def tree_verify_refusal(target) -> str | None:
+    """Why `ddtree` is refused on `target` (a message naming the family), or None."""
+    reason = TargetCache(target).tree_refusal()
+    return None if reason is None else f"ddtree on {model_type(target)} is refused: {reason}"
 
 
 @torch.inference_mode()
@@ -197,31 +244,34 @@ def generate(target, prompt_ids: torch.Tensor, max_new_tokens: int, stop_token_i
     """Generate after `prompt_ids` [1, n] with `method` ("ar", "dflash", or "ddtree" with `budget`
     tree nodes); `drafter` is a DFlashDraftModel (or DFlash2DraftModel: `dflash` walks its selector
     chain, `ddtree` builds the tree from its marginals) for the speculative methods. `sampling` ("match"
-    or, for dflash, "rejection") is how drafted tokens are accepted at temperature > 0."""
-    if method not in METHODS:
-        raise ValueError(f"method {method!r} not in {METHODS}")
-    if sampling not in SAMPLING:
-        raise ValueError(f"sampling {sampling!r} not in {SAMPLING}")
-    if sampling == "rejection" and method == "ddtree":
-        raise ValueError("ddtree verifies by sample-and-match only (sampling='match')")
-    if sampling == "rejection" and isinstance(drafter, DFlash2DraftModel):
-        raise ValueError("a DFlash2 drafter drafts its selector chain, not samples of its marginals: "
-                         "rejection sampling is not supported for it (use sampling='match')")
-    if method != "ar" and drafter is None:
-        raise ValueError(f"method {method!r} needs a drafter")
-    if method == "ddtree" and (budget is None or budget < 1):
-        raise ValueError("ddtree needs a tree budget >= 1")
+    or, for dflash, "rejection") is how drafted tokens are accepted at temperature > 0. `ddtree` on a
+    target with conv or recurrent layers raises TreeVerifyUnsupported before any work."""
+    settings = DecodeSettings(method, budget, temperature, sampling, tree_backend)
+    settings.check(drafter)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if method != "ar" and (refusal := continuation_refusal(target)):
+        raise TargetError(refusal)
+    if method == "ddtree" and (refusal := tree_verify_refusal(target)):
+        raise TreeVerifyUnsupported(refusal)
+    if method == "ar":
+        return _generate(target, prompt_ids, max_new_tokens, stop_token_ids, drafter, settings,
+                         synchronize_stages, tap=None)
+    with feature_tap(target, drafter.target_layer_ids) as tap:
+        return _generate(target, prompt_ids, max_new_tokens, stop_token_ids, drafter, settings,
+                         synchronize_stages, tap)
+
+
+def _generate(target, prompt_ids, max_new_tokens, stop_token_ids, drafter, settings, synchronize_stages,
+              tap) -> Generation:
     num_prompt = prompt_ids.shape[1]
     max_length = num_prompt + max_new_tokens
     timer = StageTimer(target.device, synchronize_stages)
-    steps = _Steps(target, drafter, budget, temperature, sampling, max_length, timer, tree_backend,
-                   record_margins=method == "ar")
-    step = getattr(steps, method)
+    steps = _Steps(target, drafter, settings, max_length, timer, tap)
+    step = getattr(steps, settings.method)
     stops = set(stop_token_ids)
 
-    root, context = steps.prefill(prompt_ids, features=method != "ar")
+    root, context = steps.prefill(prompt_ids)
     tokens, start, lengths = prompt_ids[0].tolist() + [root], num_prompt, []
     stopped = root in stops
     if target.device.type == "cuda":
@@ -237,7 +287,7 @@ def generate(target, prompt_ids: torch.Tensor, max_new_tokens: int, stop_token_i
                     break
             tokens += committed[:produced]
             start += produced
-            truncate_cache(steps.cache, start)
+            steps.cache.rollback(start)
             context = None if features is None else features[:, :produced]
         lengths.append(produced)
     if target.device.type == "cuda":

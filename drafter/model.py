@@ -32,10 +32,66 @@ from transformers.models.qwen3.modeling_qwen3 import (
 
 from drafter.target import check_feature_layers, default_target_layer_ids
 
-# Copied from the target config into the drafter's: the drafter has the target's widths.
-_TARGET_WIDTH_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                      "intermediate_size", "rms_norm_eps", "max_position_embeddings", "vocab_size",
-                      "hidden_act", "rope_parameters", "attention_bias")
+_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")  # Qwen3RotaryEmbedding's own
+
+
+def _config_value(config, key: str, default=None):
+    """config.key, or its global value where the config holds the key per layer (Gemma 4)."""
+    try:
+        value = getattr(config, key, default)
+    except Exception:  # transformers: an attribute that differs per layer has no single value
+        value = config.to_dict().get(key, default)
+    return default if value is None else value
+
+
+def drafter_attention_shape(text_config) -> dict:
+    """The drafter's heads: the target's (query heads, KV heads, head dim) where its attention is
+    ordinary multi-head attention; for MLA targets (DeepSeek-V3, Kimi) head dim = the target's value
+    head dim, as many query heads as fill the hidden size, and at most 8 KV heads that divide them.
+    A per-layer head dim (Gemma 4's global layers) gives way to the config's head_dim."""
+    hidden, heads = text_config.hidden_size, text_config.num_attention_heads
+    if getattr(text_config, "kv_lora_rank", None):  # multi-head latent attention
+        head_dim = getattr(text_config, "v_head_dim", None) or hidden // heads
+        heads = max(1, hidden // head_dim)
+        kv_heads = max(k for k in range(1, min(8, heads) + 1) if heads % k == 0)
+        return {"num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim}
+    kv_heads = _config_value(text_config, "num_key_value_heads", heads)
+    head_dim = _config_value(text_config, "head_dim", hidden // heads)
+    return {"num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim}
+
+
+def drafter_rope(text_config) -> dict:
+    """The drafter's rotary: the target's full-attention rotary (one entry of a per-layer-type dict),
+    applied to the whole head (partial-rotary and multimodal sections dropped), of a type
+    Qwen3RotaryEmbedding computes; otherwise the default rotary at the target's base."""
+    rope = dict(getattr(text_config, "rope_parameters", None) or {})
+    if "full_attention" in rope and isinstance(rope["full_attention"], dict):
+        rope = dict(rope["full_attention"])
+    theta = rope.get("rope_theta", getattr(text_config, "rope_theta", 10000.0))
+    if rope.get("rope_type", "default") not in _ROPE_TYPES:
+        return {"rope_type": "default", "rope_theta": theta}
+    for key in ("partial_rotary_factor", "mrope_section", "mrope_interleaved"):
+        rope.pop(key, None)
+    return {**rope, "rope_type": rope.get("rope_type", "default"), "rope_theta": theta}
+
+
+def drafter_widths(text_config) -> dict:
+    """Everything of the drafter's Qwen3 config that comes from the target: the hidden size (which
+    must match: the drafter reads the target's features and calls its embedding and LM head), the
+    vocabulary, and the sizes the drafter takes over where the target has them (MLP width: the
+    target's dense `intermediate_size`, else 3x hidden; activation, norm eps, attention bias)."""
+    from transformers.activations import ACT2FN
+
+    hidden_act = getattr(text_config, "hidden_act", None)
+    eps = next((getattr(text_config, k) for k in ("rms_norm_eps", "layer_norm_epsilon", "norm_eps")
+                if getattr(text_config, k, None)), 1e-6)
+    return {"hidden_size": text_config.hidden_size, "vocab_size": text_config.vocab_size,
+            **drafter_attention_shape(text_config),
+            "intermediate_size": getattr(text_config, "intermediate_size", None) or 3 * text_config.hidden_size,
+            "hidden_act": hidden_act if hidden_act in ACT2FN else "silu", "rms_norm_eps": float(eps),
+            "max_position_embeddings": getattr(text_config, "max_position_embeddings", 32768),
+            "attention_bias": bool(getattr(text_config, "attention_bias", False)),
+            "rope_parameters": drafter_rope(text_config)}
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -130,12 +186,16 @@ def drafter_variant(drafter_section) -> DrafterVariant:
 
 
 def drafter_config(target_config, *, num_layers: int, block_size: int, mask_token_id: int,
-                   target_layer_ids: list[int] | None = None,
+                   target_layer_ids: list[int] | None = None, input_embedding_scale: float = 1.0,
                    variant: DrafterVariant = DrafterVariant(), **record) -> Qwen3Config:
-    """A drafter config for any HF causal-LM target config.
+    """A drafter config for any HF causal-LM target config (`drafter_widths`), of `variant`.
 
-    `record` lands in `dflash_config` (e.g. target_path, chat_template_kwargs) so that a checkpoint can
-    be evaluated without flags.
+    `input_embedding_scale` is the target's embedding scale (`target.input_embedding_scale`): the
+    block is embedded as raw embedding rows times it, at training and serving time alike. The
+    drafter's logits are the target's LM head on its states, without the target's final soft-capping
+    (tanh keeps the order, so argmax and the tree's top-k are the same; the drafter is trained on
+    the uncapped logits). `record` lands in `dflash_config` (e.g. target_path, chat_template_kwargs)
+    so that a checkpoint can be evaluated without flags.
     """
     text_config = target_config.get_text_config()
     problems = variant.problems(num_layers) + variant.width_problems(
@@ -150,13 +210,13 @@ def drafter_config(target_config, *, num_layers: int, block_size: int, mask_toke
     if not 0 <= mask_token_id < text_config.vocab_size:
         raise ValueError(f"mask_token_id {mask_token_id} has no row in the target's embedding "
                          f"(vocab_size {text_config.vocab_size})")
-    widths = {k: getattr(text_config, k) for k in _TARGET_WIDTH_KEYS if hasattr(text_config, k)}
-    widths.setdefault("head_dim", text_config.hidden_size // text_config.num_attention_heads)
     return Qwen3Config(
-        **widths, num_hidden_layers=num_layers, num_target_layers=num_target_layers,
+        **drafter_widths(text_config), num_hidden_layers=num_layers, num_target_layers=num_target_layers,
         block_size=block_size, tie_word_embeddings=False, **variant.config_fields(num_layers),
         architectures=["DFlash2DraftModel" if variant.arch == "dflash2" else "DFlashDraftModel"],
         dflash_config={"target_layer_ids": target_layer_ids, "mask_token_id": int(mask_token_id),
+                       "input_embedding_scale": float(input_embedding_scale),
+                       "target_model_type": getattr(text_config, "model_type", None),
                        **variant.dflash_config_fields(), **record})
 
 
@@ -456,6 +516,12 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
     def mask_token_id(self) -> int:
         return self.config.dflash_config["mask_token_id"]
 
+    def embed_block(self, target, block_ids: torch.Tensor) -> torch.Tensor:
+        """The block's input states: the target's raw embedding rows times
+        dflash_config.input_embedding_scale, as the public loader embeds them, in the drafter's dtype."""
+        scale = float(self.config.dflash_config.get("input_embedding_scale", 1.0))
+        return (F.embedding(block_ids, target.get_input_embeddings().weight) * scale).to(self.dtype)
+
     def forward(self, block_embeds, block_positions, features, ctx_positions, masks, cache=None):
         """Final-normed block states [b, A, L, H] of A blocks of L slots each.
 
@@ -486,7 +552,7 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         n, block_len = ctx_features.shape[1], block_ids.shape[1]
         positions = torch.arange(start, start + n + block_len, device=block_ids.device)[None]
         positions = positions.expand(block_ids.shape[0], -1)
-        block_embeds = target.get_input_embeddings()(block_ids).to(self.dtype)
+        block_embeds = self.embed_block(target, block_ids)
         masks = {a: a.inference_mask(start + n, block_len, block_ids.device) for a in set(self.layer_attention)}
         hidden = self(block_embeds[:, None], positions[:, None, n:], ctx_features.to(self.dtype),
                       positions[:, :n], masks, cache)

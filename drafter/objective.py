@@ -149,7 +149,7 @@ def drafter_hidden(drafter, target, features, blocks: Blocks, attention: str) ->
         filler = max(0, _DEFAULT_SPARSE_BLOCK_SIZE // block_size + 1 - num_blocks)
         anchors, ids, positions = (F.pad(x, (0, 0) * (x.dim() - 2) + (0, filler))
                                    for x in (anchors, ids, positions))
-    block_embeds = target.get_input_embeddings()(ids).to(features.dtype)
+    block_embeds = drafter.embed_block(target, ids).to(features.dtype)
     ctx_positions = torch.arange(T, device=features.device)[None].expand(b, -1)
     if attention not in ATTENTION_KERNELS:
         raise ValueError(f"attention {attention!r} not in {ATTENTION_KERNELS}")

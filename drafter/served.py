@@ -38,7 +38,7 @@ import torch
 from drafter.benchmarks import load_prompts
 from drafter.chat import prompt_token_ids
 from drafter.ddtree import build_tree, teacher_forced_accept
-from drafter.decode import generate
+from drafter.decode import generate, tree_verify_refusal
 from drafter.objective import build_blocks, chunk_rows_for, drafter_hidden
 
 
@@ -206,10 +206,14 @@ def generation_tau(target, drafter, prompts: list[list[int]], rank: int, world_s
     no prompt starts once `max_seconds` have passed, so a call lasts at most max_seconds plus one
     prompt. Returns {`gen_tau_dflash`, `gen_tau_ddtree@B`: [sum of per-response tau, responses],
     `gen_seconds`: [seconds, 1]} (float64, CPU) for the caller to all-reduce (sum) and divide; a rank
-    that decoded nothing contributes zeros. No collective runs here. The drafter is put in eval mode
+    that decoded nothing contributes zeros. On a target that refuses tree verification (conv or
+    recurrent layers: `decode.tree_verify_refusal`) only `dflash` is generated; the replayed
+    `tau_ddtree@B` of the eval steps is exact there. No collective runs here. The drafter is put in eval mode
     and given back in the mode it came in; the global torch, CUDA and numpy RNGs are not used.
     """
     methods = method_names(budgets)
+    if tree_verify_refusal(target):  # the replayed tau_ddtree@B stands in for these (eval steps)
+        methods = [m for m in methods if not m.startswith("ddtree")]
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     clock = time.perf_counter()

@@ -1,18 +1,28 @@
-"""The frozen target LLM: loading, and feature capture from the chosen layers only.
+"""The frozen target LLM: loading, its decoder layers, and feature capture from the chosen layers.
 
 Layer id `i` means "the output of decoder layer i", which is `hidden_states[i + 1]` of the HF tuple
-(index 0 is the embedding output). Training never runs the layers after the last one it needs, and
-never computes LM-head logits over the sequence.
+(index 0 is the embedding output). Features are read by forward hooks on the chosen layers while the
+target runs its own forward, so every family's masks per layer type, rotary per layer type, embedding
+scaling, attention sinks and recurrent mixers are the target's own; no decoder loop is written here.
+Training stops that forward after the last needed layer (an exception raised by the hook), so the
+layers after it and the LM head never run.
 """
+from contextlib import contextmanager
+from unittest import mock
+
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
-from transformers.masking_utils import create_causal_mask
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM, masking_utils
+
+
+class TargetError(ValueError):
+    """A target whose structure this code cannot read (no decoder layers it can find, ...)."""
 
 
 def load_target(path: str, device: torch.device | str, dtype: torch.dtype) -> nn.Module:
     """Load a HF causal LM frozen: eval mode, no grad, in `dtype` on `device`."""
     target = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    decoder_layers(target)  # an unreadable structure stops here, before any training or decoding
     return freeze(target.to(device))
 
 
@@ -48,6 +58,25 @@ def target_config(path: str | None, random: dict | None):
     return AutoConfig.from_pretrained(path).get_text_config()
 
 
+def model_type(target: nn.Module) -> str:
+    return getattr(target.config, "model_type", type(target).__name__)
+
+
+def decoder_layers(target: nn.Module) -> nn.ModuleList:
+    """The target's decoder layers in order (layer id i is the output of element i): the first
+    ModuleList named `layers` (else any ModuleList) as long as the config's num_hidden_layers, the
+    decoder's own first. Raises TargetError naming the model type when there is none."""
+    num_layers = target.config.get_text_config().num_hidden_layers
+    body = target.get_decoder() if hasattr(target, "get_decoder") else target
+    candidates = [(name, module) for root in (body, target) for name, module in root.named_modules()
+                  if isinstance(module, nn.ModuleList) and len(module) == num_layers]
+    named = [module for name, module in candidates if name.rsplit(".", 1)[-1] == "layers"]
+    if named or candidates:
+        return (named or [module for _, module in candidates])[0]
+    raise TargetError(f"target {model_type(target)} ({type(target).__name__}): no list of its "
+                      f"{num_layers} decoder layers in {type(body).__name__}; features cannot be read")
+
+
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """Evenly spaced from 1 to L-3 (one draft layer: L//2), as the DFlash reference chooses."""
     if num_draft_layers == 1:
@@ -74,25 +103,78 @@ def select_features(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int
     return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
 
 
+class _StopForward(Exception):
+    """Raised by the hook on the last needed layer to end a features-only forward there."""
+
+
+class FeatureTap:
+    """Forward hooks on the chosen decoder layers: after each target forward, `features()` is the
+    concatenation of their outputs [b, n, K*H] for that forward. With `stop_after_last`, the
+    forward is ended by an exception once the last needed layer has run (`run_until_features`)."""
+
+    def __init__(self, target: nn.Module, layer_ids: list[int], stop_after_last: bool = False):
+        layers = decoder_layers(target)
+        check_feature_layers(layer_ids, len(layers))
+        self.layer_ids = [int(i) for i in layer_ids]
+        self.captured: dict[int, torch.Tensor] = {}
+        last = max(self.layer_ids)
+        self.handles = [layers[i].register_forward_hook(self._hook(i, stop_after_last and i == last))
+                        for i in sorted(set(self.layer_ids))]
+
+    def _hook(self, layer_id: int, stop: bool):
+        def hook(module, args, output):
+            self.captured[layer_id] = output[0] if isinstance(output, (tuple, list)) else output
+            if stop:
+                raise _StopForward
+        return hook
+
+    def features(self) -> torch.Tensor:
+        missing = [i for i in self.layer_ids if i not in self.captured]
+        if missing:
+            raise TargetError(f"the target's forward did not run decoder layers {missing}")
+        features = torch.cat([self.captured[i] for i in self.layer_ids], dim=-1)
+        self.captured.clear()
+        return features
+
+    def remove(self):
+        for handle in self.handles:
+            handle.remove()
+
+
+@contextmanager
+def feature_tap(target: nn.Module, layer_ids: list[int], stop_after_last: bool = False):
+    tap = FeatureTap(target, layer_ids, stop_after_last)
+    try:
+        yield tap
+    finally:
+        tap.remove()
+
+
 @torch.no_grad()
 def context_features(target: nn.Module, input_ids: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
-    """Features of `layer_ids` for every position, [b, T, K*H], running only layers 0..max(layer_ids).
+    """Features of `layer_ids` for every position, [b, T, K*H]: the target's own forward, stopped
+    after layer max(layer_ids) (no later layer and no LM head runs).
 
     Sequences are right-padded; with a causal mask the real positions never see the padding, so no
-    padding mask is needed (features at padded positions are garbage and must not be read).
+    padding mask is needed (features at padded positions are garbage and must not be read). No
+    position_ids: every row is one sequence at 0..T-1.
     """
-    body = target.get_decoder()
-    check_feature_layers(layer_ids, len(body.layers))
-    hidden = body.embed_tokens(input_ids)
-    positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand_as(input_ids)
-    # no position_ids: every row is one sequence at 0..T-1, and looking for packed ones reads the device
-    mask = create_causal_mask(config=body.config, inputs_embeds=hidden, attention_mask=None,
-                              past_key_values=None)
-    rope = body.rotary_emb(hidden, positions)
-    wanted = set(layer_ids)
-    captured = {}
-    for i, layer in enumerate(body.layers[: max(layer_ids) + 1]):
-        hidden = layer(hidden, attention_mask=mask, position_embeddings=rope, position_ids=positions)
-        if i in wanted:
-            captured[i] = hidden
-    return torch.cat([captured[i] for i in layer_ids], dim=-1)
+    # Without a cache, transformers looks for packed sequences in the position ids, which reads the
+    # device (a host sync per forward); every row here is one sequence, so the answer is known.
+    no_packing = mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
+    with feature_tap(target, layer_ids, stop_after_last=True) as tap, no_packing:
+        try:
+            target(input_ids=input_ids, use_cache=False)
+        except _StopForward:
+            pass
+        return tap.features()
+
+
+def input_embedding_scale(target: nn.Module) -> float:
+    """The factor the target applies to its token embeddings (Gemma: sqrt(hidden), Granite: its
+    embedding_multiplier; 1 for most families). The drafter's block is embedded as the raw embedding
+    rows times this factor, which is how the public loader embeds it (dflash_config.input_embedding_scale)."""
+    scale = getattr(target.get_input_embeddings(), "embed_scale", None)
+    if scale is None:
+        scale = getattr(target.config.get_text_config(), "embedding_multiplier", None)
+    return 1.0 if scale is None else float(scale)

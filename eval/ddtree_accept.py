@@ -13,6 +13,12 @@ plots next to --out. Definitions: RESEARCH.md section 3 (tau counts the bonus to
 ratio of decode time per output token to `ar`'s, prefill excluded). At temperature 0, `lossless`
 compares every method's tokens with `ar`'s (`drafter/lossless.py`): yes, ties-only (every divergence
 starts where the target's top-2 logits were within --tie-tolerance: a floating-point tie) or no.
+
+A target with conv or recurrent layers (Qwen3.5, Qwen3-Next, Nemotron-H, LFM2) cannot verify a tree as
+one flat sequence (`drafter.decode.tree_verify_refusal`). There, at temperature 0, each `ddtree@N` row is
+the exact DDTree tau of `ar`'s own greedy text, replayed under teacher forcing (`drafter.served`: the
+tree of N nodes built from the drafter's block at each step's anchor, walked along the text) and
+labelled `replayed`, with no timing; above temperature 0 those rows are left out.
 """
 import argparse
 import json
@@ -28,10 +34,11 @@ from transformers import AutoTokenizer
 
 from drafter.benchmarks import load_prompts
 from drafter.chat import prompt_token_ids
-from drafter.decode import SAMPLING, STAGES, generate, stop_token_ids
+from drafter.decode import SAMPLING, STAGES, generate, stop_token_ids, tree_verify_refusal
 from drafter.lossless import BF16_TIE_TOLERANCE, first_divergence, lossless_verdict, near_tie_share
 from drafter.model import load_drafter
-from drafter.target import load_target
+from drafter.served import replay_steps
+from drafter.target import context_features, load_target
 
 
 def parse_args(argv=None):
@@ -117,8 +124,25 @@ class Evaluator:
         thinking = recorded.get("chat_template_kwargs", {}).get("enable_thinking", False)
         self.enable_thinking = thinking if args.enable_thinking is None else args.enable_thinking == "true"
         self.stop_token_ids = stop_token_ids(self.target, self.tokenizer)
-        self.methods = ["ar", "dflash"] + [f"ddtree@{b}" for b in args.budgets]
+        self.tree_refusal = tree_verify_refusal(self.target)
+        replayable = args.temperature <= 0 or not self.tree_refusal
+        self.methods = ["ar", "dflash"] + [f"ddtree@{b}" for b in args.budgets if replayable]
         self.args, self.dtype = args, dtype
+
+    def replays(self, method: str) -> bool:
+        """Whether `method` is replayed on `ar`'s text instead of generated (module docstring)."""
+        return method.startswith("ddtree") and self.tree_refusal is not None
+
+    def replayed_record(self, ar_record: dict, method: str) -> dict:
+        """The steps DDTree would take serving `ar`'s answer, from the training path."""
+        ids = torch.tensor([ar_record["prompt_ids"] + ar_record["output_ids"]], device=self.target.device)
+        loss_mask = torch.zeros_like(ids)
+        loss_mask[0, len(ar_record["prompt_ids"]):] = 1
+        features = context_features(self.target, ids, self.drafter.target_layer_ids)
+        budget = int(method.partition("@")[2])
+        steps = replay_steps(self.drafter, self.target, features, ids, loss_mask, [budget], attention="dense")
+        return {**ar_record, "acceptance_lengths": steps[method][0] if steps[method] else [],
+                "decode_seconds": None, "stage_seconds": {}, "margins": [], "replayed": True}
 
     def generate(self, method: str, prompt_ids: torch.Tensor, max_new_tokens: int):
         name, _, budget = method.partition("@")
@@ -152,7 +176,8 @@ class Evaluator:
         """First calls pay for allocation and kernel selection: keep them out of the timings."""
         ids = self.prompt_ids(list(prompt.history) + [{"role": "user", "content": prompt.turns[0]}])
         for method in self.methods:
-            self.generate(method, ids, min(16, self.args.max_new_tokens))
+            if not self.replays(method):
+                self.generate(method, ids, min(16, self.args.max_new_tokens))
 
 
 def run_benchmark(evaluator: Evaluator, prompts, rank: int, world: int) -> dict[str, list[dict]]:
@@ -163,7 +188,11 @@ def run_benchmark(evaluator: Evaluator, prompts, rank: int, world: int) -> dict[
         evaluator.warm_up(shard[0])
     for prompt in tqdm(shard, desc="prompts", disable=rank != 0, dynamic_ncols=True):
         for method in evaluator.methods:
-            records[method] += evaluator.run_prompt(prompt, method)
+            if evaluator.replays(method):
+                turns = [r for r in records["ar"] if r["source"] == prompt.source]
+                records[method] += [evaluator.replayed_record(r, method) for r in turns]
+            else:
+                records[method] += evaluator.run_prompt(prompt, method)
     return records
 
 
@@ -213,12 +242,14 @@ def summarize(records: list[dict], reference: list[dict], greedy: bool, save_sam
     logit at `ar`'s step, tie: below `tie_tolerance`); `lossless` "yes", "ties-only" or "no";
     divergence_rate the fraction of prompts that diverge.
     """
+    replayed = any(r.get("replayed") for r in records)
+    greedy = greedy and not replayed  # a replay follows ar's tokens by construction
     steps = [length for r in records for length in r["acceptance_lengths"]]
     per_response = [sum(r["acceptance_lengths"]) / len(r["acceptance_lengths"])
                     for r in records if r["acceptance_lengths"]]
     longest = max(steps, default=1)
     output_tokens = sum(len(r["output_ids"]) for r in records)
-    decode_seconds = sum(r["decode_seconds"] for r in records)
+    decode_seconds = None if replayed else sum(r["decode_seconds"] for r in records)
     divergences = divergences_from(records, reference, tie_tolerance) if greedy else []
     prompts = len({r["source"] for r in records})
     summary = {
@@ -227,7 +258,7 @@ def summarize(records: list[dict], reference: list[dict], greedy: bool, save_sam
         "tau_histogram": [steps.count(k) for k in range(1, longest + 1)],
         "acceptance_by_depth": [sum(s > d for s in steps) / len(steps) if steps else None
                                 for d in range(1, longest)],
-        "time_per_output_token": decode_seconds / output_tokens if output_tokens else None,
+        "time_per_output_token": decode_seconds / output_tokens if output_tokens and not replayed else None,
         "stage_ms_per_step": {stage: 1e3 * sum(r["stage_seconds"].get(stage, 0.0) for r in records)
                               / max(len(steps), 1)
                               for stage in STAGES if any(stage in r["stage_seconds"] for r in records)},
@@ -235,6 +266,7 @@ def summarize(records: list[dict], reference: list[dict], greedy: bool, save_sam
         "divergence_rate": len(divergences) / prompts if greedy and prompts else None,
         "divergences": [{"source": r["source"], "turn": r["turn"], **asdict(d)} for r, d in divergences]
         if greedy else None,
+        "replayed": replayed,
         "responses": len(records),
         "output_tokens": output_tokens,
         "steps": len(steps),
@@ -264,7 +296,8 @@ def report(records_by_bench: dict, args, evaluator: Evaluator, world: int) -> di
               "tie_tolerance": args.tie_tolerance, "max_new_tokens": args.max_new_tokens,
               "enable_thinking": evaluator.enable_thinking, "dtype": str(evaluator.dtype),
               "device": str(evaluator.target.device), "world_size": world,
-              "block_size": evaluator.drafter.block_size, "stage_times_synchronized":
+              "block_size": evaluator.drafter.block_size, "tree_verify_refusal": evaluator.tree_refusal,
+              "stage_times_synchronized":
               args.sync_stages or evaluator.target.device.type != "cuda"}
     return {"config": config, "benchmarks": benchmarks}
 
@@ -279,13 +312,16 @@ def markdown_table(results: dict) -> str:
     for bench, entry in results["benchmarks"].items():
         for method, s in entry["methods"].items():
             tpot = s["time_per_output_token"]
-            lossless = s["lossless"] or "-"
+            lossless = "replayed" if s.get("replayed") else s["lossless"] or "-"
             if s["divergence_rate"]:
                 lossless += f" ({s['divergence_rate']:.0%} differ)"
             stages = " | ".join(fmt(s["stage_ms_per_step"].get(st), ".2f") for st in STAGES)
             lines.append(f"| {bench} | {method} | {fmt(s['tau'], '.2f')} | {fmt(s['tau_pooled'], '.2f')} "
                          f"| {fmt(tpot and tpot * 1e3, '.2f')} | {fmt(s['speedup'], '.2f')} "
                          f"| {lossless} | {stages} |")
+    if results["config"].get("tree_verify_refusal"):
+        lines.append(f"\n{results['config']['tree_verify_refusal']}: the ddtree rows are DDTree's exact tau on "
+                     "ar's greedy text, replayed under teacher forcing (no timing)")
     for bench, entry in results["benchmarks"].items():
         if entry.get("near_tie_share") is not None:
             lines.append(f"\n{bench}: {entry['near_tie_share']:.1%} of ar's steps have a top-2 logit margin "
@@ -322,7 +358,10 @@ def save_plots(results: dict, out: Path) -> list[Path]:
         tree = {int(m.split("@")[1]): s for m, s in entry["methods"].items() if m.startswith("ddtree@")}
         budgets = sorted(tree)
         for ax, key in ((tau_ax, "tau"), (speed_ax, "speedup")):
-            line = ax.plot(budgets, [tree[b][key] for b in budgets], marker="o", label=f"{bench} ddtree")
+            points = [(b, tree[b][key]) for b in budgets if tree[b][key] is not None]  # replayed: no timing
+            if not points:
+                continue
+            line = ax.plot(*zip(*points), marker="o", label=f"{bench} ddtree")
             dflash = entry["methods"]["dflash"][key]
             if dflash is not None:
                 ax.axhline(dflash, linestyle="--", color=line[0].get_color(), label=f"{bench} dflash")

@@ -7,7 +7,7 @@ import torch
 torch.set_num_threads(int(os.environ.get("TEST_TORCH_THREADS", "1")))
 
 from drafter.model import DFlashDraftModel, DrafterVariant, drafter_class, drafter_config  # noqa: E402
-from drafter.target import random_qwen3  # noqa: E402
+from drafter.target import input_embedding_scale, random_qwen3  # noqa: E402
 
 MASK_ID = 255
 
@@ -35,6 +35,7 @@ def randomize_(module: torch.nn.Module, seed: int, scale: float = 0.2) -> torch.
 
 
 def make_drafter(target, num_layers=2, block_size=8, seed=1, **kw) -> DFlashDraftModel:
+    kw.setdefault("input_embedding_scale", input_embedding_scale(target))
     cfg = drafter_config(target.config, num_layers=num_layers, block_size=block_size,
                          mask_token_id=MASK_ID, **kw)
     return randomize_(drafter_class(cfg)(cfg), seed).eval()

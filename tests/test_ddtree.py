@@ -4,17 +4,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from bench.gpu_check import ReplayDrafter
 from bench.tree_build import heapq_tree, topk_logprobs, trees_equal
 from conftest import make_drafter
 from drafter import ddtree
-from drafter.ddtree import (build_tree, build_tree_from_logprobs, committed_tokens, compact_cache,
-                            compiled_backend_available, fixed_point, follow_tree, path_features,
-                            teacher_forced_accept, tree_verify_inputs, tree_visibility)
+from drafter.ddtree import (build_tree, build_tree_from_logprobs, committed_tokens, compiled_backend_available,
+                            fixed_point, follow_tree, teacher_forced_accept, tree_verify_inputs, tree_visibility)
 from drafter.decode import generate, speculative_sample
-from drafter.target import select_features
+from drafter.target import feature_tap
+from drafter.target_cache import TargetCache
+from families import random_target
 
 BACKENDS = [pytest.param("compiled", marks=pytest.mark.skipif(
                 not compiled_backend_available(), reason="no working C compiler: the compiled DDTree "
@@ -174,37 +174,44 @@ def test_visibility_is_ancestors_and_self():
         assert set(visible[row].nonzero().view(-1).tolist()) == expected
 
 
-def test_tree_forward_matches_causal_forward_and_compaction(target):
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "gpt_oss"])
+def test_tree_forward_matches_causal_forward_and_compaction(family):
     """Each node's logits equal a plain causal forward over its path; the compacted cache and the
-    path features equal those of a causal forward over the accepted path."""
+    path features equal those of a causal forward over the accepted path. The sliding-window
+    families (window 8, a context of 11) check the tree mask over a window-only cache."""
+    target = random_target(family)
     layer_ids = [1, 4]
-    prompt = torch.randint(0, 250, (1, 9), generator=torch.Generator().manual_seed(7))
-    cache = DynamicCache(config=target.config)
-    target(prompt[:, :-1], past_key_values=cache, use_cache=True)
+    prompt = torch.randint(0, 250, (1, 12), generator=torch.Generator().manual_seed(7))
+    cache = TargetCache(target)
+    target(prompt[:, :-1], past_key_values=cache.cache, use_cache=True)
+    cache.rollback(prompt.shape[1] - 1)  # a sliding layer keeps only its window from here on
     start, root = prompt.shape[1] - 1, prompt[0, -1]
     tree = build_tree(torch.randn(3, 256, generator=torch.Generator().manual_seed(8)), 12)
-    input_ids, positions, mask = tree_verify_inputs(tree, root, start, target.dtype)
-    out = target(input_ids, position_ids=positions, attention_mask=mask, past_key_values=cache,
-                 use_cache=True, output_hidden_states=True)
+    input_ids, positions, visible = tree_verify_inputs(tree, root, start)
+    mask = cache.tree_attention_mask(visible, positions[0] - start, start, target.dtype)
+    with feature_tap(target, layer_ids) as tap:
+        out = target(input_ids, position_ids=positions, attention_mask=mask, past_key_values=cache.cache,
+                     use_cache=True)
+        features = tap.features()
     paths = node_prefixes(tree)
     for node in range(tree.size):
         causal = target(torch.cat([prompt, torch.tensor([paths[node]])], dim=1)).logits[0, -1]
-        torch.testing.assert_close(out.logits[0, node + 1], causal, rtol=0, atol=2e-5)
+        torch.testing.assert_close(out.logits[0, node + 1], causal, rtol=0, atol=1e-4)
 
     deepest = max(range(tree.size), key=lambda i: (len(paths[i]), i))  # the last one popped
     rows = [0] + [i + 1 for i in range(tree.size) if paths[i] == paths[deepest][:len(paths[i])]]
     rows = torch.tensor(rows)
     assert rows.tolist() != list(range(len(rows)))  # rows really move
-    compact_cache(cache, start, rows)
-    full = target(torch.cat([prompt, torch.tensor([paths[deepest]])], dim=1), use_cache=True,
-                  output_hidden_states=True)
-    assert cache.get_seq_length() == start + len(rows)
-    for ours, theirs in zip(cache.layers, full.past_key_values.layers):
-        torch.testing.assert_close(ours.keys, theirs.keys[..., :start + len(rows), :], rtol=0, atol=2e-5)
-        torch.testing.assert_close(ours.values, theirs.values[..., :start + len(rows), :], rtol=0, atol=2e-5)
-    torch.testing.assert_close(path_features(out.hidden_states, layer_ids, rows),
-                               select_features(full.hidden_states, layer_ids)[:, start:],
-                               rtol=1e-4, atol=1e-4)
+    cache.compact(input_ids.shape[1], rows)
+    accepted = torch.cat([prompt, torch.tensor([paths[deepest]])], dim=1)
+    assert cache.length == start + len(rows)
+    with feature_tap(target, layer_ids) as tap:  # the compacted cache serves the next forward exactly
+        after = target(torch.tensor([[5]]), position_ids=torch.tensor([[accepted.shape[1]]]),
+                       past_key_values=cache.cache, use_cache=True).logits[0, -1]
+        target(accepted)
+        torch.testing.assert_close(features.index_select(1, rows), tap.features()[:, start:], rtol=1e-4, atol=1e-4)
+    expected = target(torch.cat([accepted, torch.tensor([[5]])], dim=1)).logits[0, -1]
+    torch.testing.assert_close(after, expected, rtol=0, atol=1e-4)
 
 
 def test_follow_tree_stops_at_first_missing_child():
@@ -222,7 +229,7 @@ def test_follow_tree_stops_at_first_missing_child():
                                                          range(1, len(paths[deepest]) + 1)]
     assert padded.shape == (tree.depth_limit + 1,)  # static: the walk needs no host sync
     assert (padded[len(path):] == path[-1]).all() and int(picks[padded[-1]]) == 99
-    input_ids, _, _ = tree_verify_inputs(tree, torch.tensor(7), 0, torch.float32)
+    input_ids, _, _ = tree_verify_inputs(tree, torch.tensor(7), 0)
     tokens, rows = committed_tokens(input_ids[0], picks, padded, accepted)
     assert tokens == list(paths[deepest]) + [99] and torch.equal(rows, path)
 

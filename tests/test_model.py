@@ -41,7 +41,8 @@ def test_config_records_everything_eval_needs(target, tmp_path):
     assert saved["num_hidden_layers"] == 3 and saved["num_target_layers"] == 6
     assert saved["block_size"] == 16
     assert saved["dflash_config"] == {"target_layer_ids": [0, 2, 4], "mask_token_id": MASK_ID,
-                                      "target_path": "some/target",
+                                      "target_path": "some/target", "input_embedding_scale": 1.0,
+                                      "target_model_type": "qwen3",
                                       "chat_template_kwargs": {"enable_thinking": False}}
     with safe_open(tmp_path / "model.safetensors", "pt") as f:
         names = set(f.keys())

@@ -1,0 +1,75 @@
+"""Tiny random targets of every family the drafters are trained for, built in process from
+transformers' own configs (no download): vocabulary 256, 6 layers, sliding window 8, weights spread
+wide enough that greedy decoding has no near-ties to hide a bug behind."""
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from drafter.target import freeze
+
+VOCAB, LAYERS, WINDOW = 256, 6, 8
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, intermediate_size=96, max_position_embeddings=512,
+               tie_word_embeddings=False, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+_SLIDING = ["sliding_attention", "full_attention"] * (LAYERS // 2)
+_MOE = dict(num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, n_group=1, topk_group=1, first_k_dense_replace=1, norm_topk_prob=True)
+_LINEAR = dict(layer_types=["linear_attention", "linear_attention", "full_attention"] * (LAYERS // 3),
+               linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
+               linear_num_key_heads=2, linear_num_value_heads=4)
+
+FAMILIES = {
+    "llama": {},
+    "qwen3": {},
+    "qwen3_moe": dict(_MOE, decoder_sparse_step=1),
+    "glm4_moe": dict(_MOE),
+    "lfm2": dict(layer_types=["conv", "full_attention"] * (LAYERS // 2), conv_L_cache=3,
+                 block_auto_adjust_ff_dim=False, block_ff_dim=96, full_attn_idxs=None),
+    "mistral": dict(sliding_window=WINDOW),
+    "gpt_oss": dict(_MOE, sliding_window=WINDOW, layer_types=_SLIDING, attn_implementation="eager"),
+    "gemma3_text": dict(sliding_window=WINDOW, layer_types=_SLIDING, query_pre_attn_scalar=16),
+    "gemma4_text": dict(sliding_window=WINDOW, layer_types=_SLIDING, global_head_dim=32,
+                        hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB,
+                        num_kv_shared_layers=0),
+    "olmo3": dict(sliding_window=WINDOW, layer_types=_SLIDING),
+    "deepseek_v3": dict(_MOE, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                        v_head_dim=16, num_key_value_heads=4, head_dim=8),
+    "qwen3_next": dict(_MOE, **_LINEAR, shared_expert_intermediate_size=32),
+    "qwen3_5_text": dict(_LINEAR),
+    "qwen3_5_moe_text": dict(_MOE, **_LINEAR, shared_expert_intermediate_size=32),
+    "nemotron_h": dict(layers_block_type=["mamba", "attention", "mlp"] * (LAYERS // 3), mamba_num_heads=4,
+                       mamba_head_dim=16, ssm_state_size=8, n_groups=1, conv_kernel=4, chunk_size=8,
+                       mamba_n_groups=1),
+    "cohere2": dict(sliding_window=WINDOW, layer_types=_SLIDING),
+    "granite": dict(embedding_multiplier=12.0, logits_scaling=2.0),
+    "llama4_text": dict(attention_chunk_size=WINDOW, num_local_experts=2, interleave_moe_layer_step=2,
+                        intermediate_size_mlp=96),
+    "falcon_h1": dict(mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8, mamba_n_groups=1,
+                      mamba_chunk_size=8),
+}
+# Jamba's Mamba restarts its scan on a multi-token forward over a cache: decoding must refuse it
+UNSUPPORTED = {"jamba": dict(attn_layer_offset=1, attn_layer_period=2, expert_layer_offset=1, expert_layer_period=2,
+                             num_experts=2, mamba_d_state=8, mamba_expand=2, use_mamba_kernels=False)}
+RECURRENT = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "nemotron_h", "falcon_h1")
+
+
+def family_config(family: str, **extra):
+    overrides = dict(_COMMON, **{**FAMILIES, **UNSUPPORTED}[family], **extra)
+    attn = overrides.pop("attn_implementation", "sdpa")
+    config = AutoConfig.for_model(family, **overrides)
+    config._attn_implementation = attn
+    return config
+
+
+def random_target(family: str, seed: int = 0, scale: float = 0.3, **config) -> torch.nn.Module:
+    """A frozen fp32 target of `family` (`config` overrides its tiny sizes) with every weight drawn
+    N(0, scale^2) (norm weights 1 + that), so that its logits are spread far apart."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        target = AutoModelForCausalLM.from_config(family_config(family, **config))
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, param in sorted(target.named_parameters()):
+                noise = torch.randn(param.shape, generator=gen) * scale
+                param.copy_(1.0 + noise if "norm" in name and "sink" not in name else noise)
+    target.generation_config.eos_token_id = None
+    return freeze(target)
