@@ -10,7 +10,8 @@ Data flow (one forward):
 Variants (DESIGN.md contract 11, config `drafter.*`): a layer is `full_attention` or
 `sliding_attention` (`layer_types`, `sliding_window`), causal inside the block or not (`causal`);
 `LayerAttention` says which keys each layer's block queries see, exactly as `dflash` 0.1.0 reads
-the exported config.
+the exported config. `DFlash2DraftModel` (`arch: dflash2`) adds a `DynamicBlockConv` around every
+sublayer and a `CandidateSelector` whose chain (`draft_chain`) is the single path it drafts.
 
 The same `forward` serves training (all anchors' blocks of a sequence at once, ctx = the whole
 sequence, a block mask) and inference (one block, ctx = new context positions appended to a
