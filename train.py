@@ -3,14 +3,17 @@
     deepspeed --num_gpus 8 train.py --cfg configs/v3.yaml [key.sub=value ...]
     torchrun --nproc_per_node 8 train.py --cfg configs/v3.yaml [train.engine=fsdp]
     srun python train.py --cfg configs/v3.yaml           # SLURM, one task per GPU
+    torchrun --nproc_per_node 8 train.py --cfg ... target.tp_size=8   # a target larger than one GPU
     python train.py --cfg configs/toy.yaml               # one process; CPU + gloo without a GPU
 
 config -> distributed init -> data -> resume decision -> target -> drafter -> engine -> loop ->
-checkpoints. Every rank holds a frozen copy of the target and computes its own batch's features;
-only the drafter is trained, through the engine interface of drafter/engine.py.
+checkpoints. Every rank holds a frozen copy of the target (or, at target.tp_size G, its share of a copy
+that G consecutive ranks hold together: drafter/tensor_parallel.py) and gets its own batch's
+features; only the drafter is trained, through the engine interface of drafter/engine.py.
 """
 import argparse
 import hashlib
+import itertools
 import math
 import os
 import signal
@@ -30,17 +33,21 @@ from drafter.data import DataError, load_datasets
 from drafter.engine import DeepSpeedEngine, EngineConfigError, FSDPEngine, deepspeed_config
 from drafter.decode import stop_token_ids
 from drafter.launch import LaunchError, init_distributed
+from drafter.memory_plan import MemoryPlanError, check_fits, plan_inputs, plan_memory, target_model_config
 from drafter.model import (drafter_class, drafter_config, drafter_from_state_dict, drafter_variant, load_drafter,
                            resolve_mask_token_id)
 from drafter.objective import ObjectiveConfig, attention_kernel, finalize_metrics, training_step
+from drafter.run_lock import RunDirectoryBusy, hold_run_directory
 from drafter.sampler import bucket_table, held_out_share, make_loader, plan_notes, sampler_from_config
 from drafter.served import bench_prompts, generation_tau, held_out_prompts, replayed_tau
-from drafter.target import (TargetError, context_features, input_embedding_scale, load_target, random_qwen3,
-                            target_config)
+from drafter.target import TargetError, input_embedding_scale, random_qwen3
 from drafter.target_cache import continuation_refusal
+from drafter.tensor_parallel import (TargetFeatures, TensorParallelError, check_tensor_parallel, form_tp_group,
+                                     load_tp_target, shard_target)
 from drafter.tracking import RunLogger, console_line, eval_line
 
-USER_ERRORS = (ConfigError, DataError, EngineConfigError, ResumeError, LaunchError, TargetError)
+USER_ERRORS = (ConfigError, DataError, EngineConfigError, ResumeError, LaunchError, TargetError, RunDirectoryBusy,
+               MemoryPlanError, TensorParallelError)
 
 
 # ----------------------------------------------------------------------------- setup
@@ -57,11 +64,16 @@ def training_dtype(cfg, device) -> torch.dtype:
             "bf16": torch.bfloat16, "fp32": torch.float32}[cfg.target.dtype]
 
 
-def build_target_and_tokenizer(cfg, device, dtype):
+def node_ranks(world_size: int) -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+
+
+def build_target_and_tokenizer(cfg, device, dtype, tp_group):
+    """The frozen target: whole, or this rank's share of its tensor-parallel group's copy."""
     if cfg.target.path is None:
-        return random_qwen3(**cfg.target.random).to(device, dtype), None
+        return shard_target(random_qwen3(**cfg.target.random).to(dtype), tp_group).to(device), None
     tokenizer = AutoTokenizer.from_pretrained(cfg.target.path)
-    return load_target(cfg.target.path, device, dtype), tokenizer
+    return load_tp_target(cfg.target.path, tp_group, device, dtype), tokenizer
 
 
 def build_drafter(cfg, target, tokenizer):
@@ -90,6 +102,16 @@ def engine_settings(cfg, world_size, device, dtype, hidden_size):
         return deepspeed_config(cfg.train.ds_config, cfg, world_size, dtype == torch.bfloat16, hidden_size,
                                 on_cpu=device.type == "cpu")
     return None
+
+
+def check_memory_plan(cfg, model_config, world_size, device, dtype, ds_config, rank):
+    """Printed before any weights load; on a GPU, a plan that cannot fit the device stops the run."""
+    plan = plan_memory(plan_inputs(cfg, model_config, world_size, ds_config, dtype.itemsize))
+    gpu_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    if rank == 0:
+        print("\n".join(plan.lines(gpu_bytes)), flush=True)
+    if gpu_bytes:
+        check_fits(plan, gpu_bytes, node_ranks(world_size))
 
 
 def build_engine(cfg, drafter, device, dtype, ds_config):
@@ -189,14 +211,15 @@ class Timers:
 
 # ----------------------------------------------------------------------------- training
 
-def micro_step(engine, target, batch, objective, cfg, step, micro, rank, noise, device, attention, timers):
+def micro_step(engine, target, target_features, batch, objective, cfg, step, micro, rank, noise, device, attention,
+               timers):
     """Forward + backward of one micro batch; returns its metrics ([sum, count] tensors, on the device:
     nothing here waits for the device)."""
     input_ids = batch["input_ids"].to(device, non_blocking=True)
     loss_mask = batch["loss_mask"].to(device, non_blocking=True)
     drafter = engine.module
     timers.start()
-    features = context_features(target, input_ids, drafter.target_layer_ids)
+    features = target_features(input_ids, drafter.target_layer_ids)
     features = add_feature_noise(features, noise, len(drafter.target_layer_ids),
                                  step_generator(cfg.run.seed, step, rank, 1 + micro, device))
     timers.lap("target")
@@ -220,25 +243,31 @@ def local_drafter(engine, target):
 
 
 @torch.no_grad()
-def evaluate(drafter, target, eval_set, eval_sampler, objective, cfg, rank, device, attention):
+def evaluate(drafter, target, target_features, eval_set, eval_sampler, objective, cfg, rank, device, attention):
     """Held-out loss, random-anchor metrics and replayed tau over up to eval_batches of this rank's
-    share of the held-out rows, on clean features."""
+    share of the held-out rows, on clean features. Ranks hold different numbers of batches; the members
+    of a tensor-parallel group run the target as often as the one with the most, passing None when out."""
     was_training = drafter.training
     drafter.eval()
     summed = defaultdict(lambda: 0)
     loader = make_loader(eval_set, eval_sampler, epoch=0, num_workers=0, prefetch_factor=2)
     with loader:
-        for i, batch in zip(range(cfg.train.eval_batches), loader):
-            input_ids, loss_mask = batch["input_ids"].to(device), batch["loss_mask"].to(device)
-            features = context_features(target, input_ids, drafter.target_layer_ids)
-            _, metrics = training_step(drafter, target, features, input_ids, loss_mask, objective,
-                                       step_generator(cfg.run.seed, i, rank, 7), attention)
-            metrics.update(replayed_tau(drafter, target, features, input_ids, loss_mask,
-                                        cfg.train.tau_budgets, attention,
-                                        blocks_per_forward=objective.anchors_per_batch or 2048,
-                                        chunk_bytes=objective.chunk_bytes))
-            for k, v in metrics.items():
-                summed[k] = summed[k] + v.float()
+        batches = list(itertools.islice(loader, cfg.train.eval_batches))
+    for i in range(target_features.most_in_group(len(batches))):
+        batch = batches[i] if i < len(batches) else None
+        input_ids = batch["input_ids"].to(device) if batch else None
+        features = target_features(input_ids, drafter.target_layer_ids)
+        if batch is None:
+            continue
+        loss_mask = batch["loss_mask"].to(device)
+        _, metrics = training_step(drafter, target, features, input_ids, loss_mask, objective,
+                                   step_generator(cfg.run.seed, i, rank, 7), attention)
+        metrics.update(replayed_tau(drafter, target, features, input_ids, loss_mask,
+                                    cfg.train.tau_budgets, attention,
+                                    blocks_per_forward=objective.anchors_per_batch or 2048,
+                                    chunk_bytes=objective.chunk_bytes))
+        for k, v in metrics.items():
+            summed[k] = summed[k] + v.float()
     drafter.train(was_training)
     if any_rank(not summed):  # a rank whose rows are all too long has nothing to add
         return {}
@@ -274,7 +303,10 @@ def main(argv=None):
     except LaunchError as error:
         sys.exit(f"launch error: {error}")
     try:
-        return train(cfg, rank, world_size, device)
+        with hold_run_directory(cfg.run.out_dir) as lock:  # one live run per run.out_dir, until this exits
+            if lock.note:
+                print(lock.note, file=sys.stderr, flush=True)
+            return train(cfg, rank, world_size, device)
     except USER_ERRORS as error:  # raised on every rank: say it once (or per rank when it differs)
         if rank == 0 or getattr(error, "per_rank", False):
             print(f"error: {error}", file=sys.stderr, flush=True)
@@ -291,7 +323,9 @@ def train(cfg, rank, world_size, device) -> int:
     if device.type == "cpu" and attention_kernel(cfg.objective.attention, device) != "dense":
         raise ConfigError(f"objective.attention={cfg.objective.attention}: flex_attention has no backward on "
                           "the CPU in this torch; train with dense there (auto)")
-    text_config = target_config(cfg.target.path, cfg.target.random)
+    model_config = target_model_config(cfg.target.path, cfg.target.random)
+    text_config = model_config.get_text_config()
+    check_tensor_parallel(model_config, cfg.target.tp_size, node_ranks(world_size), world_size)
     ds_config = engine_settings(cfg, world_size, device, dtype, text_config.hidden_size)
 
     train_set, eval_set = load_datasets(cfg.data, text_config.vocab_size, cfg.target.chat_template_kwargs)
@@ -320,7 +354,10 @@ def train(cfg, rank, world_size, device) -> int:
         notes += [f"removed {p}, a save cut short" for p in remove_partial_saves(cfg.run.out_dir)]
     dist.barrier()
 
-    target, tokenizer = build_target_and_tokenizer(cfg, device, dtype)
+    check_memory_plan(cfg, model_config, world_size, device, dtype, ds_config, rank)
+    tp_group = form_tp_group(cfg.target.tp_size)
+    target, tokenizer = build_target_and_tokenizer(cfg, device, dtype, tp_group)
+    target_features = TargetFeatures(target, tp_group, device)  # this rank's features, whatever the tp size
     drafter = build_drafter(cfg, target, tokenizer)
     generate_prompts = generation_prompts(cfg, tokenizer, eval_set)
     if generate_prompts and (refusal := continuation_refusal(target)):
@@ -380,8 +417,8 @@ def train(cfg, rank, world_size, device) -> int:
                         batch = next(loader)
                         window.data_wait += time.perf_counter() - t_wait
                         window.queue.append(loader.queue_depth())
-                        metrics = micro_step(engine, target, batch, objective, cfg, step, micro, rank, noise,
-                                             device, attention, window.timers)
+                        metrics = micro_step(engine, target, target_features, batch, objective, cfg, step,
+                                             micro, rank, noise, device, attention, window.timers)
                         window.add(metrics, batch)
                         state["micro_step_in_epoch"] += 1
                     window.timers.start()
@@ -415,8 +452,8 @@ def train(cfg, rank, world_size, device) -> int:
                     if evaluating or generating:  # one gather of a sharded drafter serves both
                         drafter_now = local_drafter(engine, target)
                         if evaluating:
-                            run_eval(drafter_now, target, eval_share, eval_sampler, objective, cfg, rank,
-                                     device, attention, step, log)
+                            run_eval(drafter_now, target, target_features, eval_share, eval_sampler, objective,
+                                     cfg, rank, device, attention, step, log)
                         if generating:
                             run_generation(drafter_now, target, generate_prompts, stops, cfg, rank, world_size,
                                            step, log)
@@ -433,8 +470,9 @@ def train(cfg, rank, world_size, device) -> int:
         log.close()
 
 
-def run_eval(drafter, target, eval_set, eval_sampler, objective, cfg, rank, device, attention, step, log):
-    metrics = evaluate(drafter, target, eval_set, eval_sampler, objective, cfg, rank, device, attention)
+def run_eval(drafter, target, target_features, eval_set, eval_sampler, objective, cfg, rank, device, attention,
+             step, log):
+    metrics = evaluate(drafter, target, target_features, eval_set, eval_sampler, objective, cfg, rank, device, attention)
     if not metrics:
         return
     log.log({"step": step, **metrics}, prefix="eval")

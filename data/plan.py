@@ -3,6 +3,7 @@
     python data/plan.py --lengths L.npy --cfg configs/v3.yaml --world-size 8 [--json plan.json] [key.sub=value ...]
     python data/plan.py --dataset DIR --cfg configs/v3.yaml --world-size 8
     python data/plan.py --cfg configs/v3.yaml --world-size 8            # the dataset at data.path
+    python data/plan.py --cfg configs/v3.yaml --world-size 8 --gpu-memory 80GB --memory-only target.tp_size=2
 
 Lengths come from a `.npy` array, a text file with one integer per line, or the `length` column of
 a dataset saved with save_to_disk (and its `group` column, when there is one). When data.eval_path is
@@ -11,6 +12,10 @@ are one group each). The epoch is cut to a multiple of optim.grad_accum, as trai
 the bucket table, padding efficiency, the longest same-bucket run, every sample left out by cause,
 a warning for samples over the token budget and a picture of the bucket sequence over the epoch;
 --json writes the statistics and, for every global step, the bucket id of each rank.
+
+--gpu-memory prints the per-GPU memory plan training prints at start-up (drafter/memory_plan.py: the
+target at target.tp_size, the drafter's state under the engine, activations) and, when it does not
+fit, the changes that would; --memory-only skips the dataset.
 """
 
 import argparse
@@ -21,6 +26,9 @@ from pathlib import Path
 import numpy as np
 from omegaconf import OmegaConf
 
+from drafter.config import Config
+from drafter.engine import deepspeed_config
+from drafter.memory_plan import GiB, fitting_changes, plan_inputs, plan_memory, target_model_config
 from drafter.sampler import BucketSampler, bucket_table, plan_notes, sampler_from_config, split_holdout
 
 SHADES = " .:-=+*#%@"  # share of a column's steps in a bucket, from none to all
@@ -94,6 +102,31 @@ def format_report(stats: dict, sampler: BucketSampler, step_buckets: np.ndarray,
     return "\n".join(lines)
 
 
+def parse_bytes(text: str) -> int:
+    """"80GB", "141GiB", "80" (GiB) -> bytes; GB counts as GiB, as GPU memory is quoted."""
+    number = text.upper().removesuffix("IB").removesuffix("B").removesuffix("G")
+    try:
+        return int(float(number) * GiB)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give GPU memory as e.g. 80GB") from None
+
+
+def memory_report(cfg, world_size: int, gpu_bytes: int, gpus_per_node: int) -> tuple[str, dict]:
+    """The plan training prints at start-up, on a GPU of `gpu_bytes` (bf16 unless target.dtype=fp32)."""
+    cfg = OmegaConf.merge(OmegaConf.structured(Config), cfg)
+    dtype_bytes = 4 if cfg.target.dtype in ("fp32", "float32") else 2
+    model_config = target_model_config(cfg.target.path, cfg.target.random)
+    ds = (deepspeed_config(cfg.train.ds_config, cfg, world_size, dtype_bytes == 2,
+                           model_config.get_text_config().hidden_size, on_cpu=False)
+          if cfg.train.engine == "deepspeed" else None)
+    plan = plan_memory(plan_inputs(cfg, model_config, world_size, ds, dtype_bytes))
+    lines = plan.lines(gpu_bytes)
+    if plan.total > gpu_bytes:
+        changes = fitting_changes(plan.inputs, gpu_bytes, node_ranks=min(world_size, gpus_per_node))
+        lines.append("does not fit; changes that fit: " + ("; ".join(changes) or "none alone, combine them"))
+    return "\n".join(lines), {"gpu": plan.gpu, "host": plan.host, "total": plan.total, "gpu_memory": gpu_bytes}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group()
@@ -103,10 +136,23 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--world-size", type=int, default=1)
     parser.add_argument("--epoch", type=int, default=0)
     parser.add_argument("--json", help="write the statistics and per-step bucket ids here")
+    parser.add_argument("--gpu-memory", type=parse_bytes, help="print the per-GPU memory plan for GPUs of this "
+                        "size, e.g. 80GB")
+    parser.add_argument("--memory-only", action="store_true", help="only the memory plan (no dataset needed)")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="the largest target.tp_size a change may suggest")
     parser.add_argument("overrides", nargs="*", help="OmegaConf dotlist overrides, e.g. data.tokens_per_batch=32768")
     args = parser.parse_args(argv)
 
     cfg = OmegaConf.merge(OmegaConf.load(args.cfg), OmegaConf.from_dotlist(args.overrides))
+    memory = None
+    if args.gpu_memory:
+        text, memory = memory_report(cfg, args.world_size, args.gpu_memory, args.gpus_per_node)
+        print(text)
+        if args.memory_only:
+            return {"memory": memory}
+        print()
+    elif args.memory_only:
+        parser.error("--memory-only needs --gpu-memory")
     data_cfg = cfg.data
     groups = None
     if args.lengths:
@@ -131,7 +177,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     first_samples = epoch_plan.samples[epoch_plan.offsets[:-1]]  # bucket of each rank's actual batch
     rank_buckets = sampler.sample_buckets[first_samples].reshape(len(epoch_plan), args.world_size)
-    plan = {**stats, "held_out": held_out, "steps": rank_buckets.tolist()}
+    plan = {**stats, "held_out": held_out, "steps": rank_buckets.tolist(), **({"memory": memory} if memory else {})}
     if args.json:
         Path(args.json).write_text(json.dumps(plan))
         print(f"\nwrote {args.json}")

@@ -25,6 +25,7 @@ class TargetConfig:
     path: Optional[str] = None     # HF hub id or local dir; null -> a random Qwen3 of `random` shape
     random: Optional[dict] = None  # drafter.target.random_qwen3 kwargs (tests, GPU check)
     dtype: str = "auto"            # auto: bf16 on GPU, fp32 on CPU
+    tp_size: int = 1               # ranks sharing one tensor-parallel copy (consecutive, within a node)
     chat_template_kwargs: dict = field(default_factory=lambda: {"enable_thinking": False})
 
 
@@ -182,7 +183,7 @@ CHOICES = {
     "train.engine": ("deepspeed", "fsdp"),
     "wandb.mode": (None, "online", "offline", "disabled"),
 }
-POSITIVE = ("drafter.num_layers", "objective.num_anchors", "objective.ddtree_budget", "optim.grad_accum",
+POSITIVE = ("target.tp_size", "drafter.num_layers", "objective.num_anchors", "objective.ddtree_budget", "optim.grad_accum",
             "data.max_length", "data.num_buckets", "data.tokens_per_batch", "data.max_run",
             "data.prefetch_factor", "train.epochs", "train.log_every", "train.save_every",
             "train.eval_every", "train.eval_batches", "train.keep_last", "train.max_bad_steps",
@@ -242,6 +243,11 @@ def validate(cfg) -> list[str]:
         problems.append(f"data.bucket_boundaries={list(bounds)} must be increasing positive lengths (or null)")
     if bounds is not None and bounds and bounds[-1] > cfg.data.max_length:
         problems.append(f"data.bucket_boundaries ends at {bounds[-1]} > data.max_length={cfg.data.max_length}")
+    if cfg.target.tp_size > 1 and cfg.train.generate_every:
+        problems.append(f"train.generate_every={cfg.train.generate_every}: generation during training decodes each "
+                        "rank's own prompts, which a tensor-parallel target (target.tp_size="
+                        f"{cfg.target.tp_size}) does not do yet; set train.generate_every=0 (the replayed tau of "
+                        "each eval still runs)")
     if not isinstance(cfg.train.resume, str) or not cfg.train.resume:
         problems.append("train.resume must be auto, never, force or a checkpoint directory")
     return problems

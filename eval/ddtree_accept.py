@@ -4,6 +4,7 @@
         [--bench gsm8k,math500=/data/math500,prompts.jsonl] [--budgets 16,32,64,128,256,512] \\
         [--temperature 0] [--max-new-tokens 2048] [--max-samples N] [--out results.json] [--save-samples]
     torchrun --nproc_per_node 8 eval/ddtree_accept.py ...        # prompts split over the ranks
+    torchrun --nproc_per_node 8 eval/ddtree_accept.py --tp 4 ... # a target sharded over 4 ranks: 2 copies
 
 Runs, on the same prompts: plain autoregressive decoding (`ar`), DFlash single-path verification
 (`dflash`) and DDTree at each budget (`ddtree@N`). The target and the chat settings come from the
@@ -19,6 +20,11 @@ one flat sequence (`drafter.decode.tree_verify_refusal`). There, at temperature 
 the exact DDTree tau of `ar`'s own greedy text, replayed under teacher forcing (`drafter.served`: the
 tree of N nodes built from the drafter's block at each step's anchor, walked along the text) and
 labelled `replayed`, with no timing; above temperature 0 those rows are left out.
+
+With --tp G, consecutive groups of G ranks each hold one copy of the target sharded by tensor
+parallelism (drafter/tensor_parallel.py); a group's members decode the same prompts in lockstep (the
+sharded forwards are collectives, and their outputs are the same on every member), the groups split
+the prompts, and each group's first rank reports.
 """
 import argparse
 import json
@@ -30,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 from drafter.benchmarks import load_prompts
 from drafter.chat import prompt_token_ids
@@ -38,7 +44,8 @@ from drafter.decode import SAMPLING, STAGES, generate, stop_token_ids, tree_veri
 from drafter.lossless import BF16_TIE_TOLERANCE, first_divergence, lossless_verdict, near_tie_share
 from drafter.model import load_drafter
 from drafter.served import replay_steps
-from drafter.target import context_features, load_target
+from drafter.target import context_features
+from drafter.tensor_parallel import TensorParallelError, check_tensor_parallel, form_tp_group, load_tp_target
 
 
 def parse_args(argv=None):
@@ -71,12 +78,16 @@ def parse_args(argv=None):
     parser.add_argument("--sync-stages", action="store_true",
                         help="synchronise CUDA around every stage so that stage times are exact")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tp", type=int, default=1, help="ranks that share one tensor-parallel copy of the "
+                        "target (torchrun; it must divide the ranks of a node)")
     args = parser.parse_args(argv)
     args.budgets = [int(b) for b in args.budgets.split(",") if b]
     if any(b < 1 for b in args.budgets):
         parser.error("--budgets must be positive integers")
     if args.max_samples is not None and args.max_samples < 1:
         parser.error("--max-samples must be >= 1")
+    if args.tp < 1:
+        parser.error("--tp must be >= 1")
     return args
 
 
@@ -89,6 +100,25 @@ def drafter_dir(ckpt: str) -> Path:
             return candidate
     raise FileNotFoundError(f"{ckpt}: no DFlashDraftModel (or DFlash2DraftModel) config.json here or in "
                             f"{ckpt}/drafter")
+
+
+def target_path_of(args) -> str:
+    """--target, or the target the drafter's config records."""
+    directory = drafter_dir(args.ckpt)
+    recorded = json.loads((directory / "config.json").read_text()).get("dflash_config", {}).get("target_path")
+    if not (args.target or recorded):
+        raise ValueError(f"{directory}/config.json records no dflash_config.target_path: pass --target")
+    return args.target or recorded
+
+
+def tensor_parallel_group(args, target_path: str, world: int, device: torch.device):
+    """This rank's group of --tp ranks, after checking that the target can be split so (before it loads)."""
+    try:
+        check_tensor_parallel(AutoConfig.from_pretrained(target_path), args.tp,
+                              int(os.environ.get("LOCAL_WORLD_SIZE", world)), world, key="--tp")
+    except TensorParallelError as error:
+        raise SystemExit(f"error: {error}") from None
+    return form_tp_group(args.tp, backend="nccl" if device.type == "cuda" else None)
 
 
 def setup_distributed(gather_timeout_minutes: float) -> tuple[int, int, torch.device]:
@@ -110,16 +140,14 @@ def setup_distributed(gather_timeout_minutes: float) -> tuple[int, int, torch.de
 class Evaluator:
     """The models and settings shared by every benchmark."""
 
-    def __init__(self, args, device: torch.device):
+    def __init__(self, args, device: torch.device, target_path: str, tp_group):
         dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
                  "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
         directory = drafter_dir(args.ckpt)
         self.drafter = load_drafter(directory, dtype=dtype).to(device).eval()
         recorded = self.drafter.config.dflash_config
-        self.target_path = args.target or recorded.get("target_path")
-        if not self.target_path:
-            raise ValueError(f"{directory}/config.json records no dflash_config.target_path: pass --target")
-        self.target = load_target(self.target_path, device, dtype)
+        self.target_path = target_path
+        self.target = load_tp_target(self.target_path, tp_group, device, dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(self.target_path)
         thinking = recorded.get("chat_template_kwargs", {}).get("enable_thinking", False)
         self.enable_thinking = thinking if args.enable_thinking is None else args.enable_thinking == "true"
@@ -180,13 +208,13 @@ class Evaluator:
                 self.generate(method, ids, min(16, self.args.max_new_tokens))
 
 
-def run_benchmark(evaluator: Evaluator, prompts, rank: int, world: int) -> dict[str, list[dict]]:
-    """Records per method for this rank's share of the prompts."""
-    shard = prompts[rank::world]
+def run_benchmark(evaluator: Evaluator, prompts, group_id: int, groups: int) -> dict[str, list[dict]]:
+    """Records per method for this rank's group's share of the prompts (a group: --tp ranks, or one)."""
+    shard = prompts[group_id::groups]
     records = {method: [] for method in evaluator.methods}
     if shard:
         evaluator.warm_up(shard[0])
-    for prompt in tqdm(shard, desc="prompts", disable=rank != 0, dynamic_ncols=True):
+    for prompt in tqdm(shard, desc="prompts", disable=group_id != 0, dynamic_ncols=True):
         for method in evaluator.methods:
             if evaluator.replays(method):
                 turns = [r for r in records["ar"] if r["source"] == prompt.source]
@@ -295,7 +323,7 @@ def report(records_by_bench: dict, args, evaluator: Evaluator, world: int) -> di
               "temperature": args.temperature, "sampling": args.sampling,
               "tie_tolerance": args.tie_tolerance, "max_new_tokens": args.max_new_tokens,
               "enable_thinking": evaluator.enable_thinking, "dtype": str(evaluator.dtype),
-              "device": str(evaluator.target.device), "world_size": world,
+              "device": str(evaluator.target.device), "world_size": world, "tp_size": args.tp,
               "block_size": evaluator.drafter.block_size, "tree_verify_refusal": evaluator.tree_refusal,
               "stage_times_synchronized":
               args.sync_stages or evaluator.target.device.type != "cuda"}
@@ -380,8 +408,11 @@ def save_plots(results: dict, out: Path) -> list[Path]:
 def main(argv=None) -> dict | None:
     args = parse_args(argv)
     rank, world, device = setup_distributed(args.gather_timeout)
-    torch.manual_seed(args.seed + rank)
-    evaluator = Evaluator(args, device)
+    target_path = target_path_of(args)
+    tp_group = tensor_parallel_group(args, target_path, world, device)
+    group_id, groups = rank // args.tp, world // args.tp
+    torch.manual_seed(args.seed + group_id)  # a group's members sample alike, in lockstep
+    evaluator = Evaluator(args, device, target_path, tp_group)
     prompt_sets = {}
     for spec in filter(None, args.bench.split(",")):
         name, prompts = load_prompts(spec, args.max_samples)
@@ -392,7 +423,8 @@ def main(argv=None) -> dict | None:
     for name, prompts in prompt_sets.items():
         if rank == 0:
             print(f"{name}: {len(prompts)} prompts, methods {', '.join(evaluator.methods)}", flush=True)
-        records[name] = run_benchmark(evaluator, prompts, rank, world)
+        ran = run_benchmark(evaluator, prompts, group_id, groups)
+        records[name] = ran if tp_group.index == 0 else {method: [] for method in ran}  # one report per group
     if world > 1:
         records = gather_records(records, world)
         dist.destroy_process_group()

@@ -12,6 +12,7 @@ from torch.distributed import distributed_c10d as dist_c10d
 from conftest import make_drafter
 from drafter.benchmarks import REASON_BOXED, load_jsonl, load_prompts
 from drafter.target import random_qwen3
+from drafter.tensor_parallel import form_tp_group
 from eval import ddtree_accept
 from tiny_tokenizer import save_tiny_tokenizer
 
@@ -86,8 +87,9 @@ def test_target_flag_overrides_the_recorded_target(checkpoint, tmp_path):
     drafter.save_pretrained(tmp_path / "drafter_only")
     args = ddtree_accept.parse_args(["--ckpt", str(tmp_path / "drafter_only"),
                                      "--target", str(checkpoint / "target"), "--budgets", "4"])
-    evaluator = ddtree_accept.Evaluator(args, ddtree_accept.torch.device("cpu"))
-    assert evaluator.target_path == str(checkpoint / "target")
+    target_path = ddtree_accept.target_path_of(args)
+    assert target_path == str(checkpoint / "target")
+    evaluator = ddtree_accept.Evaluator(args, ddtree_accept.torch.device("cpu"), target_path, form_tp_group(1))
     assert evaluator.enable_thinking is False and evaluator.methods == ["ar", "dflash", "ddtree@4"]
 
 
@@ -214,20 +216,22 @@ def test_ranks_gather_on_a_cpu_group_with_the_flag_s_timeout(monkeypatch):
 
 
 @pytest.mark.slow
-def test_two_ranks_gather_the_same_report(checkpoint, tmp_path):
+def test_two_ranks_gather_the_same_report_and_so_does_a_tp2_target(checkpoint, tmp_path):
     """torchrun with 2 ranks and uneven shares (3 prompts): rank 0 gathers every rank's records
-    once, in prompt order, and reports what one process reports."""
+    once, in prompt order, and reports what one process reports. With --tp 2 the two ranks hold one
+    sharded copy of the target and decode every prompt together: the same tokens, the same tau."""
     common = ["--ckpt", str(checkpoint / "ckpt"), "--bench", str(checkpoint / "prompts.jsonl"),
               "--budgets", "4", "--max-new-tokens", "8", "--save-samples"]
     single = ddtree_accept.main(common + ["--out", str(tmp_path / "single.json")])
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                    "eval/ddtree_accept.py", *common, "--out", str(tmp_path / "two.json")],
-                   check=True, env=env, capture_output=True)
-    two = json.loads((tmp_path / "two.json").read_text())
-    assert two["config"]["world_size"] == 2
-    for method, summary in single["benchmarks"]["prompts"]["methods"].items():
-        theirs = two["benchmarks"]["prompts"]["methods"][method]
-        assert [(s["source"], s["turn"], s["output_ids"]) for s in theirs["samples"]] == [
-            (s["source"], s["turn"], s["output_ids"]) for s in summary["samples"]]
-        assert theirs["lossless"] == "yes"
+    for tp in (1, 2):
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                        "eval/ddtree_accept.py", *common, "--tp", str(tp), "--out", str(tmp_path / f"tp{tp}.json")],
+                       check=True, env=env, capture_output=True)
+        two = json.loads((tmp_path / f"tp{tp}.json").read_text())
+        assert two["config"]["world_size"] == 2 and two["config"]["tp_size"] == tp
+        for method, summary in single["benchmarks"]["prompts"]["methods"].items():
+            theirs = two["benchmarks"]["prompts"]["methods"][method]
+            assert [(s["source"], s["turn"], s["output_ids"], s["acceptance_lengths"]) for s in theirs["samples"]] == [
+                (s["source"], s["turn"], s["output_ids"], s["acceptance_lengths"]) for s in summary["samples"]]
+            assert theirs["lossless"] == "yes" and theirs["tau"] == summary["tau"]

@@ -18,7 +18,8 @@ import torch
 from drafter.config import ConfigError, load_config, lr_factor, noise_std
 from drafter.engine import EngineConfigError, deepspeed_config
 from drafter.launch import LaunchError, expand_hostlist, launcher_environment, slurm_environment
-from runs import REPO, kill_job, launch, records, run_to_end, train_losses, wait_for_step, write_run
+from drafter.run_lock import RunDirectoryBusy, acquire
+from runs import REPO, descendants, kill_job, launch, records, run_to_end, train_losses, wait_for_step, write_run
 
 
 def assert_loadable_by_public_dflash(ckpt: Path):
@@ -45,6 +46,7 @@ def test_two_rank_run_learns_logs_and_exports(reference_run):
     losses = [r["loss"] for r in train]
     assert np.mean(losses[-4:]) < 0.8 * np.mean(losses[:4])
     assert "step=24 loss=" in out  # the console line
+    assert "memory plan per GPU (target.tp_size=1, 2 ranks, ZeRO-2)" in out and "target weights" in out
     for cause in ("skipped (too long)", "dropped (ranks)", "cut (accumulation)"):  # the start-up plan
         assert cause in out, cause
     checkpoints = run / "checkpoints"
@@ -80,7 +82,10 @@ def test_sigkill_then_resume_reproduces_the_uninterrupted_losses(reference_run, 
     out_dir = tmp_path / "killed"
     proc = launch(cfg, f"run.out_dir={out_dir}")
     wait_for_step(out_dir, 14, proc)
-    kill_job(proc, signal.SIGKILL)
+    with pytest.raises(RunDirectoryBusy) as busy:  # the live run holds its directory...
+        acquire(str(out_dir))
+    assert int(re.search(r"pid (\d+)", str(busy.value)).group(1)) in descendants(proc.pid)
+    kill_job(proc, signal.SIGKILL)  # ...and, killed, leaves nothing that blocks the resume below
     proc.wait()
     assert not (out_dir / "checkpoints" / "step_24").exists()
     logged_before = [r["step"] for r in records(out_dir)]

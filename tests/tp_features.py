@@ -1,0 +1,58 @@
+"""Run under torchrun (CPU, gloo) by test_tensor_parallel.py: every rank holds its own batch (its own
+shape), computes its features through a target sharded over the world (a dense Qwen3 and a Qwen3-MoE)
+and through the whole target, and writes the difference and its weight bytes to <out>/rank<r>.json."""
+import copy
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from drafter.target import context_features, freeze, random_qwen3
+from drafter.tensor_parallel import TargetFeatures, form_tp_group, shard_target
+
+WIDTHS = dict(vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, intermediate_size=128)
+LAYERS = [0, 2]
+
+
+def random_moe():
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(**WIDTHS, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                            mlp_only_layers=[1], attn_implementation="sdpa", tie_word_embeddings=False)
+    return freeze(Qwen3MoeForCausalLM(config))
+
+
+def weight_bytes(target) -> int:
+    return sum(p.numel() * p.element_size() for p in target.get_decoder().layers.parameters())
+
+
+def main(out_dir: str):
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    group = form_tp_group(dist.get_world_size())
+    shape = [(2, 24), (3, 17)][rank]  # different batches, different shapes
+    ids = torch.randint(0, 256, shape, generator=torch.Generator().manual_seed(rank))
+    report = {}
+    dense = random_qwen3(initializer_range=0.3, attention_bias=True, **WIDTHS)  # a row-parallel bias too
+    for param in (p for n, p in sorted(dense.named_parameters()) if n.endswith("bias")):  # initialised to 0
+        param.data = torch.randn(param.shape, generator=torch.Generator().manual_seed(1))
+    for name, whole in (("dense", dense), ("moe", random_moe())):
+        sharded = shard_target(copy.deepcopy(whole), group)
+        features = TargetFeatures(sharded, group, torch.device("cpu"))
+        expected = context_features(whole, ids, LAYERS)
+        got = features(ids, LAYERS)
+        alone = features(ids if rank == 0 else None, LAYERS)  # rank 1 has no batch this time
+        report[name] = {"max_diff": (got - expected).abs().max().item(), "scale": expected.abs().max().item(),
+                        "alone_diff": (alone - expected).abs().max().item() if rank == 0 else None,
+                        "alone_is_none": alone is None, "whole_layer_bytes": weight_bytes(whole),
+                        "sharded_layer_bytes": weight_bytes(sharded)}
+    with open(f"{out_dir}/rank{rank}.json", "w") as f:
+        json.dump(report, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
