@@ -171,8 +171,8 @@ class DeepSpeedEngine:
 
 class FSDPEngine:
     """`fully_shard` on every decoder layer (and DFlash2's selector), then the root (fc, hidden_norm,
-    norm); AdamW; gradients
-    reduced once per optimizer step; bf16 compute with fp32 reduction when training in bf16."""
+    norm); AdamW; gradients reduced once per optimizer step; bf16 compute with fp32 reduction when
+    training in bf16."""
 
     def __init__(self, drafter: nn.Module, cfg, device: torch.device, bf16: bool):
         from torch.distributed.device_mesh import init_device_mesh

@@ -10,8 +10,8 @@ at every response position p (the training forward: the block sees the target's 
 positions < p); `anchor_acceptance` turns each block into the drafted tokens a verify at p would
 accept when the target's tokens are the text's: for `dflash` the leading slots where the drafter's
 path (its argmax; a DFlash2 drafter's selector chain, each slot's predecessor the text's token, which
-is the served chain while every pick is right) is the text's token, for `ddtree@B` the depth reached by walking the best-first tree of B
-nodes (built from the block's marginals) along the text. Then serving is replayed as
+is the served chain while every pick is right) is the text's token, for `ddtree@B` the depth reached
+by walking the best-first tree of B nodes (built from the block's marginals) along the text. Then serving is replayed as
 `drafter.decode.generate` runs it, once per response, i.e. per maximal run [s, e) of supervised
 positions (one assistant turn; every turn is a response, as eval/ddtree_accept.py counts turns):
 the prefill yields token s, so the first step's anchor is p = s; a step at p commits
