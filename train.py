@@ -34,7 +34,8 @@ from drafter.engine import DeepSpeedEngine, EngineConfigError, FSDPEngine, deeps
 from drafter.decode import stop_token_ids
 from drafter.launch import LaunchError, init_distributed
 from drafter.memory_plan import MemoryPlanError, check_fits, plan_inputs, plan_memory, target_model_config
-from drafter.model import DFlashDraftModel, drafter_config, drafter_from_state_dict, resolve_mask_token_id
+from drafter.model import (drafter_class, drafter_config, drafter_from_state_dict, drafter_variant, load_drafter,
+                           resolve_mask_token_id)
 from drafter.objective import ObjectiveConfig, attention_kernel, finalize_metrics, training_step
 from drafter.run_lock import RunDirectoryBusy, hold_run_directory
 from drafter.sampler import bucket_table, held_out_share, make_loader, plan_notes, sampler_from_config
@@ -79,7 +80,7 @@ def build_target_and_tokenizer(cfg, device, dtype, tp_group):
 def build_drafter(cfg, target, tokenizer):
     """fp32 weights (the engines keep fp32 masters and compute in the training dtype)."""
     if cfg.drafter.init_from:
-        return DFlashDraftModel.from_pretrained(cfg.drafter.init_from, dtype=torch.float32)
+        return load_drafter(cfg.drafter.init_from, dtype=torch.float32)
     mask_token_id = cfg.drafter.mask_token_id
     if mask_token_id is None:
         if tokenizer is None:
@@ -88,10 +89,11 @@ def build_drafter(cfg, target, tokenizer):
     config = drafter_config(target.config, num_layers=cfg.drafter.num_layers,
                             block_size=cfg.drafter.block_size, mask_token_id=mask_token_id,
                             target_layer_ids=cfg.drafter.target_layer_ids,
+                            variant=drafter_variant(cfg.drafter),
                             input_embedding_scale=input_embedding_scale(target), target_path=cfg.target.path,
                             chat_template_kwargs=dict(cfg.target.chat_template_kwargs))
     torch.manual_seed(cfg.run.seed)  # same initial weights on every rank
-    return DFlashDraftModel(config)
+    return drafter_class(config)(config)
 
 
 def engine_settings(cfg, world_size, device, dtype, hidden_size):
@@ -380,7 +382,8 @@ def train(cfg, rank, world_size, device) -> int:
                                 anchors_per_batch=cfg.objective.anchors_per_batch,
                                 labels=cfg.objective.labels, loss=cfg.objective.loss,
                                 position_weights=cfg.objective.position_weights,
-                                weight_smoothing=cfg.objective.weight_smoothing, logit_softcap=logit_softcap(target))
+                                weight_smoothing=cfg.objective.weight_smoothing, logit_softcap=logit_softcap(target),
+                                selector_alpha=cfg.objective.selector_alpha)
     engine = build_engine(cfg, drafter, device, dtype, ds_config)
 
     state = {"step": 0, "epoch": 0, "micro_step_in_epoch": 0, "skipped_steps": 0, "wandb_id": None,

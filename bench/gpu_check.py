@@ -434,6 +434,10 @@ class ReplayDrafter:
                     proposal[0, k, (true + 1) % logits.shape[-1]] = 6.0
         return proposal
 
+    def draft_chain(self, target, ctx_features, block_ids, cache):
+        """DFlash's path through the replaced logits: their argmax."""
+        return self.draft_logits(target, ctx_features, block_ids, cache).argmax(-1)
+
 
 def check_lossless(target, drafter, device, run) -> dict:
     """Greedy ddtree and dflash against `ar` in bf16 (a bf16 copy on the CPU), drafting the `ar`

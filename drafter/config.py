@@ -36,6 +36,15 @@ class DrafterConfig:
     target_layer_ids: Optional[list[int]] = None  # null: evenly spaced from 1 to L-3
     mask_token_id: Optional[int] = None           # null: the tokenizer's mask token (added if absent)
     init_from: Optional[str] = None               # an exported drafter/ dir to start from
+    # Variants (README "Drafter variants"; written to the export as dflash 0.1.0 reads them):
+    layer_types: Optional[list[str]] = None       # one per layer: full_attention | sliding_attention; null: all full
+    sliding_window: Optional[int] = None          # positions a sliding layer sees, the query's own and block ones included
+    causal: Optional[bool] = None                 # null: sliding layers causal in the block, full ones not; true/false: all
+    arch: str = "dflash"                          # dflash | dflash2 (convolutions + candidate selector)
+    conv_kernel_size: int = 2                     # dflash2: taps of the block convolutions
+    conv_group_size: int = 16                     # dflash2: channels sharing one dynamic tap (divides hidden)
+    selector_rank: int = 256                      # dflash2: rank of the selector's pair score
+    selector_top_k: int = 16                      # dflash2: candidates the selector re-ranks per slot
 
 
 @dataclass
@@ -51,6 +60,7 @@ class ObjectiveSection:
     loss: str = "ce"               # ce | kl (forward KL to the target's distribution; needs labels=target)
     position_weights: str = "exp"  # exp: exp(-(k-1)/gamma) | dpace | tree (drafter/distill.py)
     weight_smoothing: float = 0.5  # a of the dpace and tree weights
+    selector_alpha: float = 1.0    # dflash2: loss = block loss + alpha x the selector's K-way CE
 
 
 @dataclass
@@ -191,7 +201,7 @@ POSITIVE = ("target.tp_size", "drafter.num_layers", "objective.num_anchors", "ob
             "train.generate_max_prompts", "train.generate_max_new_tokens")
 POSITIVE_OR_NULL = ("objective.anchors_per_batch", "objective.gamma", "train.max_steps", "train.schedule_steps",
                     "train.threads_per_rank")
-NON_NEGATIVE = ("run.seed", "objective.ddtree_blocks", "optim.weight_decay", "optim.grad_clip", "train.generate_every",
+NON_NEGATIVE = ("run.seed", "objective.ddtree_blocks", "objective.selector_alpha", "optim.weight_decay", "optim.grad_clip", "train.generate_every",
                 "noise.start", "noise.end", "noise.warmup_steps", "data.num_workers", "data.seed")
 FRACTIONS = ("optim.warmup_ratio", "optim.min_lr_ratio", "objective.weight_smoothing")  # in [0, 1]
 
@@ -242,6 +252,8 @@ def validate(cfg) -> list[str]:
     layer_ids = cfg.drafter.target_layer_ids
     if layer_ids is not None and (not layer_ids or min(layer_ids) < 0 or len(set(layer_ids)) != len(layer_ids)):
         problems.append(f"drafter.target_layer_ids={list(layer_ids)} must be distinct layer indices >= 0 (or null)")
+    from drafter.model import drafter_variant
+    problems += [f"drafter.{problem}" for problem in drafter_variant(cfg.drafter).problems(cfg.drafter.num_layers)]
     if not cfg.train.tau_budgets or min(cfg.train.tau_budgets) < 1:
         problems.append(f"train.tau_budgets={list(cfg.train.tau_budgets)} must be tree budgets >= 1")
     bounds = cfg.data.bucket_boundaries

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from drafter.ddtree import build_tree, committed_tokens, follow_tree, tree_verify_inputs
-from drafter.model import DraftCache
+from drafter.model import DFlash2DraftModel, DraftCache
 from drafter.target import TargetError, feature_tap, model_type
 from drafter.target_cache import TargetCache, probe_decoding
 
@@ -131,20 +131,25 @@ class _Steps:
         with self.timer("commit"):
             return [self.next_token(out.logits[0, -1])], None
 
-    def draft(self, root: int, block_size: int, context):
+    def block(self, root: int, block_size: int) -> torch.Tensor:
         block = torch.full((1, block_size), self.drafter.mask_token_id, device=self.target.device)
         block[0, 0] = root
+        return block
+
+    def draft(self, root: int, block_size: int, context):
+        block = self.block(root, block_size)
         return block, self.drafter.draft_logits(self.target, context, block, self.draft_cache)[0]
 
     def dflash(self, root: int, start: int, context):
         verify_size = min(self.drafter.block_size, self.max_length - start)  # as the public loop
         with self.timer("draft"):
-            block, logits = self.draft(root, verify_size, context)
             if self.rejection:
+                block, logits = self.draft(root, verify_size, context)
                 draft_probs = torch.softmax(logits / self.temperature, dim=-1)
                 block[0, 1:] = torch.multinomial(draft_probs, 1)[:, 0]
-            else:
-                block[0, 1:] = logits.argmax(-1)
+            else:  # the drafter's path: its argmax, or a DFlash2 drafter's selector chain
+                block = self.block(root, verify_size)
+                block[0, 1:] = self.drafter.draft_chain(self.target, context, block, self.draft_cache)[0]
         with self.timer("verify"):
             recurrent = self.cache.snapshot()
             out = self.cache.forward(block)
@@ -208,6 +213,9 @@ class DecodeSettings:
             raise ValueError(f"method {self.method!r} needs a drafter")
         if self.method == "ddtree" and (self.budget is None or self.budget < 1):
             raise ValueError("ddtree needs a tree budget >= 1")
+        if self.sampling == "rejection" and isinstance(drafter, DFlash2DraftModel):
+            raise ValueError("a DFlash2 drafter drafts its selector chain, not samples of its marginals: "
+                             "rejection sampling is not supported for it (use sampling='match')")
 
 
 class TreeVerifyUnsupported(TargetError):
@@ -226,7 +234,8 @@ def generate(target, prompt_ids: torch.Tensor, max_new_tokens: int, stop_token_i
              sampling: str = "match", synchronize_stages: bool = False,
              tree_backend: str = "auto") -> Generation:
     """Generate after `prompt_ids` [1, n] with `method` ("ar", "dflash", or "ddtree" with `budget`
-    tree nodes); `drafter` is a DFlashDraftModel for the speculative methods. `sampling` ("match"
+    tree nodes); `drafter` is a DFlashDraftModel (or DFlash2DraftModel: `dflash` walks its selector
+    chain, `ddtree` builds the tree from its marginals) for the speculative methods. `sampling` ("match"
     or, for dflash, "rejection") is how drafted tokens are accepted at temperature > 0. `ddtree` on a
     target with conv or recurrent layers raises TreeVerifyUnsupported before any work."""
     settings = DecodeSettings(method, budget, temperature, sampling, tree_backend)

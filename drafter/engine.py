@@ -194,9 +194,9 @@ class DeepSpeedEngine:
 # ---------------------------------------------------------------------------------------------
 
 class FSDPEngine:
-    """`fully_shard` on every decoder layer, then the root (fc, hidden_norm, norm); AdamW, or Muon and
-    AdamW (`build_optimizers`); gradients reduced once per optimizer step; bf16 compute with fp32
-    reduction when training in bf16."""
+    """`fully_shard` on every decoder layer (and DFlash2's selector), then the root (fc, hidden_norm,
+    norm); AdamW, or Muon and AdamW (`build_optimizers`); gradients reduced once per optimizer step;
+    bf16 compute with fp32 reduction when training in bf16."""
 
     def __init__(self, drafter: nn.Module, cfg, device: torch.device, bf16: bool):
         from torch.distributed.device_mesh import init_device_mesh
@@ -215,6 +215,8 @@ class FSDPEngine:
             offload_policy=CPUOffloadPolicy() if cfg.fsdp.cpu_offload else OffloadPolicy())
         for layer in drafter.layers:
             fully_shard(layer, **shard)
+        if hasattr(drafter, "candidate_selector"):  # DFlash2: called on its own after the forward
+            fully_shard(drafter.candidate_selector, **shard)
         fully_shard(drafter, **shard)
         self.module = drafter
         self.sharded = True

@@ -175,13 +175,14 @@ def target_model_config(path: str | None, random: dict | None):
 
 def plan_inputs(cfg, model_config, world_size: int, ds_config: dict | None, dtype_bytes: int) -> PlanInputs:
     """The plan's inputs from the run config, the target's (full) config and the DeepSpeed JSON."""
-    from drafter.model import DFlashDraftModel, drafter_config
+    from drafter.model import drafter_class, drafter_config, drafter_variant
     from drafter.objective import ObjectiveConfig
     from drafter.tensor_parallel import planned_split
 
     text = model_config.get_text_config()
     draft = drafter_config(text, num_layers=cfg.drafter.num_layers, block_size=cfg.drafter.block_size,
-                           mask_token_id=0, target_layer_ids=cfg.drafter.target_layer_ids)
+                           mask_token_id=0, target_layer_ids=cfg.drafter.target_layer_ids,
+                           variant=drafter_variant(cfg.drafter))
     zero = (ds_config or {}).get("zero_optimization", {})
     offloaded = lambda key: zero.get(key, {}).get("device", "none") not in ("none", None)  # noqa: E731
     fsdp_offload = cfg.train.engine == "fsdp" and cfg.fsdp.cpu_offload
@@ -191,7 +192,7 @@ def plan_inputs(cfg, model_config, world_size: int, ds_config: dict | None, dtyp
         target_params=count_parameters(target),
         target_split_params=sum(param.numel() for param, _ in planned_split(target)[0]),
         dtype_bytes=dtype_bytes, tp_size=cfg.target.tp_size,
-        drafter_params=count_parameters(on_meta(draft, DFlashDraftModel)), world_size=world_size,
+        drafter_params=count_parameters(on_meta(draft, drafter_class(draft))), world_size=world_size,
         engine=cfg.train.engine, zero_stage=zero.get("stage") if cfg.train.engine == "deepspeed" else None,
         offload_optimizer=fsdp_offload or offloaded("offload_optimizer"),
         offload_params=fsdp_offload or offloaded("offload_param"),

@@ -7,6 +7,12 @@ Data flow (one forward):
     (KV injection); the context never passes through an MLP.
     final norm --> the target's LM head (frozen, not ours) --> logits.
 
+Variants (DESIGN.md contract 11, config `drafter.*`): a layer is `full_attention` or
+`sliding_attention` (`layer_types`, `sliding_window`), causal inside the block or not (`causal`);
+`LayerAttention` says which keys each layer's block queries see, exactly as `dflash` 0.1.0 reads
+the exported config. `DFlash2DraftModel` (`arch: dflash2`) adds a `DynamicBlockConv` around every
+sublayer and a `CandidateSelector` whose chain (`draft_chain`) is the single path it drafts.
+
 The same `forward` serves training (all anchors' blocks of a sequence at once, ctx = the whole
 sequence, a block mask) and inference (one block, ctx = new context positions appended to a
 `DraftCache`, no mask). Weight names and config follow the public `dflash` format, so
@@ -21,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import Qwen3Config
+from transformers import initialization as init
 from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3MLP, Qwen3PreTrainedModel, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half)
 
@@ -88,10 +95,101 @@ def drafter_widths(text_config) -> dict:
             "rope_parameters": drafter_rope(text_config)}
 
 
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclass(frozen=True)
+class DrafterVariant:
+    """What tells the drafter variants apart (config keys `drafter.*`, README "Drafter variants").
+
+    layer_types: one of LAYER_TYPES per draft layer (None: all full_attention).
+    sliding_window: the window of the sliding layers, in positions, the query's own included.
+    causal: None is the public default (sliding layers causal inside the block, full layers
+        bidirectional); True / False makes every layer causal / bidirectional (`is_causal`).
+    arch: "dflash" or "dflash2" (DFlash2DraftModel); the conv_* and selector_* settings are
+        DFlash2's: the convolution's taps and channel group, the selector's rank and candidates.
+    """
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None
+    causal: bool | None = None
+    arch: str = "dflash"
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+
+    def problems(self, num_layers: int) -> list[str]:
+        """What is wrong with this variant for a drafter of `num_layers` layers, each naming its key."""
+        problems = []
+        types = self.layer_types
+        if types is not None and len(types) != num_layers:
+            problems.append(f"layer_types has {len(types)} entries for {num_layers} draft layers "
+                            "(one per layer)")
+        if types is not None and not set(types) <= set(LAYER_TYPES):
+            problems.append(f"layer_types {list(types)}: each entry must be one of {', '.join(LAYER_TYPES)}")
+        sliding = types is not None and "sliding_attention" in types
+        if sliding and self.sliding_window is None:
+            problems.append("sliding_window must be set for sliding_attention layers")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            problems.append(f"sliding_window={self.sliding_window} must be >= 1 (the query itself)")
+        if self.sliding_window is not None and not sliding:
+            problems.append(f"sliding_window={self.sliding_window} is set but no layer_types entry is "
+                            "sliding_attention")
+        if self.arch not in ARCHITECTURES:
+            problems.append(f"arch={self.arch!r} is not one of {', '.join(ARCHITECTURES)}")
+        for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            if getattr(self, key) < 1:
+                problems.append(f"{key}={getattr(self, key)} must be >= 1")
+        return problems
+
+    def width_problems(self, hidden_size: int, vocab_size: int, block_size: int) -> list[str]:
+        """What DFlash2's settings cannot do with the target's widths and the block size."""
+        if self.arch != "dflash2":
+            return []
+        problems = []
+        if hidden_size % self.conv_group_size:
+            problems.append(f"conv_group_size={self.conv_group_size} does not divide the hidden size "
+                            f"{hidden_size} (the convolution's channel groups)")
+        if self.selector_top_k > vocab_size:
+            problems.append(f"selector_top_k={self.selector_top_k} exceeds the vocabulary ({vocab_size})")
+        if self.conv_kernel_size > block_size:
+            problems.append(f"conv_kernel_size={self.conv_kernel_size} exceeds block_size={block_size}: "
+                            "taps past the block's start see only zeros")
+        return problems
+
+    def config_fields(self, num_layers: int) -> dict:
+        """The Qwen3Config fields that `dflash` 0.1.0 reads for this variant."""
+        types = list(self.layer_types or ["full_attention"] * num_layers)
+        sliding = "sliding_attention" in types
+        fields = {"layer_types": types, "use_sliding_window": sliding,
+                  "sliding_window": self.sliding_window if sliding else None}
+        if self.causal is not None:
+            fields["is_causal"] = bool(self.causal)
+        return fields
+
+    def dflash_config_fields(self) -> dict:
+        """The `dflash_config` entries (and architecture) `dflash` 0.1.0 reads for this variant."""
+        if self.arch != "dflash2":
+            return {}
+        return {"conv_kernel_size": self.conv_kernel_size, "conv_group_size": self.conv_group_size,
+                "selector_rank": self.selector_rank, "selector_top_k": self.selector_top_k}
+
+
+def drafter_variant(drafter_section) -> DrafterVariant:
+    """The DrafterVariant of the config's `drafter` section (drafter.config.DrafterConfig)."""
+    types = drafter_section.layer_types
+    return DrafterVariant(layer_types=None if types is None else tuple(types),
+                          sliding_window=drafter_section.sliding_window, causal=drafter_section.causal,
+                          arch=drafter_section.arch, conv_kernel_size=drafter_section.conv_kernel_size,
+                          conv_group_size=drafter_section.conv_group_size,
+                          selector_rank=drafter_section.selector_rank,
+                          selector_top_k=drafter_section.selector_top_k)
+
+
 def drafter_config(target_config, *, num_layers: int, block_size: int, mask_token_id: int,
                    target_layer_ids: list[int] | None = None, input_embedding_scale: float = 1.0,
-                   **record) -> Qwen3Config:
-    """A drafter config for any HF causal-LM target config (`drafter_widths`).
+                   variant: DrafterVariant = DrafterVariant(), **record) -> Qwen3Config:
+    """A drafter config for any HF causal-LM target config (`drafter_widths`), of `variant`.
 
     `input_embedding_scale` is the target's embedding scale (`target.input_embedding_scale`): the
     block is embedded as raw embedding rows times it, at training and serving time alike. The
@@ -101,6 +199,10 @@ def drafter_config(target_config, *, num_layers: int, block_size: int, mask_toke
     so that a checkpoint can be evaluated without flags.
     """
     text_config = target_config.get_text_config()
+    problems = variant.problems(num_layers) + variant.width_problems(
+        text_config.hidden_size, text_config.vocab_size, block_size)
+    if problems:
+        raise ValueError("; ".join(problems))
     num_target_layers = text_config.num_hidden_layers
     if target_layer_ids is None:
         target_layer_ids = default_target_layer_ids(num_target_layers, num_layers)
@@ -111,11 +213,12 @@ def drafter_config(target_config, *, num_layers: int, block_size: int, mask_toke
                          f"(vocab_size {text_config.vocab_size})")
     return Qwen3Config(
         **drafter_widths(text_config), num_hidden_layers=num_layers, num_target_layers=num_target_layers,
-        block_size=block_size, tie_word_embeddings=False, use_sliding_window=False,
-        architectures=["DFlashDraftModel"],
+        block_size=block_size, tie_word_embeddings=False, **variant.config_fields(num_layers),
+        architectures=["DFlash2DraftModel" if variant.arch == "dflash2" else "DFlashDraftModel"],
         dflash_config={"target_layer_ids": target_layer_ids, "mask_token_id": int(mask_token_id),
                        "input_embedding_scale": float(input_embedding_scale),
-                       "target_model_type": getattr(text_config, "model_type", None), **record})
+                       "target_model_type": getattr(text_config, "model_type", None),
+                       **variant.dflash_config_fields(), **record})
 
 
 def resolve_mask_token_id(tokenizer, target_vocab_size: int) -> int:
@@ -133,8 +236,97 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
 
+@dataclass
+class VisibleKeys:
+    """The keys each block query sees, as two index intervals [b, Q] each into keys ordered
+    [context (T) || blocks (A*B)]: [ctx_start, ctx_end) of the context and [block_start, block_end)
+    of its own block. Intervals, not an offset rule, so that the compiled flex kernel gets a mask of
+    gathers and comparisons only (an offset rule failed to compile in inductor's CPU flex template)."""
+    ctx_start: torch.Tensor
+    ctx_end: torch.Tensor
+    block_start: torch.Tensor
+    block_end: torch.Tensor
+
+    @staticmethod
+    def _contain(kv, ctx_start, ctx_end, block_start, block_end):
+        return ((kv >= ctx_start) & (kv < ctx_end)) | ((kv >= block_start) & (kv < block_end))
+
+    def dense(self, num_keys: int) -> torch.Tensor:
+        """Bool [b, 1, Q, num_keys]."""
+        kv = torch.arange(num_keys, device=self.ctx_end.device)
+        bounds = (self.ctx_start, self.ctx_end, self.block_start, self.block_end)
+        return self._contain(kv, *(x[..., None] for x in bounds))[:, None]
+
+    def mask_mod(self):
+        """The same mask as a flex_attention mask_mod."""
+        # Closure locals, gathered one by one: read through `self` or a generator expression, the
+        # mask miscompiled in inductor's CPU flex template (torch 2.13).
+        ctx_start, ctx_end, block_start, block_end = self.ctx_start, self.ctx_end, self.block_start, self.block_end
+
+        def mask_mod(batch, head, q, kv):
+            return self._contain(kv, ctx_start[batch, q], ctx_end[batch, q], block_start[batch, q],
+                                 block_end[batch, q])
+        return mask_mod
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """Which keys a draft layer's block queries see, as `dflash` 0.1.0 reads its config. DFlash: the
+    context before the anchor and the whole own block. A sliding layer sees only keys fewer than
+    `window` positions before the query (its own position included; block positions count, as the
+    public class counts them) and, when not causal, fewer than `window` after it; a causal layer sees
+    no later slot of its block."""
+    window: int | None = None
+    causal: bool = False
+
+    @property
+    def restricts(self) -> bool:
+        return self.causal or self.window is not None
+
+    def visible_keys(self, anchors: torch.Tensor, seq_len: int, block_size: int) -> VisibleKeys:
+        """For blocks at `anchors` [b, A] over a context of `seq_len` positions (keys [context ||
+        A blocks of block_size])."""
+        b, num_blocks = anchors.shape
+        query = torch.arange(num_blocks * block_size, device=anchors.device)
+        slot, block = query % block_size, query // block_size
+        anchor = anchors[:, block]
+        ctx_start, first, end = torch.zeros_like(anchor), torch.zeros_like(slot), torch.full_like(slot, block_size)
+        if self.window is not None:
+            ctx_start = (anchor + slot - self.window + 1).clamp(min=0)
+            first = (slot - self.window + 1).clamp(min=0)
+        if self.causal:
+            end = slot + 1
+        elif self.window is not None:
+            end = (slot + self.window).clamp(max=block_size)
+        block_keys = seq_len + block * block_size
+        return VisibleKeys(ctx_start, anchor, (block_keys + first).expand(b, -1), (block_keys + end).expand(b, -1))
+
+    def inference_mask(self, ctx_len: int, block_len: int, device) -> torch.Tensor | None:
+        """Bool [1, 1, block_len, ctx_len + block_len] over keys [context 0..ctx_len-1 || block] for
+        one block at positions ctx_len.., or None where every key is visible."""
+        if not self.restricts:
+            return None
+        anchor = torch.full((1, 1), ctx_len, device=device)
+        return self.visible_keys(anchor, ctx_len, block_len).dense(ctx_len + block_len)
+
+
+def layer_attention(config: Qwen3Config) -> list[LayerAttention]:
+    """Each draft layer's LayerAttention, read from the config as `dflash` 0.1.0 reads it: a
+    `sliding_attention` layer slides over `sliding_window` positions and is causal, a
+    `full_attention` layer neither, unless `is_causal` (every layer) says otherwise."""
+    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    is_causal = getattr(config, "is_causal", None)
+    attention = []
+    for layer_type in types:
+        sliding = layer_type == "sliding_attention"
+        attention.append(LayerAttention(config.sliding_window if sliding else None,
+                                        sliding if is_causal is None else bool(is_causal)))
+    return attention
+
+
 class DraftCache:
-    """Per-layer K/V of the context only: block entries are never stored, so no crop is needed."""
+    """Per-layer K/V of the context only: block entries are never stored, so no crop is needed.
+    Sliding layers keep their whole context too (their masks drop what lies outside the window)."""
 
     def __init__(self):
         self.keys: list[torch.Tensor] = []
@@ -193,6 +385,18 @@ def attend(q, k, v, mask):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
+@dataclass
+class LayerInputs:
+    """What every draft layer of one forward shares: the fused context states [b, n, H] and rotary
+    tables of context and blocks, the cache (inference) and the block length (blocks lie back to
+    back along the query axis)."""
+    ctx: torch.Tensor
+    block_rope: tuple[torch.Tensor, torch.Tensor]
+    ctx_rope: tuple[torch.Tensor, torch.Tensor]
+    cache: DraftCache | None
+    block_len: int
+
+
 class DFlashAttention(nn.Module):
     def __init__(self, config: Qwen3Config):
         super().__init__()
@@ -213,15 +417,53 @@ class DFlashAttention(nn.Module):
         k = apply_rope(self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads)), *rope)
         return k, self._heads(self.v_proj(x), self.num_kv_heads)
 
-    def forward(self, block, ctx, block_rope, ctx_rope, mask, cache=None, layer_idx=0):
-        q = apply_rope(self.q_norm(self._heads(self.q_proj(block), self.num_heads)), *block_rope)
-        k_ctx, v_ctx = self._keys_values(ctx, ctx_rope)
-        if cache is not None:
-            k_ctx, v_ctx = cache.extend(layer_idx, k_ctx, v_ctx)
-        k_blk, v_blk = self._keys_values(block, block_rope)
+    def forward(self, block, inputs: LayerInputs, mask, layer_idx: int):
+        q = apply_rope(self.q_norm(self._heads(self.q_proj(block), self.num_heads)), *inputs.block_rope)
+        k_ctx, v_ctx = self._keys_values(inputs.ctx, inputs.ctx_rope)
+        if inputs.cache is not None:
+            k_ctx, v_ctx = inputs.cache.extend(layer_idx, k_ctx, v_ctx)
+        k_blk, v_blk = self._keys_values(block, inputs.block_rope)
         k, v = torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2)
         out = attend(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(*block.shape[:2], -1))
+
+
+class DynamicBlockConv(nn.Module):
+    """DFlash2's grouped dynamic depthwise convolution around one sublayer (attention or MLP): a
+    causal convolution along the block before the sublayer and one after it. Tap o of channel c at
+    slot t weighs slot t - o (zero before the block's first slot) by base_kernel[i, o, c] plus an
+    offset shared by c's group of `group_size` channels, predicted from the sublayer's input at t
+    (one projection predicts the offsets of both convolutions). Starts as the identity."""
+
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int):
+        super().__init__()
+        self.kernel_size, self.group_size = kernel_size, group_size
+        self.groups = hidden_size // group_size
+        self.base_kernel = nn.Parameter(torch.empty(2, kernel_size, hidden_size))
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
+
+    def reset_to_identity(self):
+        identity = torch.zeros_like(self.base_kernel)
+        identity[:, 0] = 1.0
+        init.copy_(self.base_kernel, identity)
+        init.zeros_(self.kernel_projection.weight)
+
+    def _convolve(self, x, base, offsets, block_len: int):
+        """x [b, Q, H], base [kernel, H], offsets [b, Q, kernel, groups] -> [b, Q, H], block by block."""
+        b, length, hidden = x.shape
+        shape = (b, length // block_len, block_len, self.groups, self.group_size)
+        blocks, offsets = x.view(shape), offsets.view(*shape[:3], self.kernel_size, self.groups, 1)
+        base = base.view(self.kernel_size, self.groups, self.group_size).to(x.dtype)
+        out = torch.zeros_like(blocks)
+        for tap in range(self.kernel_size):
+            earlier = F.pad(blocks, (0, 0, 0, 0, tap, 0))[:, :, :block_len]  # slot t - tap
+            out = out + (base[tap] + offsets[:, :, :, tap]) * earlier
+        return out.view(b, length, hidden)
+
+    def forward(self, x, sublayer, block_len: int):
+        offsets = self.kernel_projection(x).view(*x.shape[:-1], 2, self.kernel_size, self.groups)
+        before = self._convolve(x, self.base_kernel[0], offsets[..., 0, :, :], block_len)
+        return self._convolve(sublayer(before), self.base_kernel[1], offsets[..., 1, :, :], block_len)
 
 
 class DFlashDecoderLayer(nn.Module):
@@ -231,11 +473,17 @@ class DFlashDecoderLayer(nn.Module):
         self.mlp = Qwen3MLP(config)
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.attention_conv: DynamicBlockConv | None = None  # DFlash2 sets both
+        self.mlp_conv: DynamicBlockConv | None = None
 
-    def forward(self, x, ctx, block_rope, ctx_rope, mask, cache=None, layer_idx=0):
-        x = x + self.self_attn(self.input_layernorm(x), ctx, block_rope, ctx_rope, mask, cache,
-                               layer_idx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    @staticmethod
+    def _through(conv, sublayer, x, block_len):
+        return sublayer(x) if conv is None else conv(x, sublayer, block_len)
+
+    def forward(self, x, inputs: LayerInputs, mask, layer_idx: int):
+        attention = lambda h: self.self_attn(h, inputs, mask, layer_idx)  # noqa: E731
+        x = x + self._through(self.attention_conv, attention, self.input_layernorm(x), inputs.block_len)
+        return x + self._through(self.mlp_conv, self.mlp, self.post_attention_layernorm(x), inputs.block_len)
 
 
 class DFlashDraftModel(Qwen3PreTrainedModel):
@@ -250,7 +498,12 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         self.fc = nn.Linear(num_features * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.layer_attention = layer_attention(config)
+        self._add_variant_modules(config)
         self.post_init()
+
+    def _add_variant_modules(self, config: Qwen3Config):
+        """Nothing for DFlash; DFlash2DraftModel adds its convolutions and selector."""
 
     @property
     def block_size(self) -> int:
@@ -270,26 +523,28 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         scale = float(self.config.dflash_config.get("input_embedding_scale", 1.0))
         return (F.embedding(block_ids, target.get_input_embeddings().weight) * scale).to(self.dtype)
 
-    def forward(self, block_embeds, block_positions, features, ctx_positions, mask=None, cache=None):
-        """Final-normed block states [b, Q, H].
+    def forward(self, block_embeds, block_positions, features, ctx_positions, masks, cache=None):
+        """Final-normed block states [b, A, L, H] of A blocks of L slots each.
 
-        block_embeds [b, Q, H], block_positions [b, Q]; target features [b, n, K*H] of the context
-        positions ctx_positions [b, n], fused here (fc, hidden_norm) into the states every layer
-        projects to K/V. Keys are ordered [context (cache first, if any) || block]; `mask` indexes
-        them in that order. Everything runs inside forward, so sharding wrappers (ZeRO-3, FSDP2)
-        gather every weight through the module's own hooks.
+        block_embeds [b, A, L, H], block_positions [b, A, L]; target features [b, n, K*H] of the
+        context positions ctx_positions [b, n], fused here (fc, hidden_norm) into the states every
+        layer projects to K/V. Keys are ordered [context (cache first, if any) || blocks]; `masks`
+        maps each of `self.layer_attention` to the mask (see `attend`) its layers use over keys in
+        that order, queries being the blocks' slots back to back. Everything runs inside forward,
+        so sharding wrappers (ZeRO-3, FSDP2) gather every weight through the module's own hooks.
         """
+        b, num_blocks, block_len, width = block_embeds.shape
+        x = block_embeds.reshape(b, num_blocks * block_len, width)
         ctx = self.hidden_norm(self.fc(features))
-        block_rope = self.rotary_emb(block_embeds, block_positions)
-        ctx_rope = self.rotary_emb(ctx, ctx_positions)
-        x = block_embeds
-        for i, layer in enumerate(self.layers):
-            x = layer(x, ctx, block_rope, ctx_rope, mask, cache, i)
-        return self.norm(x)
+        inputs = LayerInputs(ctx, self.rotary_emb(x, block_positions.reshape(b, -1)),
+                             self.rotary_emb(ctx, ctx_positions), cache, block_len)
+        for i, (layer, attention) in enumerate(zip(self.layers, self.layer_attention)):
+            x = layer(x, inputs, masks[attention], i)
+        return self.norm(x).view(b, num_blocks, block_len, width)
 
     @torch.no_grad()
-    def draft_logits(self, target, ctx_features, block_ids, cache: DraftCache) -> torch.Tensor:
-        """Inference: fp32 logits [b, B-1, V] for block positions 1..B-1.
+    def draft_hidden(self, target, ctx_features, block_ids, cache: DraftCache) -> torch.Tensor:
+        """Inference: the final-normed states [b, B, H] of one block.
 
         ctx_features [b, n, K*H] are the new context positions cache.length .. cache.length+n-1 (they
         are appended to `cache`); block_ids [b, B] = [anchor, MASK, ...] sit right after them.
@@ -299,14 +554,118 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         positions = torch.arange(start, start + n + block_len, device=block_ids.device)[None]
         positions = positions.expand(block_ids.shape[0], -1)
         block_embeds = self.embed_block(target, block_ids)
-        hidden = self(block_embeds, positions[:, n:], ctx_features.to(self.dtype), positions[:, :n], None, cache)
+        masks = {a: a.inference_mask(start + n, block_len, block_ids.device) for a in set(self.layer_attention)}
+        hidden = self(block_embeds[:, None], positions[:, None, n:], ctx_features.to(self.dtype),
+                      positions[:, :n], masks, cache)
+        return hidden[:, 0]
+
+    @torch.no_grad()
+    def draft_logits(self, target, ctx_features, block_ids, cache: DraftCache) -> torch.Tensor:
+        """Inference: fp32 logits [b, B-1, V] for block positions 1..B-1 (arguments: `draft_hidden`)."""
+        hidden = self.draft_hidden(target, ctx_features, block_ids, cache)
         return target.get_output_embeddings()(hidden[:, 1:].to(target.dtype)).float()
+
+    @torch.no_grad()
+    def draft_chain(self, target, ctx_features, block_ids, cache: DraftCache) -> torch.Tensor:
+        """Inference: the single path [b, B-1] DFlash verifies: the argmax of every slot's logits
+        (arguments: `draft_hidden`)."""
+        return self.draft_logits(target, ctx_features, block_ids, cache).argmax(-1)
+
+    def chain_picks(self, hidden, logits, predecessors) -> torch.Tensor:
+        """The token the drafted path takes at each slot [...] given the token before it
+        (`predecessors` [...]; unused by DFlash) from the slot's state and logits [..., V]."""
+        return logits.argmax(-1)
+
+
+class CandidateSelector(nn.Module):
+    """DFlash2's low-rank candidate selector: at each block slot it re-scores the drafter's top-K
+    tokens by how well each follows the token drafted before it, given the slot's state:
+    score(candidate) = logit(candidate) + <P[previous] * W h, S[candidate]>, P and S [V, rank]
+    codebooks, W [rank, H]. The chain walked from the anchor takes each slot's best-scored token.
+    The codebooks are plain parameters, so they are saved under the names `dflash` 0.1.0 maps."""
+
+    def __init__(self, config: Qwen3Config, rank: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.predecessor_codebook = nn.Parameter(torch.empty(config.vocab_size, rank))
+        self.successor_codebook = nn.Parameter(torch.empty(config.vocab_size, rank))
+        self.hidden_projection = nn.Linear(config.hidden_size, rank, bias=False)
+
+    def reset_parameters(self, std: float):
+        init.normal_(self.predecessor_codebook, mean=0.0, std=std)
+        init.normal_(self.successor_codebook, mean=0.0, std=std)
+
+    def forward(self, hidden, predecessors, candidates) -> torch.Tensor:
+        """Pair scores [..., K] of candidates [..., K] after predecessors [...], states hidden [..., H]."""
+        query = F.embedding(predecessors, self.predecessor_codebook) * self.hidden_projection(hidden)
+        keys = F.embedding(candidates, self.successor_codebook)
+        return (keys * query[..., None, :].to(keys.dtype)).sum(-1)
+
+    def candidates(self, logits) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, token ids) [..., K] of the top-K tokens, most likely first."""
+        return logits.topk(self.top_k, dim=-1)
+
+    def pick(self, hidden, logits, predecessors) -> torch.Tensor:
+        """The best-scored candidate [...] of every slot given its predecessor."""
+        unary, candidates = self.candidates(logits)
+        scores = unary + self(hidden, predecessors, candidates).to(unary.dtype)
+        return candidates.gather(-1, scores.argmax(-1, keepdim=True))[..., 0]
+
+
+class DFlash2DraftModel(DFlashDraftModel):
+    """DFlash with a DynamicBlockConv around every attention and MLP sublayer and a
+    CandidateSelector over the block's slots (`dflash.model.DFlash2DraftModel`'s structure)."""
+    _no_split_modules = ["DFlashDecoderLayer", "CandidateSelector"]
+
+    def _add_variant_modules(self, config: Qwen3Config):
+        settings = config.dflash_config
+        for layer in self.layers:
+            for name in ("attention_conv", "mlp_conv"):
+                setattr(layer, name, DynamicBlockConv(config.hidden_size, settings["conv_kernel_size"],
+                                                      settings["conv_group_size"]))
+        self.candidate_selector = CandidateSelector(config, settings["selector_rank"],
+                                                    settings["selector_top_k"])
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, DynamicBlockConv):
+            module.reset_to_identity()
+        elif isinstance(module, CandidateSelector):
+            module.reset_parameters(self.config.initializer_range)
+
+    def chain_picks(self, hidden, logits, predecessors) -> torch.Tensor:
+        return self.candidate_selector.pick(hidden, logits, predecessors)
+
+    @torch.no_grad()
+    def draft_chain(self, target, ctx_features, block_ids, cache: DraftCache) -> torch.Tensor:
+        """Inference: the selector's chain [b, B-1], walked from the anchor one slot at a time, each
+        slot's predecessor the token picked before it."""
+        hidden = self.draft_hidden(target, ctx_features, block_ids, cache)[:, 1:]
+        logits = target.get_output_embeddings()(hidden.to(target.dtype)).float()
+        previous, chain = block_ids[:, 0], []
+        for slot in range(hidden.shape[1]):
+            previous = self.chain_picks(hidden[:, slot], logits[:, slot], previous)
+            chain.append(previous)
+        return torch.stack(chain, dim=1)
+
+
+ARCHITECTURES = {"dflash": DFlashDraftModel, "dflash2": DFlash2DraftModel}
+
+
+def drafter_class(config: Qwen3Config) -> type[DFlashDraftModel]:
+    """The class a drafter config is for, by its `architectures` (as the serving stacks pick it)."""
+    return DFlash2DraftModel if "DFlash2DraftModel" in (config.architectures or []) else DFlashDraftModel
+
+
+def load_drafter(directory, **kwargs) -> DFlashDraftModel:
+    """An exported drafter directory, DFlash or DFlash2 (`from_pretrained` kwargs pass through)."""
+    return drafter_class(Qwen3Config.from_pretrained(directory)).from_pretrained(directory, **kwargs)
 
 
 def drafter_from_state_dict(config: Qwen3Config, state_dict: dict[str, torch.Tensor]) -> DFlashDraftModel:
     """A plain (unsharded) drafter on the CPU holding `state_dict`, built without a random init first."""
     with torch.device("meta"):
-        drafter = DFlashDraftModel(config)
+        drafter = drafter_class(config)(config)
     drafter.to_empty(device="cpu")
     drafter.load_state_dict(state_dict)
     drafter.rotary_emb = Qwen3RotaryEmbedding(config)  # its buffers are not in state dicts

@@ -5,7 +5,8 @@ One training forward over a right-padded batch [b, T]:
   2. build each anchor's block [x_p, MASK x (B-1)] at positions p..p+B-1, labels x_{p+k} at slot k
      (same-position labels; slot 0 gets no loss);
   3. run all blocks of the batch in one drafter forward under the block mask: a block sees the context
-     strictly before its anchor, its own block bidirectionally, nothing else;
+     strictly before its anchor, its own block bidirectionally, nothing else (a sliding or causal
+     layer, `model.LayerAttention`, sees less of both);
   4. loss = sum_k w_k CE_k / sum_k w_k with w_k = exp(-(k-1)/gamma), computed in row chunks so the
      full anchors x block x vocab logits never exist at once.
 """
@@ -18,7 +19,7 @@ from torch.nn.attention.flex_attention import _DEFAULT_SPARSE_BLOCK_SIZE, create
 
 from drafter.ddtree import build_tree_from_logprobs, teacher_forced_accept
 from drafter.distill import ChunkedRowLoss, RowLossSpec, dpace_weights, teacher_rows, tree_weights
-from drafter.model import FlexMask, compile_dynamic
+from drafter.model import DFlash2DraftModel, FlexMask, LayerAttention, compile_dynamic
 
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # DFlash paper, by block size
 
@@ -94,13 +95,11 @@ def build_blocks(input_ids, loss_mask, anchors, valid, block_size: int, mask_tok
     return Blocks(anchors, valid, ids, positions, labels, weights)
 
 
-def dense_block_mask(anchors: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
-    """Bool [b, 1, A*B, T + A*B] over keys [context (T) || blocks (A*B)]."""
-    b, num_blocks = anchors.shape
-    query_block = torch.arange(num_blocks * block_size, device=anchors.device) // block_size
-    ctx_visible = torch.arange(seq_len, device=anchors.device) < anchors[:, query_block, None]
-    own_block = query_block[:, None] == query_block[None, :]
-    return torch.cat([ctx_visible, own_block.expand(b, -1, -1)], dim=2)[:, None]
+def dense_block_mask(anchors: torch.Tensor, seq_len: int, block_size: int,
+                     attention: LayerAttention = LayerAttention()) -> torch.Tensor:
+    """Bool [b, 1, A*B, T + A*B] over keys [context (T) || blocks (A*B)], for a layer of `attention`."""
+    num_keys = seq_len + anchors.shape[1] * block_size
+    return attention.visible_keys(anchors, seq_len, block_size).dense(num_keys)
 
 
 ATTENTION_KERNELS = ("dense", "flex", "flex_compiled")
@@ -121,17 +120,13 @@ def attention_kernel(setting: str, device: torch.device | str) -> str:
 _compiled_create_block_mask = compile_dynamic(create_block_mask)
 
 
-def flex_block_mask(anchors: torch.Tensor, seq_len: int, block_size: int, compiled: bool) -> FlexMask:
+def flex_block_mask(anchors: torch.Tensor, seq_len: int, block_size: int, compiled: bool,
+                    attention: LayerAttention = LayerAttention()) -> FlexMask:
     """The same mask as `dense_block_mask`, for flex_attention. Compiled, the dense mask is never
-    built; the context length is a tensor and the anchors a closure tensor, so new lengths and
-    anchor counts are symbolic sizes, not constants baked into the compiled graph."""
+    built; the key intervals are closure tensors, so new lengths and anchor counts are symbolic
+    sizes, not constants baked into the compiled graph."""
     b, num_blocks = anchors.shape
-    ctx_len = torch.full((), seq_len, device=anchors.device)
-
-    def mask_mod(batch, head, q, kv):
-        block = q // block_size
-        return torch.where(kv < ctx_len, kv < anchors[batch, block], (kv - ctx_len) // block_size == block)
-
+    mask_mod = attention.visible_keys(anchors, seq_len, block_size).mask_mod()
     make = _compiled_create_block_mask if compiled else create_block_mask
     block_mask = make(mask_mod, B=b, H=None, Q_LEN=num_blocks * block_size,
                       KV_LEN=seq_len + num_blocks * block_size, device=anchors.device)
@@ -155,16 +150,17 @@ def drafter_hidden(drafter, target, features, blocks: Blocks, attention: str) ->
         filler = max(0, _DEFAULT_SPARSE_BLOCK_SIZE // block_size + 1 - num_blocks)
         anchors, ids, positions = (F.pad(x, (0, 0) * (x.dim() - 2) + (0, filler))
                                    for x in (anchors, ids, positions))
-    block_embeds = drafter.embed_block(target, ids.view(b, -1)).to(features.dtype)
+    block_embeds = drafter.embed_block(target, ids).to(features.dtype)
     ctx_positions = torch.arange(T, device=features.device)[None].expand(b, -1)
-    if attention == "dense":
-        mask = dense_block_mask(anchors, T, block_size)
-    elif attention in ATTENTION_KERNELS:
-        mask = flex_block_mask(anchors, T, block_size, compiled=attention == "flex_compiled")
-    else:
+    if attention not in ATTENTION_KERNELS:
         raise ValueError(f"attention {attention!r} not in {ATTENTION_KERNELS}")
-    hidden = drafter(block_embeds, positions.view(b, -1), features, ctx_positions, mask)
-    return hidden.view(b, -1, block_size, hidden.shape[-1])[:, :num_blocks]
+    masks = {}
+    for layer in set(drafter.layer_attention):
+        if attention == "dense":
+            masks[layer] = dense_block_mask(anchors, T, block_size, layer)
+        else:
+            masks[layer] = flex_block_mask(anchors, T, block_size, attention == "flex_compiled", layer)
+    return drafter(block_embeds, positions, features, ctx_positions, masks)[:, :num_blocks]
 
 
 class ChunkedLMHeadLoss(torch.autograd.Function):
@@ -212,17 +208,21 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
 
 
 @torch.no_grad()
-def top_logprobs(hidden, head_weight, k: int, chunk_rows: int):
+def top_logprobs(hidden, head_weight, k: int, chunk_rows: int, labels=None):
     """(log-probabilities, token ids) [rows, k] of each row's k most likely tokens under the frozen
-    LM head, `chunk_rows` rows of fp32 logits at a time."""
+    LM head, `chunk_rows` rows of fp32 logits at a time; with `labels` [rows], also each label's
+    log-probability [rows] (a third value)."""
     values = hidden.new_empty((hidden.shape[0], k), dtype=torch.float32)
     ids = torch.empty((hidden.shape[0], k), dtype=torch.long, device=hidden.device)
+    label_values = None if labels is None else hidden.new_empty(labels.shape, dtype=torch.float32)
     for start in range(0, hidden.shape[0], chunk_rows):
         rows = slice(start, start + chunk_rows)
         logits = (hidden[rows] @ head_weight.T).float()
-        top = logits.topk(k, dim=-1)
-        values[rows], ids[rows] = top.values - logits.logsumexp(-1, keepdim=True), top.indices
-    return values, ids
+        logprobs = logits - logits.logsumexp(-1, keepdim=True)
+        values[rows], ids[rows] = logprobs.topk(k, dim=-1)
+        if labels is not None:
+            label_values[rows] = logprobs.gather(1, labels[rows, None])[:, 0]
+    return (values, ids) if labels is None else (values, ids, label_values)
 
 
 def dense_lm_head_loss(hidden, head_weight, labels, row_weights):
@@ -251,6 +251,7 @@ class ObjectiveConfig:
     position_weights: str = "exp"     # exp: exp(-(k-1)/gamma) | dpace | tree (see drafter/distill.py)
     weight_smoothing: float = 0.5     # a of dpace and tree weights
     logit_softcap: float | None = None  # the target's final_logit_softcapping, for its logits
+    selector_alpha: float = 1.0  # DFlash2: weight of the selector's K-way cross entropy (selector_loss)
 
 
 def training_step(drafter, target, features, input_ids, loss_mask, cfg: ObjectiveConfig,
@@ -285,6 +286,13 @@ def training_step(drafter, target, features, input_ids, loss_mask, cfg: Objectiv
     metrics[f"anchor_ddtree@{cfg.ddtree_budget}"] = ddtree_accept_metric(
         topk_logprobs.view(len(sampled), block_size - 1, k), topk_ids.view(len(sampled), block_size - 1, k),
         blocks.labels.view(-1, block_size)[sampled, 1:], cfg.ddtree_budget, sampled_valid)
+    if isinstance(drafter, DFlash2DraftModel):
+        rows = SelectorRows(hidden[:, :, 1:].reshape(-1, width), blocks.labels[..., :-1].reshape(-1),
+                            blocks.labels[..., 1:].reshape(-1), blocks.weights[..., 1:].reshape(-1))
+        selected, hit = selector_loss(drafter.candidate_selector, rows, head, chunk_rows)
+        metrics.update(selector_metrics(hit.view(b, num_blocks, block_size - 1), blocks))
+        metrics["selector_loss"] = torch.stack([selected.detach(), selected.new_ones(())])
+        loss = loss + cfg.selector_alpha * selected
     metrics["loss"] = torch.stack([loss.detach(), loss.new_ones(())])
     return loss, metrics
 
@@ -321,6 +329,61 @@ def tree_accepted_depth(hidden, head_weight, labels, budget: int, chunk_rows: in
     logprobs, ids = top_logprobs(hidden.reshape(-1, width), head_weight, k, chunk_rows)
     tree = build_tree_from_logprobs(logprobs.view(blocks, depth, k), ids.view(blocks, depth, k), budget)
     return teacher_forced_accept(tree, labels) - 1
+
+
+@dataclass
+class SelectorRows:
+    """One row per block slot 1..B-1: its final state [N, H], the token before it (the anchor or the
+    previous label: teacher forcing) [N], its label [N] and loss weight [N]."""
+    hidden: torch.Tensor
+    predecessors: torch.Tensor
+    labels: torch.Tensor
+    weights: torch.Tensor
+
+
+def selector_loss(selector, rows: SelectorRows, head_weight, chunk_rows: int):
+    """(loss, hit [N]): DFlash2's selector objective, sum_r w_r CE_r / sum_r w_r of a K-way cross
+    entropy over each row's candidates scored as serving scores them (`CandidateSelector.pick`),
+    and whether the selector picks the label from the drafter's real top-K.
+
+    The candidates are the drafter's top-K under the frozen LM head; when the label is not among
+    them it replaces the K-th (the gold is inserted at the last rank, as the open trainers do),
+    so every row has a target while the set keeps K entries and a static shape, and the selector
+    still learns to prefer the gold over the K-1 likeliest others. Such rows count as misses in
+    `hit`: serving never sees the gold there. The candidates' log-probabilities (the unary term,
+    equal to the logits up to a per-row constant, which the cross entropy ignores) carry no
+    gradient: the block loss trains the marginals; this loss trains the selector and, through its
+    hidden projection, the drafter's states.
+    """
+    k = selector.top_k
+    unary, candidates, label_logprob = top_logprobs(rows.hidden.detach(), head_weight, k, chunk_rows,
+                                                    labels=rows.labels)
+    present = (candidates == rows.labels[:, None]).any(-1)
+    last = torch.arange(k, device=candidates.device) == k - 1
+    insert = ~present[:, None] & last
+    candidates = torch.where(insert, rows.labels[:, None], candidates)
+    unary = torch.where(insert, label_logprob[:, None], unary)
+    gold = (candidates == rows.labels[:, None]).long().argmax(-1)
+    scores = unary + selector(rows.hidden, rows.predecessors, candidates).float()
+    ce = F.cross_entropy(scores, gold, reduction="none")
+    loss = (ce * rows.weights).sum() / rows.weights.sum().clamp_min(1e-12)
+    hit = present & (scores.argmax(-1) == gold)
+    return loss, hit
+
+
+def selector_metrics(hit: torch.Tensor, blocks: Blocks) -> dict[str, torch.Tensor]:
+    """DFlash2's teacher-forced chain metrics from `hit` [b, A, B-1] (`selector_loss`).
+
+    selector_acc: P(the selector picks the label | the previous tokens are the text's), over
+        supervised slots.
+    anchor_selector_streak: 1 (bonus) + the leading slots it picks right, per random anchor: the
+        selector chain's `anchor_streak` (while every pick is right the chain's predecessors are the
+        text's, so teacher forcing walks the served chain).
+    """
+    supervised = blocks.weights[..., 1:] > 0
+    hit = hit & supervised
+    return {"selector_acc": _mean(hit, supervised),
+            "anchor_selector_streak": _mean(hit.long().cumprod(-1).sum(-1) + 1, blocks.valid)}
 
 
 def sample_complete_blocks(blocks: Blocks, count: int, generator: torch.Generator):

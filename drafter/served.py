@@ -9,8 +9,9 @@ Replay (`replay_steps`, `replayed_tau`). One masked drafter forward per chunk of
 at every response position p (the training forward: the block sees the target's features of
 positions < p); `anchor_acceptance` turns each block into the drafted tokens a verify at p would
 accept when the target's tokens are the text's: for `dflash` the leading slots where the drafter's
-argmax is the text's token, for `ddtree@B` the depth reached by walking the best-first tree of B
-nodes (built from the block's marginals) along the text. Then serving is replayed as
+path (its argmax; a DFlash2 drafter's selector chain, each slot's predecessor the text's token, which
+is the served chain while every pick is right) is the text's token, for `ddtree@B` the depth reached
+by walking the best-first tree of B nodes (built from the block's marginals) along the text. Then serving is replayed as
 `drafter.decode.generate` runs it, once per response, i.e. per maximal run [s, e) of supervised
 positions (one assistant turn; every turn is a response, as eval/ddtree_accept.py counts turns):
 the prefill yields token s, so the first step's anchor is p = s; a step at p commits
@@ -94,6 +95,7 @@ def anchor_acceptance(drafter, target, features, input_ids, loss_mask, budgets, 
                               gamma=1.0)
         hidden = drafter_hidden(drafter, target, features, blocks, attention)[chunk_valid][:, 1:]
         labels = blocks.labels[chunk_valid][:, 1:]
+        predecessors = blocks.labels[chunk_valid][:, :-1]  # the anchor, then the text
         rows, positions = chunk_valid.nonzero(as_tuple=True)
         positions = chunk[rows, positions]
         for start in range(0, len(labels), rows_per_chunk):
@@ -101,7 +103,8 @@ def anchor_acceptance(drafter, target, features, input_ids, loss_mask, budgets, 
             # as DFlashDraftModel.draft_logits computes them at serving time
             logits = head(hidden[part].to(target.dtype)).float()
             where = (rows[part].cpu(), positions[part].cpu())
-            matches = (logits.argmax(-1) == labels[part]).long().cumprod(-1).sum(-1)
+            drafted = drafter.chain_picks(hidden[part], logits, predecessors[part])
+            matches = (drafted == labels[part]).long().cumprod(-1).sum(-1)
             accepted["dflash"][where] = matches.cpu()
             for method in methods[1:]:
                 tree = build_tree(logits, int(method.split("@")[1]), tree_backend)

@@ -44,7 +44,7 @@ from drafter.benchmarks import load_prompts
 from drafter.chat import prompt_token_ids
 from drafter.decode import SAMPLING, STAGES, generate, stop_token_ids, tree_verify_refusal
 from drafter.lossless import BF16_TIE_TOLERANCE, first_divergence, lossless_verdict, near_tie_share
-from drafter.model import DFlashDraftModel
+from drafter.model import load_drafter
 from drafter.served import replay_steps
 from drafter.target import TargetError, context_features
 from drafter.target_cache import probe_decoding
@@ -98,9 +98,11 @@ def drafter_dir(ckpt: str) -> Path:
     """`ckpt` itself when it is a drafter dir, else its `drafter/` subdir."""
     for candidate in (Path(ckpt), Path(ckpt) / "drafter"):
         config = candidate / "config.json"
-        if config.is_file() and "DFlashDraftModel" in json.loads(config.read_text()).get("architectures", []):
+        architectures = json.loads(config.read_text()).get("architectures", []) if config.is_file() else []
+        if {"DFlashDraftModel", "DFlash2DraftModel"} & set(architectures):
             return candidate
-    raise FileNotFoundError(f"{ckpt}: no DFlashDraftModel config.json here or in {ckpt}/drafter")
+    raise FileNotFoundError(f"{ckpt}: no DFlashDraftModel (or DFlash2DraftModel) config.json here or in "
+                            f"{ckpt}/drafter")
 
 
 def target_path_of(args) -> str:
@@ -145,7 +147,7 @@ class Evaluator:
         dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
                  "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
         directory = drafter_dir(args.ckpt)
-        self.drafter = DFlashDraftModel.from_pretrained(directory, dtype=dtype).to(device).eval()
+        self.drafter = load_drafter(directory, dtype=dtype).to(device).eval()
         recorded = self.drafter.config.dflash_config
         self.target_path = target_path
         self.target = load_tp_target(self.target_path, tp_group, device, dtype)

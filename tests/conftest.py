@@ -6,10 +6,22 @@ import torch
 
 torch.set_num_threads(int(os.environ.get("TEST_TORCH_THREADS", "1")))
 
-from drafter.model import DFlashDraftModel, drafter_config  # noqa: E402
+from drafter.model import DFlashDraftModel, DrafterVariant, drafter_class, drafter_config  # noqa: E402
 from drafter.target import input_embedding_scale, random_qwen3  # noqa: E402
 
 MASK_ID = 255
+
+# Two-layer drafter variants (DESIGN.md contract 11). The windows are shorter than the test contexts;
+# "window_bidirectional"'s is shorter than the block too, so it cuts later block positions as well.
+VARIANTS = {
+    "full": DrafterVariant(),
+    "sliding": DrafterVariant(layer_types=("sliding_attention", "full_attention"), sliding_window=5),
+    "window_bidirectional": DrafterVariant(layer_types=("sliding_attention",) * 2, sliding_window=3,
+                                           causal=False),
+    "causal": DrafterVariant(causal=True),
+    "dflash2": DrafterVariant(layer_types=("sliding_attention", "full_attention"), sliding_window=5,
+                              arch="dflash2", conv_group_size=16, selector_rank=8, selector_top_k=4),
+}
 
 
 def randomize_(module: torch.nn.Module, seed: int, scale: float = 0.2) -> torch.nn.Module:
@@ -26,7 +38,7 @@ def make_drafter(target, num_layers=2, block_size=8, seed=1, **kw) -> DFlashDraf
     kw.setdefault("input_embedding_scale", input_embedding_scale(target))
     cfg = drafter_config(target.config, num_layers=num_layers, block_size=block_size,
                          mask_token_id=MASK_ID, **kw)
-    return randomize_(DFlashDraftModel(cfg), seed).eval()
+    return randomize_(drafter_class(cfg)(cfg), seed).eval()
 
 
 def fit_drafter(drafter, target, input_ids, loss_mask, cfg, steps: int, lr: float) -> list[float]:
@@ -80,11 +92,11 @@ class TrainedDrafter:
     sequences: torch.Tensor
 
 
-@pytest.fixture(scope="session")
-def trained(target) -> TrainedDrafter:
-    """A drafter that has learned something, in a few seconds: 30 steps of the project's own training
-    step (`training_step` on `context_features`) over the target's greedy continuations of 8 random
-    prompts. Served on those prompts its tau is about 5 (DFlash, block 8); a random drafter's is 1."""
+def train_on_greedy_text(target, variant: DrafterVariant = DrafterVariant()) -> TrainedDrafter:
+    """A drafter of `variant` that has learned something, in a few seconds: 30 steps of the project's
+    own training step (`training_step` on `context_features`) over the target's greedy continuations
+    of 8 random prompts. Served on those prompts its tau is about 5 (DFlash, block 8); a random
+    drafter's is 1."""
     from drafter.decode import generate
     from drafter.objective import ObjectiveConfig
 
@@ -93,8 +105,25 @@ def trained(target) -> TrainedDrafter:
                              for p in prompts])
     loss_mask = torch.zeros_like(sequences)
     loss_mask[:, prompts.shape[1]:] = 1
-    drafter = make_drafter(target, num_layers=2, block_size=8)
+    drafter = make_drafter(target, num_layers=2, block_size=8, variant=variant)
     cfg = ObjectiveConfig(block_size=8, mask_token_id=MASK_ID, num_anchors=16, ddtree_budget=16)
     fit_drafter(drafter, target, sequences, loss_mask, cfg, steps=30, lr=1e-2)
     drafter.requires_grad_(False)
     return TrainedDrafter(target, drafter, prompts, sequences)
+
+
+@pytest.fixture(scope="session")
+def trained(target) -> TrainedDrafter:
+    return train_on_greedy_text(target)
+
+
+@pytest.fixture(scope="session")
+def trained_sliding(target) -> TrainedDrafter:
+    """As `trained`, with the "sliding" variant (a causal 5-position window, then a full layer)."""
+    return train_on_greedy_text(target, VARIANTS["sliding"])
+
+
+@pytest.fixture(scope="session")
+def trained_dflash2(target) -> TrainedDrafter:
+    """As `trained`, with the "dflash2" variant (convolutions, selector, a sliding layer)."""
+    return train_on_greedy_text(target, VARIANTS["dflash2"])

@@ -124,30 +124,46 @@ def test_fsdp_sigkill_then_resume_reproduces_the_uninterrupted_losses(reference_
     assert_same_trajectory(train_losses(run), train_losses(fsdp_run[0]), range(1, 25), 1e-6)
 
 
+# DESIGN.md contract 11: the variant launches below train DFlash2 with a sliding layer.
+VARIANT = ["drafter.arch=dflash2", "drafter.layer_types=[sliding_attention]", "drafter.sliding_window=4",
+           "drafter.selector_rank=8", "drafter.selector_top_k=8"]
+
+
 @pytest.mark.parametrize("engine", ["deepspeed zero3", "fsdp"])
 def test_a_nonfinite_step_on_one_rank_is_skipped_on_both(reference_run, tmp_path, engine):
+    """Also: a DFlash2 drafter with a sliding layer trains under ZeRO-3 and FSDP2 and its export loads
+    in the public DFlash2DraftModel, every weight (convolutions and selector included) changed."""
     _, cfg, _ = reference_run
     run = tmp_path / "run"
     chosen = (["train.engine=fsdp"] if engine == "fsdp" else
               [f"train.ds_config={ds_config(tmp_path, 'zero3.json', stage3_param_persistence_threshold=0)}"])
-    out = run_to_end(cfg, f"run.out_dir={run}", *chosen, "train.max_steps=6", "train.save_every=2",
+    out = run_to_end(cfg, f"run.out_dir={run}", *chosen, *VARIANT, "train.max_steps=6", "train.save_every=2",
                      "train.keep_last=10", "train.eval_every=1000", launcher="torchrun",
                      faults={"nan_steps": "3,4", "nan_ranks": "1"})
     assert "step 3: non-finite loss or gradient; the step was skipped on all ranks" in out
     assert [r["skipped_steps"] for r in records(run)] == [0, 0, 1, 2, 2, 2]
     assert_same_weights(exported(run, 4), exported(run, 2), rtol=0)  # nothing moved on either rank
     assert not torch.equal(next(iter(exported(run, 6).values())), next(iter(exported(run, 4).values())))
+    assert all(not torch.equal(exported(run, 6)[name], value) for name, value in exported(run, 2).items()
+               if "norm" not in name)
+    assert "selector_loss" in records(run)[-1]
+    from dflash.model import DFlash2DraftModel as PublicDraftModel
+    public, loading = PublicDraftModel.from_pretrained(run / "checkpoints" / "step_6" / "drafter",
+                                                       dtype=torch.float32, output_loading_info=True)
+    assert not any(loading.values()), loading
+    assert public.layers[0].self_attn.sliding_window == 4 and public.candidate_selector.top_k == 8
 
 
 def test_gradient_accumulation_with_hard_coded_batch_keys_matches_fsdp(reference_run, tmp_path):
     """All three batch keys hard-coded (consistently) in the JSON: no step is miscounted as
-    non-finite, and two micro batches per step give the FSDP engine's trajectory."""
+    non-finite, and two micro batches per step give the FSDP engine's trajectory (for a DFlash2
+    drafter with a sliding layer: both engines train its convolutions and selector alike)."""
     _, cfg, _ = reference_run
     path = tmp_path / "ds.json"
     config = json.loads((REPO / "ds_configs" / "zero2.json").read_text())
     config.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=2, train_batch_size=4)
     path.write_text(json.dumps(config))
-    common = ["optim.grad_accum=2", "train.max_steps=6", "train.eval_every=1000"]
+    common = ["optim.grad_accum=2", "train.max_steps=6", "train.eval_every=1000", *VARIANT]
     run_to_end(cfg, f"run.out_dir={tmp_path / 'ds'}", f"train.ds_config={path}", *common)
     run_to_end(cfg, f"run.out_dir={tmp_path / 'fsdp'}", "train.engine=fsdp", *common, launcher="torchrun")
     ds, fsdp = records(tmp_path / "ds"), records(tmp_path / "fsdp")

@@ -4,8 +4,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import MASK_ID, make_drafter
-from drafter.model import DFlashDraftModel, DraftCache, drafter_config, resolve_mask_token_id
+from conftest import MASK_ID, VARIANTS, make_drafter
+from drafter.model import (DFlash2DraftModel, DFlashDraftModel, DraftCache, DrafterVariant, LayerAttention,
+                           drafter_config, layer_attention, load_drafter, resolve_mask_token_id)
 from drafter.target import context_features, default_target_layer_ids, select_features
 
 
@@ -72,29 +73,54 @@ def test_mask_token_is_added_when_missing():
         resolve_mask_token_id(_Tok(None, 200), 200)
 
 
-def test_public_dflash_package_loads_our_export_with_equal_logits(target, tmp_path):
-    """DESIGN.md contract 1: the z-lab `dflash` package loads the export and computes our logits."""
-    from dflash.model import DFlashDraftModel as PublicDraftModel
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_public_dflash_package_loads_our_export_with_equal_logits(target, tmp_path, variant):
+    """DESIGN.md contracts 1 and 11: the z-lab `dflash` package loads the export of every variant
+    (DFlash2 in its DFlash2DraftModel), reads each layer's window and causality as ours, and computes
+    our logits and, for DFlash2, our selector chain (the context, 21 positions, is longer than every
+    window)."""
+    from dflash import model as public_model
 
-    drafter = make_drafter(target, num_layers=2, block_size=8)
+    drafter = make_drafter(target, num_layers=2, block_size=8, variant=VARIANTS[variant])
+    dflash2 = isinstance(drafter, DFlash2DraftModel)
+    if dflash2:
+        with torch.no_grad():  # pair scores as large as the logits' gaps: the selector re-ranks
+            drafter.candidate_selector.successor_codebook.mul_(20)
     drafter.save_pretrained(tmp_path)
-    public = PublicDraftModel.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    public_class = public_model.DFlash2DraftModel if dflash2 else public_model.DFlashDraftModel
+    public, loading = public_class.from_pretrained(tmp_path, dtype=torch.float32, output_loading_info=True)
+    public.eval()
+    assert not any(loading.values()), loading  # no missing, unexpected or mismatched weights
     assert public.target_layer_ids == drafter.target_layer_ids
     assert public.mask_token_id == MASK_ID and public.block_size == 8
+    assert [(layer.self_attn.sliding_window, layer.self_attn.is_causal) for layer in public.layers] == \
+        [(a.window, a.causal) for a in drafter.layer_attention]
+    reloaded = load_drafter(tmp_path)
+    assert type(reloaded) is type(drafter) and reloaded.layer_attention == drafter.layer_attention
+    assert all(torch.equal(value, reloaded.state_dict()[name]) for name, value in drafter.state_dict().items())
 
-    ids = torch.randint(0, 250, (1, 30))
+    ids = torch.randint(0, 250, (3, 30), generator=torch.Generator().manual_seed(5))
     features = context_features(target, ids, drafter.target_layer_ids)
-    block = torch.tensor([[int(ids[0, 21])] + [MASK_ID] * 7])
+    block = torch.cat([ids[:, 21:22], torch.full((3, 7), MASK_ID)], 1)
     ours = drafter.draft_logits(target, features[:, :21], block, DraftCache())
     with torch.no_grad():
         hidden = public(target_hidden=features[:, :21], noise_embedding=target.model.embed_tokens(block),
-                        position_ids=torch.arange(29)[None])
-    theirs = target.lm_head(hidden[:, 1:])
-    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+                        position_ids=torch.arange(29)[None])[:, 1:]
+    torch.testing.assert_close(ours, target.lm_head(hidden), rtol=1e-5, atol=1e-5)
+    chain = drafter.draft_chain(target, features[:, :21], block, DraftCache())
+    if dflash2:
+        with torch.no_grad():
+            theirs = public.propose(hidden, block[:, 0], target.lm_head, temperature=0.0)[0]
+        assert torch.equal(chain, theirs)
+        assert not torch.equal(chain, ours.argmax(-1))  # the selector re-ranked some slot
+    else:
+        assert torch.equal(chain, ours.argmax(-1))
 
 
-def test_cache_keeps_context_only_and_matches_one_shot(drafter, target):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_cache_keeps_context_only_and_matches_one_shot(target, variant):
     """Drafting with context added in pieces through the cache equals drafting with it all at once."""
+    drafter = make_drafter(target, variant=VARIANTS[variant])
     ids = torch.randint(0, 250, (1, 24))
     features = context_features(target, ids, drafter.target_layer_ids)
     block = torch.tensor([[int(ids[0, 20])] + [MASK_ID] * 7])
@@ -128,3 +154,57 @@ def test_last_target_layer_is_refused_with_the_reason(target):
     torch.testing.assert_close(context_features(target, ids, [4]),
                                select_features(target(ids, output_hidden_states=True).hidden_states, [4]),
                                rtol=0, atol=1e-5)
+
+
+def test_layer_attention_reads_the_config_as_dflash_does(target):
+    """The public defaults: a sliding layer is causal and a full one is not, unless is_causal says
+    otherwise for every layer; a variant without sliding layers writes no window."""
+    def read(**variant):
+        config = drafter_config(target.config, num_layers=2, block_size=8, mask_token_id=MASK_ID,
+                                variant=DrafterVariant(**variant))
+        return layer_attention(config), config
+    mixed, config = read(layer_types=("full_attention", "sliding_attention"), sliding_window=4)
+    assert mixed == [LayerAttention(None, False), LayerAttention(4, True)]
+    assert config.layer_types == ["full_attention", "sliding_attention"] and config.sliding_window == 4
+    assert not hasattr(config, "is_causal")
+    assert read(layer_types=("full_attention", "sliding_attention"), sliding_window=4, causal=False)[0] == \
+        [LayerAttention(None, False), LayerAttention(4, False)]
+    full, config = read(causal=True)
+    assert full == [LayerAttention(None, True)] * 2 and config.sliding_window is None
+
+
+@pytest.mark.parametrize("variant,message", [
+    (DrafterVariant(layer_types=("full_attention",)), "layer_types has 1 entries for 2 draft layers"),
+    (DrafterVariant(layer_types=("full_attention", "sliding")), "each entry must be one of"),
+    (DrafterVariant(layer_types=("sliding_attention",) * 2), "sliding_window must be set"),
+    (DrafterVariant(layer_types=("sliding_attention",) * 2, sliding_window=0), "sliding_window=0 must be >= 1"),
+    (DrafterVariant(sliding_window=8), "no layer_types entry is sliding_attention"),
+    (DrafterVariant(arch="eagle"), "arch='eagle' is not one of dflash, dflash2"),
+    (DrafterVariant(arch="dflash2", conv_group_size=24), "conv_group_size=24 does not divide the hidden size 64"),
+    (DrafterVariant(arch="dflash2", selector_top_k=300), "selector_top_k=300 exceeds the vocabulary"),
+    (DrafterVariant(arch="dflash2", conv_kernel_size=9), "conv_kernel_size=9 exceeds block_size=8"),
+])
+def test_bad_variants_are_refused_with_the_reason(target, variant, message):
+    with pytest.raises(ValueError, match=message):
+        drafter_config(target.config, num_layers=2, block_size=8, mask_token_id=MASK_ID, variant=variant)
+
+
+def test_dflash2_starts_as_the_dflash_of_its_other_weights(target):
+    """Identity-initialised convolutions: a new DFlash2 drafter computes what a DFlash drafter with
+    its attention, MLP and fusion weights computes."""
+    variant = DrafterVariant(arch="dflash2", selector_rank=8, selector_top_k=4)
+    config = drafter_config(target.config, num_layers=2, block_size=8, mask_token_id=MASK_ID, variant=variant)
+    torch.manual_seed(0)
+    dflash2 = DFlash2DraftModel(config).eval()
+    dflash = DFlashDraftModel(drafter_config(target.config, num_layers=2, block_size=8, mask_token_id=MASK_ID))
+    shared = {k: v for k, v in dflash2.state_dict().items() if "conv" not in k and "selector" not in k}
+    dflash.load_state_dict(shared)
+    conv = dflash2.layers[0].attention_conv
+    assert conv.base_kernel[:, 0].eq(1).all() and conv.base_kernel[:, 1:].eq(0).all()
+    assert conv.kernel_projection.weight.eq(0).all()
+    ids = torch.randint(0, 250, (2, 20), generator=torch.Generator().manual_seed(2))
+    features = context_features(target, ids, dflash.target_layer_ids)
+    block = torch.cat([ids[:, 12:13], torch.full((2, 7), MASK_ID)], 1)
+    torch.testing.assert_close(dflash2.draft_logits(target, features[:, :12], block, DraftCache()),
+                               dflash.draft_logits(target, features[:, :12], block, DraftCache()),
+                               rtol=0, atol=1e-6)

@@ -4,18 +4,18 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import MASK_ID, fit_drafter, make_drafter
+from conftest import MASK_ID, VARIANTS, fit_drafter, make_drafter
 from drafter import ddtree, model, objective
 from drafter.ddtree import build_tree, teacher_forced_accept
 from drafter.host_sync import HostSyncCounter
-from drafter.model import DraftCache, compiled_graph_count
+from drafter.model import CandidateSelector, DraftCache, LayerAttention, compiled_graph_count, drafter_config
 from drafter.objective import (ATTENTION_KERNELS, ChunkedLMHeadLoss, ObjectiveConfig, attention_kernel,
                                build_blocks, dense_block_mask, dense_lm_head_loss, ddtree_accept_metric,
                                drafter_hidden, finalize_metrics, position_weights, rank_metrics,
-                               resolve_gamma, sample_anchors, sample_complete_blocks, top_logprobs,
-                               training_step)
+                               resolve_gamma, sample_anchors, sample_complete_blocks, selector_loss, selector_metrics,
+                               SelectorRows, top_logprobs, training_step)
 from drafter.sampler import BucketSampler, collate, make_buckets
-from drafter.target import context_features
+from drafter.target import context_features, random_qwen3_config
 
 B = 8
 
@@ -36,9 +36,12 @@ def training_logits(drafter, target, features, blocks, attention):
     return target.lm_head(hidden)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("attention", ["dense", "flex"])
-def test_training_logits_equal_inference_logits(drafter, target, attention):
-    """DESIGN.md contract 2 on a padded batch of sequences of different lengths, several anchors each."""
+def test_training_logits_equal_inference_logits(target, attention, variant):
+    """DESIGN.md contract 2 on a padded batch of sequences of different lengths, several anchors each,
+    for every drafter variant (contract 11)."""
+    drafter = make_drafter(target, variant=VARIANTS[variant])
     ids, loss_mask = padded_batch([29, 40, 17])
     features = context_features(target, ids, drafter.target_layer_ids)
     anchors, valid = sample_anchors(loss_mask, 5, torch.Generator().manual_seed(3))
@@ -58,8 +61,10 @@ def test_training_logits_equal_inference_logits(drafter, target, attention):
     assert checked >= 12  # every sequence contributed anchors, including the short one
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("attention", ["dense", "flex"])
-def test_features_at_or_after_anchor_have_no_influence(drafter, target, attention):
+def test_features_at_or_after_anchor_have_no_influence(target, attention, variant):
+    drafter = make_drafter(target, variant=VARIANTS[variant])
     ids, loss_mask = padded_batch([33, 26], seed=1)
     features = context_features(target, ids, drafter.target_layer_ids)
     anchors, valid = sample_anchors(loss_mask, 4, torch.Generator().manual_seed(0))
@@ -94,6 +99,27 @@ def test_block_mask_sees_strict_past_and_own_block_only():
     assert mask[4, :8].tolist() == [True] * 5 + [False] * 3
     assert mask[1, 8:].tolist() == [True, True, True, False, False, False]
     assert mask[5, 8:].tolist() == [False, False, False, True, True, True]
+
+
+def test_block_mask_of_sliding_and_causal_layers():
+    """Hand-built cases: a window (3) shorter than the context counts the query and block positions;
+    a causal block sees its earlier slots; a bidirectional window (2) cuts later slots too."""
+    anchors = torch.tensor([[2, 5]])
+    sliding = dense_block_mask(anchors, 8, 3, LayerAttention(window=3, causal=True))[0, 0]
+    # block 1 (anchor 5) queries at positions 5, 6, 7: context 3..4, 4, nothing
+    assert sliding[3, :8].tolist() == [False] * 3 + [True, True] + [False] * 3
+    assert sliding[4, :8].tolist() == [False] * 4 + [True] + [False] * 3
+    assert not sliding[5, :8].any()
+    assert sliding[3, 11:].tolist() == [True, False, False]
+    assert sliding[5, 11:].tolist() == [True, True, True]
+    assert sliding[0, :8].tolist() == [True, True] + [False] * 6  # anchor 2: both context positions
+    causal = dense_block_mask(anchors, 8, 3, LayerAttention(causal=True))[0, 0]
+    assert causal[5, :8].tolist() == [True] * 5 + [False] * 3  # the whole context before the anchor
+    assert causal[3:6, 11:].tolist() == [[True, False, False], [True, True, False], [True, True, True]]
+    assert not causal[3:6, 8:11].any()
+    both_ways = dense_block_mask(anchors, 8, 3, LayerAttention(window=2))[0, 0]
+    assert both_ways[3:6, 11:].tolist() == [[True, True, False], [True, True, True], [False, True, True]]
+    assert both_ways[3, :8].tolist() == [False] * 4 + [True] + [False] * 3
 
 
 def test_anchors_are_supervised_distinct_and_redrawn():
@@ -149,9 +175,16 @@ def test_loss_weights_follow_configured_gamma(drafter, target, gamma):
     assert position_weights(16, gamma)[2] / position_weights(16, gamma)[1] == pytest.approx(math.exp(-1 / gamma))
 
 
-def test_training_step_metrics_are_those_of_its_logits(drafter, target):
+@pytest.mark.parametrize("variant", ["full", "dflash2"])
+def test_training_step_metrics_are_those_of_its_logits(target, variant):
     """The rank metrics and anchor_ddtree@B from training_step equal those computed from the dense
-    logits of the same anchors and sampled blocks (the row layout of the loss and the top-k rows)."""
+    logits of the same anchors and sampled blocks (the row layout of the loss and the top-k rows);
+    DFlash2's selector metrics are those of the serving chain's picks (`chain_picks`) after the
+    text's tokens."""
+    drafter = make_drafter(target, variant=VARIANTS[variant])
+    if variant == "dflash2":
+        with torch.no_grad():  # pair scores as large as the logits' gaps: the selector re-ranks
+            drafter.candidate_selector.successor_codebook.mul_(20)
     ids, loss_mask = padded_batch([40, 33, 21], seed=8)
     features = context_features(target, ids, drafter.target_layer_ids)
     cfg = ObjectiveConfig(block_size=B, mask_token_id=MASK_ID, num_anchors=6, ddtree_budget=12, ddtree_blocks=5)
@@ -172,6 +205,19 @@ def test_training_step_metrics_are_those_of_its_logits(drafter, target):
     block_logits = logits.view(-1, B, logits.shape[-1])[sampled, 1:]
     committed = teacher_forced_accept(build_tree(block_logits, 12), blocks.labels.view(-1, B)[sampled, 1:])
     torch.testing.assert_close(metrics["anchor_ddtree@12"], torch.tensor([committed.sum().item(), 5.0]))
+    if variant == "dflash2":
+        with torch.no_grad():
+            hidden = drafter_hidden(drafter, target, features, blocks, "dense")[:, :, 1:]
+            picks = drafter.chain_picks(hidden, logits[:, :, 1:], blocks.labels[..., :-1])
+        labels = blocks.labels[..., 1:]
+        in_top = (logits[:, :, 1:].topk(drafter.candidate_selector.top_k).indices == labels[..., None]).any(-1)
+        expected = selector_metrics((picks == labels) & in_top, blocks)
+        assert 0 < expected["selector_acc"][0] < expected["selector_acc"][1]
+        assert (picks != logits[:, :, 1:].argmax(-1)).any()  # the predecessors matter
+        for name, value in expected.items():
+            torch.testing.assert_close(metrics[name], value, msg=name)
+    else:
+        assert "selector_acc" not in metrics
 
 
 def test_default_gamma_by_block_size():
@@ -268,9 +314,10 @@ def plan_batches(count: int) -> list[dict]:
 def test_compiled_flex_equals_dense_and_compiles_once_for_all_shapes(target, monkeypatch):
     """Issue 13 item 1: the training forward through the compiled path (compiled block mask, compiled
     flex_attention, selected by attention="flex_compiled", not by the device) over 12 batch shapes of
-    a real plan gives the dense path's logits and loss. Bound: one compilation of the block mask and
-    one of the kernel (2 graphs) for all batches of two or more sequences; a new padded length or
-    anchor count never compiles again. The first batch holds as many sequences as the model has
+    a real plan gives the dense path's logits and loss, for a drafter with a sliding causal layer and
+    a full one (contract 11). Bound: one compilation of the block mask (the layer kinds differ only
+    in its key-interval tensors) and one of the kernel (2 graphs) for all batches of two or more
+    sequences; a new padded length or anchor count never compiles again. The first batch holds as many sequences as the model has
     key/value heads (duck sizing would bake it in), and some batches have a single 128-query tile
     (the filler blocks keep them out of their own compilation)."""
     calls = {"mask": 0, "kernel": 0}
@@ -280,7 +327,7 @@ def test_compiled_flex_equals_dense_and_compiles_once_for_all_shapes(target, mon
             calls[_name] += 1
             return _compiled(*args, **kwargs)
         monkeypatch.setattr(module, attribute, spy)
-    drafter = make_drafter(target, block_size=16)
+    drafter = make_drafter(target, block_size=16, variant=VARIANTS["sliding"])
     cfg = ObjectiveConfig(block_size=16, mask_token_id=MASK_ID, num_anchors=32, anchors_per_batch=64,
                           ddtree_budget=16)
     batches = plan_batches(12)
@@ -309,7 +356,7 @@ def test_compiled_flex_equals_dense_and_compiles_once_for_all_shapes(target, mon
         assert compiled_graph_count() - start == first, f"batch {i} {shapes[i]} compiled again"
     assert len({T for _, T in shapes}) >= 10 and len(anchor_counts) >= 4
     assert min(anchor_counts) * 16 <= 128  # a single query tile, padded
-    assert calls == {"mask": 2 * 12, "kernel": 2 * 12 * 2}  # the compiled functions ran (2 layers)
+    assert calls == {"mask": 2 * 12 * 2, "kernel": 2 * 12 * 2}  # they ran (2 layer kinds, 2 layers)
     assert compiled_graph_count() >= 2  # here or earlier in this process
 
 
@@ -443,3 +490,36 @@ def test_training_step_ddtree_accept_is_each_blocks_own_walk(trained):
              for b, a in complete.nonzero().tolist()]
     assert len(set(walks)) > 3  # blocks differ, so a mispairing changes the sum
     assert metrics["anchor_ddtree@16"].tolist() == [sum(walks), len(walks)]
+
+
+def test_selector_loss_on_a_hand_built_case():
+    """DFlash2's K-way cross entropy (K = 3) on two rows with logits [3, 2, 1, 0, -1, -2]: gold 1 is
+    among the top 3, gold 4 is not and replaces the third candidate. With pair terms of +10 for
+    token 1 and +20 for token 4 the selector picks both golds, but the inserted one counts as a
+    miss (serving never has it)."""
+    vocab = 6
+    logits = torch.tensor([3.0, 2.0, 1.0, 0.0, -1.0, -2.0])
+    hidden = torch.cat([logits.expand(2, -1), torch.ones(2, 1)], 1)  # the last channel feeds the selector
+    head = torch.cat([torch.eye(vocab), torch.zeros(vocab, 1)], 1)
+    rows = SelectorRows(hidden, predecessors=torch.tensor([5, 5]), labels=torch.tensor([1, 4]),
+                        weights=torch.tensor([1.0, 3.0]))
+    config = drafter_config(random_qwen3_config(vocab_size=vocab, hidden_size=vocab + 1, num_hidden_layers=2,
+                                                num_attention_heads=1, num_key_value_heads=1, head_dim=8),
+                            num_layers=1, block_size=4, mask_token_id=0, target_layer_ids=[0])
+    selector = CandidateSelector(config, rank=1, top_k=3)
+    with torch.no_grad():
+        selector.hidden_projection.weight.copy_(torch.eye(vocab + 1)[-1:])
+        selector.predecessor_codebook.fill_(1.0)
+        selector.successor_codebook.zero_()
+    lse = lambda *x: torch.logsumexp(torch.tensor(x), 0)  # noqa: E731
+    loss, hit = selector_loss(selector, rows, head, chunk_rows=1)
+    expected = ((lse(3.0, 2.0, 1.0) - 2.0) + 3 * (lse(3.0, 2.0, -1.0) + 1.0)) / 4
+    torch.testing.assert_close(loss, expected)
+    assert hit.tolist() == [False, False]  # the top candidate, 0, is picked
+    with torch.no_grad():
+        selector.successor_codebook[1] = 10.0
+        selector.successor_codebook[4] = 20.0
+    loss, hit = selector_loss(selector, rows, head, chunk_rows=1)
+    expected = ((lse(3.0, 12.0, 1.0) - 12.0) + 3 * (lse(3.0, 12.0, 19.0) - 19.0)) / 4
+    torch.testing.assert_close(loss, expected)
+    assert hit.tolist() == [True, False]

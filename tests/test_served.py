@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import MASK_ID, fit_drafter, make_drafter
+from drafter.model import DrafterVariant
 from drafter.benchmarks import load_prompts
 from drafter.decode import generate
 from drafter.objective import ObjectiveConfig, finalize_metrics
@@ -52,6 +53,16 @@ def test_every_anchor_is_every_position_followed_by_a_supervised_one():
 
 @pytest.fixture(scope="module")
 def world(target):
+    return served_world(target, DrafterVariant())
+
+
+@pytest.fixture(scope="module")
+def world_dflash2(target):
+    """As `world`, with a DFlash2 drafter: `dflash` is its selector chain."""
+    return served_world(target, DrafterVariant(arch="dflash2", selector_rank=8, selector_top_k=4))
+
+
+def served_world(target, variant):
     """An fp64 target, its greedy answers to 3 prompts (one with a second turn after its first
     answer) each cut at a stop token seen there for the first time, and a drafter trained on them
     just long enough to accept runs of very different lengths.
@@ -86,7 +97,7 @@ def world(target):
     for i, (ids, mask) in enumerate(rows):
         input_ids[i, :len(ids)], loss_mask[i, :len(mask)] = torch.tensor(ids), torch.tensor(mask)
 
-    drafter = make_drafter(target, num_layers=1, block_size=B).double()
+    drafter = make_drafter(target, num_layers=1, block_size=B, variant=variant).double()
     cfg = ObjectiveConfig(block_size=B, mask_token_id=MASK_ID, num_anchors=48, ddtree_budget=8)
     fit_drafter(drafter, target, input_ids, loss_mask, cfg, steps=20, lr=3e-3)
     features = context_features(target, input_ids, drafter.target_layer_ids)
@@ -99,8 +110,9 @@ def world(target):
     return target, drafter, responses, input_ids, loss_mask, features, served
 
 
-def test_replay_equals_served_steps_at_temperature_zero(world):
-    target, drafter, responses, input_ids, loss_mask, features, served = world
+@pytest.mark.parametrize("world_name", ["world", "world_dflash2"])
+def test_replay_equals_served_steps_at_temperature_zero(request, world_name):
+    target, drafter, responses, input_ids, loss_mask, features, served = request.getfixturevalue(world_name)
     replayed = replay_steps(drafter, target, features, input_ids, loss_mask, BUDGETS, attention="dense")
     for method in METHODS:
         assert [g.output_ids for g in served[method]] == [out for _, out, _ in responses]  # lossless

@@ -281,6 +281,8 @@ def test_data_prepared_with_other_thinking_stops_train_py_naming_both(tmp_path):
     ("drafter.block_size=1", "drafter.block_size=1 must be >= 2"),
     ("drafter.target_layer_ids=[3,3]", "drafter.target_layer_ids=[3, 3] must be distinct"),
     ("data.bucket_boundaries=[512,256]", "data.bucket_boundaries=[512, 256] must be increasing"),
+    ("drafter.layer_types=[sliding_attention]", "drafter.layer_types has 1 entries for 5 draft layers"),
+    ("drafter.sliding_window=0", "drafter.sliding_window=0 must be >= 1"),
 ])
 def test_invalid_values_are_refused_naming_the_key(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
