@@ -40,7 +40,8 @@ from drafter.objective import ObjectiveConfig, attention_kernel, finalize_metric
 from drafter.run_lock import RunDirectoryBusy, hold_run_directory
 from drafter.sampler import bucket_table, held_out_share, make_loader, plan_notes, sampler_from_config
 from drafter.served import bench_prompts, generation_tau, held_out_prompts, replayed_tau
-from drafter.target import TargetError, input_embedding_scale, random_qwen3
+from drafter.distill import logit_softcap
+from drafter.target import TargetError, features_and_final_hidden, input_embedding_scale, random_qwen3
 from drafter.target_cache import probe_decoding
 from drafter.tensor_parallel import (TargetFeatures, TensorParallelError, check_tensor_parallel, form_tp_group,
                                      load_tp_target, shard_target)
@@ -211,6 +212,14 @@ class Timers:
 
 # ----------------------------------------------------------------------------- training
 
+def target_pass(target, target_features, input_ids, layer_ids, objective):
+    """(context features, the target's final hidden states or None): the latter only when the
+    objective distils the target (at target.tp_size 1: the config refuses distillation above it)."""
+    if objective.labels == "target":
+        return features_and_final_hidden(target, input_ids, layer_ids)
+    return target_features(input_ids, layer_ids), None
+
+
 def micro_step(engine, target, target_features, batch, objective, cfg, step, micro, rank, noise, device, attention,
                timers):
     """Forward + backward of one micro batch; returns its metrics ([sum, count] tensors, on the device:
@@ -219,12 +228,12 @@ def micro_step(engine, target, target_features, batch, objective, cfg, step, mic
     loss_mask = batch["loss_mask"].to(device, non_blocking=True)
     drafter = engine.module
     timers.start()
-    features = target_features(input_ids, drafter.target_layer_ids)
+    features, final_hidden = target_pass(target, target_features, input_ids, drafter.target_layer_ids, objective)
     features = add_feature_noise(features, noise, len(drafter.target_layer_ids),
                                  step_generator(cfg.run.seed, step, rank, 1 + micro, device))
     timers.lap("target")
     loss, metrics = training_step(drafter, target, features, input_ids, loss_mask, objective,
-                                  step_generator(cfg.run.seed, step, rank, -1 - micro), attention)
+                                  step_generator(cfg.run.seed, step, rank, -1 - micro), attention, final_hidden)
     # A non-finite loss makes every gradient NaN, so the engine's global check skips the step on all ranks.
     loss = loss * torch.where(torch.isfinite(loss.detach()), 1.0, math.nan)
     engine.backward(loss)
@@ -256,12 +265,12 @@ def evaluate(drafter, target, target_features, eval_set, eval_sampler, objective
     for i in range(target_features.most_in_group(len(batches))):
         batch = batches[i] if i < len(batches) else None
         input_ids = batch["input_ids"].to(device) if batch else None
-        features = target_features(input_ids, drafter.target_layer_ids)
+        features, final_hidden = target_pass(target, target_features, input_ids, drafter.target_layer_ids, objective)
         if batch is None:
             continue
         loss_mask = batch["loss_mask"].to(device)
         _, metrics = training_step(drafter, target, features, input_ids, loss_mask, objective,
-                                   step_generator(cfg.run.seed, i, rank, 7), attention)
+                                   step_generator(cfg.run.seed, i, rank, 7), attention, final_hidden)
         metrics.update(replayed_tau(drafter, target, features, input_ids, loss_mask,
                                     cfg.train.tau_budgets, attention,
                                     blocks_per_forward=objective.anchors_per_batch or 2048,
@@ -371,6 +380,9 @@ def train(cfg, rank, world_size, device) -> int:
                                 ddtree_budget=cfg.objective.ddtree_budget,
                                 ddtree_blocks=cfg.objective.ddtree_blocks,
                                 anchors_per_batch=cfg.objective.anchors_per_batch,
+                                labels=cfg.objective.labels, loss=cfg.objective.loss,
+                                position_weights=cfg.objective.position_weights,
+                                weight_smoothing=cfg.objective.weight_smoothing, logit_softcap=logit_softcap(target),
                                 selector_alpha=cfg.objective.selector_alpha)
     engine = build_engine(cfg, drafter, device, dtype, ds_config)
 

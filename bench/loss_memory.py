@@ -3,8 +3,12 @@
 Real vocabulary (151,936, Qwen3), 512 anchors x 16 block slots, small hidden size. Each variant runs in
 its own process (on CPU the peak is the process's max RSS; on CUDA, max_memory_allocated), then the
 parent checks that loss and gradients agree and prints the ratio. Goal: chunked peak <= 1/8 of naive.
+`--objective target-kl` measures distillation (objective.labels=target, loss=kl): the chunked loss
+reads the target's final hidden states and computes its logits chunk by chunk; the naive baseline
+materialises both sides' logits.
 
     python bench/loss_memory.py [--vocab 151936 --anchors 512 --block 16 --hidden 64]
+    python bench/loss_memory.py --objective target-kl
 """
 import argparse
 import json
@@ -18,6 +22,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from drafter.distill import ChunkedRowLoss, RowLossSpec, dense_row_loss
 from drafter.objective import ChunkedLMHeadLoss, chunk_rows_for, dense_lm_head_loss, position_weights
 
 
@@ -28,7 +33,24 @@ def make_inputs(args, device):
     head = torch.randn(args.vocab, args.hidden, generator=gen).to(device)
     labels = torch.randint(0, args.vocab, (rows,), generator=gen).to(device)
     weights = position_weights(args.block, 7.0, device).repeat(args.anchors)
-    return hidden.requires_grad_(True), head, labels, weights
+    teacher = (torch.randn(rows, args.hidden, generator=gen) * 2 / args.hidden ** 0.5).to(device)
+    return hidden.requires_grad_(True), head, labels, weights, teacher
+
+
+def weighted(row_loss, weights):
+    return (row_loss * weights).sum() / weights.sum()
+
+
+def loss_of(args, hidden, head, labels, weights, teacher):
+    """The variant's loss: data CE (the fixed-weight one-pass loss) or forward KL to the target."""
+    kl = RowLossSpec("target", "kl", chunk_rows_for(args.vocab))
+    if args.objective == "data-ce":
+        if args.variant == "naive":
+            return dense_lm_head_loss(hidden, head, labels, weights)
+        return ChunkedLMHeadLoss.apply(hidden, head, labels, weights, chunk_rows_for(args.vocab))[0]
+    if args.variant == "naive":
+        return weighted(dense_row_loss(hidden, head, labels, teacher, kl), weights)
+    return weighted(ChunkedRowLoss.apply(hidden, head, labels, teacher, kl)[0], weights)
 
 
 def peak_bytes(device) -> int:
@@ -39,16 +61,14 @@ def peak_bytes(device) -> int:
 
 def run_variant(args, out: Path):
     device = torch.device(args.device)
-    hidden, head, labels, weights = make_inputs(args, device)
+    inputs = make_inputs(args, device)
+    hidden = inputs[0]
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     before = peak_bytes(device)
     start = time.perf_counter()
-    if args.variant == "naive":
-        loss = dense_lm_head_loss(hidden, head, labels, weights)
-    else:
-        loss = ChunkedLMHeadLoss.apply(hidden, head, labels, weights, chunk_rows_for(args.vocab))[0]
+    loss = loss_of(args, *inputs)
     loss.backward()
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -65,6 +85,7 @@ def main():
     parser.add_argument("--block", type=int, default=16)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--objective", choices=["data-ce", "target-kl"], default="data-ce")
     parser.add_argument("--variant", choices=["naive", "chunked"], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -83,7 +104,7 @@ def main():
     grad_diff = ((naive["grad"] - chunked["grad"]).abs().max() / naive["grad"].abs().max()).item()
     ratio = chunked["peak_bytes"] / naive["peak_bytes"]
     gib = 2 ** 30
-    print(f"loss memory | vocab {args.vocab} | {args.anchors} anchors x {args.block} | hidden {args.hidden} | {args.device}")
+    print(f"loss memory | {args.objective} | vocab {args.vocab} | {args.anchors} anchors x {args.block} | hidden {args.hidden} | {args.device}")
     print(f"  naive   (all fp32 logits): peak {naive['peak_bytes'] / gib:7.3f} GiB  {naive['seconds']:6.2f} s")
     print(f"  chunked (ours)           : peak {chunked['peak_bytes'] / gib:7.3f} GiB  {chunked['seconds']:6.2f} s")
     print(f"  peak ratio chunked/naive = {ratio:.4f} (goal <= 0.125: {'PASS' if ratio <= 0.125 else 'FAIL'})")

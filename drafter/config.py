@@ -56,12 +56,19 @@ class ObjectiveSection:
     ddtree_blocks: int = 16
     attention: str = "auto"        # auto (flex_compiled on CUDA, dense elsewhere) | flex_compiled | flex | dense
                                    # (objective.attention_kernel; flex: eager, materialises the scores)
+    labels: str = "data"           # data | target: the target's own next-token distribution (distillation)
+    loss: str = "ce"               # ce | kl (forward KL to the target's distribution; needs labels=target)
+    position_weights: str = "exp"  # exp: exp(-(k-1)/gamma) | dpace | tree (drafter/distill.py)
+    weight_smoothing: float = 0.5  # a of the dpace and tree weights
     selector_alpha: float = 1.0    # dflash2: loss = block loss + alpha x the selector's K-way CE
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 6e-4
+    name: str = "adamw"            # adamw | muon: Muon on the 2-D weight matrices, AdamW on the rest
+    lr: float = 6e-4               # AdamW's (all parameters with adamw; the non-matrices with muon)
+    muon_lr: float = 0.02          # Muon's, scaled per matrix by sqrt(max(1, rows / cols)) (Muon's own rule)
+    muon_momentum: float = 0.95
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     weight_decay: float = 0.0
@@ -180,7 +187,11 @@ def load_config(path: str, overrides: list[str] = ()) -> DictConfig:
 DTYPE_ALIASES = {"auto": "auto", "bf16": "bf16", "bfloat16": "bf16", "fp32": "fp32", "float32": "fp32"}
 CHOICES = {
     "objective.attention": ("auto", "dense", "flex", "flex_compiled"),
+    "objective.labels": ("data", "target"),
+    "objective.loss": ("ce", "kl"),
+    "objective.position_weights": ("exp", "dpace", "tree"),
     "train.engine": ("deepspeed", "fsdp"),
+    "optim.name": ("adamw", "muon"),
     "wandb.mode": (None, "online", "offline", "disabled"),
 }
 POSITIVE = ("target.tp_size", "drafter.num_layers", "objective.num_anchors", "objective.ddtree_budget", "optim.grad_accum",
@@ -192,7 +203,7 @@ POSITIVE_OR_NULL = ("objective.anchors_per_batch", "objective.gamma", "train.max
                     "train.threads_per_rank")
 NON_NEGATIVE = ("run.seed", "objective.ddtree_blocks", "objective.selector_alpha", "optim.weight_decay", "optim.grad_clip", "train.generate_every",
                 "noise.start", "noise.end", "noise.warmup_steps", "data.num_workers", "data.seed")
-FRACTIONS = ("optim.warmup_ratio", "optim.min_lr_ratio")  # in [0, 1]
+FRACTIONS = ("optim.warmup_ratio", "optim.min_lr_ratio", "objective.weight_smoothing")  # in [0, 1]
 
 
 def validate(cfg) -> list[str]:
@@ -219,9 +230,16 @@ def validate(cfg) -> list[str]:
     for key in FRACTIONS:
         if not 0 <= get(key) <= 1:
             problems.append(f"{key}={get(key)!r} must be in [0, 1]")
+    if cfg.objective.labels == "target" and cfg.target.tp_size > 1:
+        problems.append(f"objective.labels=target needs target.tp_size=1 (got {cfg.target.tp_size}): the "
+                        "tensor-parallel target gives features only, not its final hidden states, yet")
+    if cfg.objective.loss == "kl" and cfg.objective.labels != "target":
+        problems.append("objective.loss=kl needs objective.labels=target (KL to the data's one-hot labels is CE)")
     if not 0 <= cfg.data.eval_fraction < 1:
         problems.append(f"data.eval_fraction={cfg.data.eval_fraction!r} must be in [0, 1)")
-    for key in ("optim.lr", "optim.eps", "train.dist_timeout_minutes", "train.generate_max_seconds"):
+    if not 0 <= cfg.optim.muon_momentum < 1:
+        problems.append(f"optim.muon_momentum={cfg.optim.muon_momentum!r} must be in [0, 1)")
+    for key in ("optim.lr", "optim.muon_lr", "optim.eps", "train.dist_timeout_minutes", "train.generate_max_seconds"):
         if not get(key) > 0:
             problems.append(f"{key}={get(key)!r} must be > 0")
     betas = list(cfg.optim.betas)
@@ -254,10 +272,15 @@ def validate(cfg) -> list[str]:
 
 
 def default_run_name(stem: str, cfg) -> str:
-    """The config name plus the hyperparameters that distinguish runs: v3-g10-b95."""
+    """The config name plus the hyperparameters that distinguish runs: v3-g10-b95, and the objective
+    where it is not the default: v3-g10-b95-target-kl-dpace."""
     from drafter.objective import resolve_gamma
     gamma = resolve_gamma(cfg.objective.gamma, cfg.drafter.block_size)
-    return f"{stem}-g{gamma:g}-b{round(cfg.optim.betas[1] * 100)}"
+    objective = cfg.objective
+    variant = "".join(f"-{value}" for value, default in ((objective.labels, "data"), (objective.loss, "ce"),
+                                                         (objective.position_weights, "exp"),
+                                                         (cfg.optim.name, "adamw")) if value != default)
+    return f"{stem}-g{gamma:g}-b{round(cfg.optim.betas[1] * 100)}{variant}"
 
 
 def noise_std(noise: NoiseConfig, step: int) -> float:

@@ -12,7 +12,10 @@ and torch FSDP2 (`fully_shard`, `torch.distributed.checkpoint`). The training lo
     engine.num_parameters, engine.description
 
 The learning rate is set by the caller at every step (drafter.config.lr_factor of the trainer's
-step), so both engines follow the same schedule whatever steps were skipped.
+step), so both engines follow the same schedule whatever steps were skipped. With optim.name=muon
+the 2-D weight matrices step with torch.optim.Muon at optim.muon_lr (the same schedule: the caller's
+lr times muon_lr / lr) and everything else with AdamW. FSDP2 runs it (Newton-Schulz on the full
+matrix through DTensor ops); DeepSpeed refuses it before anything loads (see `deepspeed_config`).
 """
 import json
 import math
@@ -39,6 +42,23 @@ class EngineConfigError(ValueError):
 
 def _trainable(module: nn.Module) -> list[nn.Parameter]:
     return [p for p in module.parameters() if p.requires_grad]
+
+
+def uses_muon(param: nn.Parameter) -> bool:
+    """Muon's share of the drafter: its weight matrices (the drafter owns no embedding or LM head);
+    the norms' vectors step with AdamW."""
+    return param.dim() == 2
+
+
+def build_optimizers(params: list[nn.Parameter], optim) -> list[torch.optim.Optimizer]:
+    """AdamW over `params`, or Muon over the matrices and AdamW over the rest (optim.name)."""
+    adamw = dict(lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay)
+    if optim.name == "adamw":
+        return [torch.optim.AdamW(params, **adamw)]
+    matrices, others = [p for p in params if uses_muon(p)], [p for p in params if not uses_muon(p)]
+    return [torch.optim.Muon(matrices, lr=optim.muon_lr, momentum=optim.muon_momentum, nesterov=True,
+                             weight_decay=optim.weight_decay, adjust_lr_fn="original"),
+            torch.optim.AdamW(others, **adamw)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,6 +130,10 @@ def deepspeed_config(json_path: str, cfg, world_size: int, bf16: bool, hidden_si
     if stage not in ZERO_STAGES:
         problems.append(f"zero_optimization.stage={stage!r}: use 1, 2 or 3 (stage 0 does not skip "
                         "non-finite steps in every precision)")
+    if cfg.optim.name != "adamw":
+        problems.append(f"optim.name={cfg.optim.name} is not supported under train.engine=deepspeed: DeepSpeed's "
+                        "ZeRO Muon is its own optimizer (orthogonalised inside the ZeRO partitions), not "
+                        "torch.optim.Muon, and its resume has not been verified here; use train.engine=fsdp")
     if zero.get("offload_param") and stage != 3:
         problems.append("zero_optimization.offload_param needs stage 3 (offload_optimizer works with 1-3)")
     left = [key for key, value in _flatten(ds).items() if value == "auto"]
@@ -171,8 +195,8 @@ class DeepSpeedEngine:
 
 class FSDPEngine:
     """`fully_shard` on every decoder layer (and DFlash2's selector), then the root (fc, hidden_norm,
-    norm); AdamW; gradients reduced once per optimizer step; bf16 compute with fp32 reduction when
-    training in bf16."""
+    norm); AdamW, or Muon and AdamW (`build_optimizers`); gradients reduced once per optimizer step;
+    bf16 compute with fp32 reduction when training in bf16."""
 
     def __init__(self, drafter: nn.Module, cfg, device: torch.device, bf16: bool):
         from torch.distributed.device_mesh import init_device_mesh
@@ -196,8 +220,8 @@ class FSDPEngine:
         fully_shard(drafter, **shard)
         self.module = drafter
         self.sharded = True
-        self.optimizer = torch.optim.AdamW(_trainable(drafter), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
-                                           eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
+        self.optimizers = build_optimizers(_trainable(drafter), cfg.optim)
+        self.muon_lr_ratio = cfg.optim.muon_lr / cfg.optim.lr
         self.grad_clip, self.accum, self.micro = cfg.optim.grad_clip, cfg.optim.grad_accum, 0
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -214,17 +238,19 @@ class FSDPEngine:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
         norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)  # the global norm, same on every rank
         applied = math.isfinite(norm)
-        if applied:
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        for optimizer in self.optimizers:
+            if applied:
+                ratio = self.muon_lr_ratio if isinstance(optimizer, torch.optim.Muon) else 1.0
+                for group in optimizer.param_groups:
+                    group["lr"] = lr * ratio
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         return StepResult(applied, norm)
 
     def _state(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model, optimizer = get_state_dict(self.module, self.optimizer)
+        model, optimizer = get_state_dict(self.module, self.optimizers)
         return {"model": model, "optimizer": optimizer}
 
     def save(self, directory: Path) -> None:
@@ -238,7 +264,7 @@ class FSDPEngine:
 
         state = self._state()
         dcp.load(state, checkpoint_id=str(directory / "fsdp"))
-        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
+        set_state_dict(self.module, self.optimizers, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

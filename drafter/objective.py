@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import _DEFAULT_SPARSE_BLOCK_SIZE, create_block_mask
 
 from drafter.ddtree import build_tree_from_logprobs, teacher_forced_accept
+from drafter.distill import ChunkedRowLoss, RowLossSpec, dpace_weights, teacher_rows, tree_weights
 from drafter.model import DFlash2DraftModel, FlexMask, LayerAttention, compile_dynamic
 
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # DFlash paper, by block size
@@ -241,18 +242,24 @@ class ObjectiveConfig:
     mask_token_id: int
     num_anchors: int = 512
     gamma: float | None = None  # None: the paper's value for the block size
-    ddtree_budget: int = 64     # budget B of the anchor_ddtree@B metric
+    ddtree_budget: int = 64     # budget B of the anchor_ddtree@B metric and of tree position weights
     ddtree_blocks: int = 16     # blocks per step sampled for anchor_ddtree@B
     anchors_per_batch: int | None = None  # cap on blocks per micro-batch (all sequences together)
     chunk_bytes: int = 256 * 2**20
+    labels: str = "data"              # data | target (distil the target's next-token distribution)
+    loss: str = "ce"                  # ce | kl (forward KL to the target; labels=target)
+    position_weights: str = "exp"     # exp: exp(-(k-1)/gamma) | dpace | tree (see drafter/distill.py)
+    weight_smoothing: float = 0.5     # a of dpace and tree weights
+    logit_softcap: float | None = None  # the target's final_logit_softcapping, for its logits
     selector_alpha: float = 1.0  # DFlash2: weight of the selector's K-way cross entropy (selector_loss)
 
 
 def training_step(drafter, target, features, input_ids, loss_mask, cfg: ObjectiveConfig,
-                  generator: torch.Generator, attention: str):
+                  generator: torch.Generator, attention: str, final_hidden: torch.Tensor | None = None):
     """One training forward: (loss, metrics). `metrics` maps names to [sum, count] tensors so that
     ranks and micro-batches can be summed before dividing (see `finalize_metrics`). `attention`: one
-    of ATTENTION_KERNELS (`attention_kernel` turns the config value into it)."""
+    of ATTENTION_KERNELS (`attention_kernel` turns the config value into it). `final_hidden` [b, T, H]:
+    the target's final-normed last hidden states, needed with cfg.labels == "target"."""
     gamma = resolve_gamma(cfg.gamma, cfg.block_size)
     anchors, valid = sample_anchors(loss_mask, cfg.num_anchors, generator, cfg.anchors_per_batch)
     blocks = build_blocks(input_ids, loss_mask, anchors, valid, cfg.block_size, cfg.mask_token_id, gamma)
@@ -262,9 +269,12 @@ def training_step(drafter, target, features, input_ids, loss_mask, cfg: Objectiv
     b, num_blocks, block_size, width = hidden.shape
     head = target.get_output_embeddings().weight
     chunk_rows = chunk_rows_for(head.shape[0], cfg.chunk_bytes)
-    loss, ranks = ChunkedLMHeadLoss.apply(
-        hidden[:, :, 1:].reshape(-1, width), head, blocks.labels[..., 1:].reshape(-1),
-        blocks.weights[..., 1:].reshape(-1), chunk_rows)
+    if cfg.labels == "data" and cfg.position_weights == "exp":  # fixed weights: the one-pass loss
+        loss, ranks = ChunkedLMHeadLoss.apply(
+            hidden[:, :, 1:].reshape(-1, width), head, blocks.labels[..., 1:].reshape(-1),
+            blocks.weights[..., 1:].reshape(-1), chunk_rows)
+    else:
+        loss, ranks = shaped_block_loss(hidden, head, blocks, final_hidden, cfg, chunk_rows)
 
     label_rank = torch.full_like(blocks.labels, torch.iinfo(torch.long).max)
     label_rank[..., 1:] = ranks.view(b, num_blocks, block_size - 1)
@@ -285,6 +295,40 @@ def training_step(drafter, target, features, input_ids, loss_mask, cfg: Objectiv
         loss = loss + cfg.selector_alpha * selected
     metrics["loss"] = torch.stack([loss.detach(), loss.new_ones(())])
     return loss, metrics
+
+
+def shaped_block_loss(hidden, head, blocks: Blocks, final_hidden, cfg: ObjectiveConfig, chunk_rows: int):
+    """(loss, data-label ranks [rows]) for target labels or prediction-dependent position weights:
+    per-row losses from `ChunkedRowLoss`, then weights without gradient (drafter/distill.py)."""
+    b, num_blocks, block_size, width = hidden.shape
+    if cfg.labels == "target" and final_hidden is None:
+        raise ValueError("objective.labels=target needs the target's final hidden states (final_hidden)")
+    teacher = (teacher_rows(final_hidden, blocks.positions).reshape(-1, width).to(hidden.dtype)
+               if cfg.labels == "target" else None)
+    spec = RowLossSpec(cfg.labels, cfg.loss, chunk_rows, cfg.logit_softcap)
+    row_loss, ranks, hard_labels, hard_logprob = ChunkedRowLoss.apply(
+        hidden[:, :, 1:].reshape(-1, width), head, blocks.labels[..., 1:].reshape(-1), teacher, spec)
+    weights = blocks.weights[..., 1:].reshape(-1, block_size - 1)
+    supervised = weights > 0
+    if cfg.position_weights == "dpace":
+        weights = dpace_weights(hard_logprob.view_as(weights), supervised, cfg.weight_smoothing)
+    elif cfg.position_weights == "tree":
+        depth = tree_accepted_depth(hidden.detach()[:, :, 1:].reshape(-1, block_size - 1, width), head,
+                                    hard_labels.view_as(weights), cfg.ddtree_budget, chunk_rows)
+        weights = tree_weights(depth, supervised, cfg.weight_smoothing)
+    weights = weights.reshape(-1)
+    return (row_loss * weights).sum() / weights.sum().clamp_min(1e-12), ranks
+
+
+@torch.no_grad()
+def tree_accepted_depth(hidden, head_weight, labels, budget: int, chunk_rows: int) -> torch.Tensor:
+    """Per block [N]: the depth to which `labels` [N, L] follow the best-`budget` DDTree built from the
+    drafter's marginals at `hidden` [N, L, H] (its teacher-forced acceptance, the bonus not counted)."""
+    blocks, depth, width = hidden.shape
+    k = min(budget, head_weight.shape[0])
+    logprobs, ids = top_logprobs(hidden.reshape(-1, width), head_weight, k, chunk_rows)
+    tree = build_tree_from_logprobs(logprobs.view(blocks, depth, k), ids.view(blocks, depth, k), budget)
+    return teacher_forced_accept(tree, labels) - 1
 
 
 @dataclass

@@ -5,7 +5,8 @@ Layer id `i` means "the output of decoder layer i", which is `hidden_states[i + 
 target runs its own forward, so every family's masks per layer type, rotary per layer type, embedding
 scaling, attention sinks and recurrent mixers are the target's own; no decoder loop is written here.
 Training stops that forward after the last needed layer (an exception raised by the hook), so the
-layers after it and the LM head never run.
+layers after it and the LM head never run; distillation (objective.labels=target) runs every layer
+(`features_and_final_hidden`) and computes the target's logits chunk by chunk inside the loss.
 """
 from contextlib import contextmanager
 from unittest import mock
@@ -176,6 +177,18 @@ def context_features(target: nn.Module, input_ids: torch.Tensor, layer_ids: list
         except _StopForward:
             pass
         return tap.features()
+
+
+@torch.no_grad()
+def features_and_final_hidden(target: nn.Module, input_ids: torch.Tensor,
+                              layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(features of `layer_ids` [b, T, K*H], the final-normed last hidden state [b, T, H]): what
+    distillation needs, the target's LM-head input at every position, from one whole forward of the
+    target's decoder with the same hooks as `context_features` (its LM head does not run)."""
+    no_packing = mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
+    with feature_tap(target, layer_ids) as tap, no_packing:
+        final = target.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state
+        return tap.features(), final
 
 
 def input_embedding_scale(target: nn.Module) -> float:

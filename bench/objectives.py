@@ -1,0 +1,225 @@
+"""Objectives compared by replayed tau: the same training steps under each objective variant and seed.
+
+    python data/toy.py                                  # once: the toy world
+    python bench/objectives.py                          # configs/toy.yaml, 6 variants x 3 seeds, 200 steps
+    python bench/objectives.py --steps 60 --eval-every 20 --variants default,tree [key.sub=value ...]
+    python bench/objectives.py --world micro --jobs 2   # no toy world: a random target's own greedy text
+
+Every run is train.py in one process (world of one) under FSDP2, so that the Muon variant trains on
+the same engine as the others; runs differ only by the variant's overrides and run.seed (drafter
+initialisation, anchors, feature noise; the data order stays fixed). Replayed tau (drafter/served.py:
+serving replayed under teacher forcing on the eval split, equal to served tau at T=0 when the eval
+answers are the target's own) is read from each run's eval records. Prints, per variant, the mean and
+standard error over seeds of tau_dflash and tau_ddtree@B at the last eval, and writes
+OUT/summary.json and OUT/tau_vs_steps.png (mean +- standard error against steps).
+
+`--world micro` builds, in OUT/micro, a 4-layer Qwen3 target trained for 150 steps on sequences
+x_t = (x_{t-1} + x_{t-2}) mod 64, its greedy continuations of fresh prompts (192 train, 64 eval rows)
+and a config for them: a world in a minute or two, for machines where the toy world's target
+training is too slow. Its numbers say less than the toy world's.
+"""
+import argparse
+import json
+import math
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+VARIANTS = {
+    "default": [],
+    "target-kl": ["objective.labels=target", "objective.loss=kl"],
+    "target-ce": ["objective.labels=target", "objective.loss=ce"],
+    "dpace": ["objective.position_weights=dpace"],
+    "tree": ["objective.position_weights=tree"],
+    "muon": ["optim.name=muon"],
+}
+MICRO_TARGET = {"vocab_size": 320, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128}
+MICRO_MODULUS = 64  # micro-world tokens are 0..63: x_t = (x_{t-1} + x_{t-2}) mod 64
+
+
+def micro_sequences(count: int, length: int, gen) -> "torch.Tensor":
+    """Fibonacci-like sequences mod 64 from random first two tokens: each token depends on the two
+    before it, so a block's later slots are predictable only through the earlier ones."""
+    import torch
+    seqs = torch.randint(0, MICRO_MODULUS, (count, 2), generator=gen)
+    while seqs.shape[1] < length:
+        seqs = torch.cat([seqs, (seqs[:, -1:] + seqs[:, -2:-1]) % MICRO_MODULUS], 1)
+    return seqs
+
+
+def build_micro_target(directory: Path, steps: int = 150) -> None:
+    """A 4-layer Qwen3 trained briefly on the micro sequences, with a tokenizer so that train.py
+    loads it like any target (the token ids, not the text, are what matters here)."""
+    import torch
+
+    from data.toy import build_tokenizer
+    from drafter.target import random_qwen3
+
+    target = random_qwen3(**MICRO_TARGET).train().requires_grad_(True)
+    optimizer = torch.optim.AdamW(target.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(99)
+    for _ in range(steps):
+        ids = micro_sequences(32, 64, gen)
+        loss = target(ids, labels=ids).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    print(f"micro target: {steps} steps, last loss {loss.item():.3f}", flush=True)
+    target.save_pretrained(directory)
+    build_tokenizer(["micro world " * 20, "x = (a + b) % 64"] * 4, MICRO_TARGET["vocab_size"]).save_pretrained(directory)
+
+
+def build_micro_world(directory: Path, train_rows: int = 192, eval_rows: int = 64, prompt_len: int = 8,
+                      new_tokens: int = 56) -> Path:
+    """The micro target's greedy continuations of fresh prompts, prepared (loss on the continuation),
+    and a config for them; returns the config's path."""
+    import datasets
+    import torch
+    import yaml
+
+    from drafter.target import load_target
+
+    if not (directory / "target" / "config.json").exists():
+        build_micro_target(directory / "target")
+    target = load_target(str(directory / "target"), "cpu", torch.float32)
+    gen = torch.Generator().manual_seed(1234)
+    for name, count in (("train_data", train_rows), ("eval_data", eval_rows)):
+        if (directory / name).exists():
+            continue
+        ids = micro_sequences(count, prompt_len, gen)
+        with torch.no_grad():
+            for _ in range(new_tokens):  # greedy, the whole batch at once
+                ids = torch.cat([ids, target(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+        rows = {"input_ids": ids.tolist(), "loss_mask": [[0] * prompt_len + [1] * new_tokens] * count,
+                "length": [ids.shape[1]] * count}
+        datasets.Dataset.from_dict(rows).save_to_disk(str(directory / name))
+        settings = {"chat_template_kwargs": {"enable_thinking": False}}
+        (directory / name / "stats.json").write_text(json.dumps({"settings": settings}))
+    cfg = {"target": {"path": str(directory / "target")},
+           "drafter": {"num_layers": 1, "block_size": 8},
+           "objective": {"num_anchors": 16, "anchors_per_batch": 96, "gamma": 10, "ddtree_budget": 16},
+           "optim": {"lr": 1e-2, "warmup_ratio": 0.05, "min_lr_ratio": 0.05},
+           "noise": {"end": 0.01, "warmup_steps": 10},
+           "data": {"path": str(directory / "train_data"), "eval_path": str(directory / "eval_data"),
+                    "max_length": 128, "num_buckets": 1, "tokens_per_batch": 512, "num_workers": 0},
+           "train": {"epochs": 100, "eval_batches": 100, "tau_budgets": [16], "threads_per_rank": 1},
+           "wandb": {"enabled": False}}
+    path = directory / "micro.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def run_variant(cfg: Path, out: Path, variant: str, seed: int, args, overrides: list[str]) -> list[dict]:
+    """One training run; its eval records."""
+    run = out / variant / f"seed{seed}"
+    command = [sys.executable, str(REPO / "train.py"), "--cfg", str(cfg), f"run.out_dir={run}",
+               f"run.seed={seed}", f"train.max_steps={args.steps}", f"train.eval_every={args.eval_every}",
+               f"train.save_every={args.steps}", "train.generate_every=0", "train.engine=fsdp",
+               "train.resume=never", "train.log_every=10", *VARIANTS[variant], *overrides]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    if result.returncode != 0:
+        sys.exit(f"{variant} seed {seed} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == "eval"]
+
+
+def mean_and_se(values: list[float]) -> tuple[float, float]:
+    values = np.asarray(values, dtype=float)
+    se = values.std(ddof=1) / math.sqrt(len(values)) if len(values) > 1 else math.nan
+    return float(values.mean()), float(se)
+
+
+def summarise(evals: dict[str, dict[int, list[dict]]], metrics: list[str]) -> dict:
+    """variant -> metric -> {"steps": [...], "mean": [...], "se": [...]} over seeds, per eval step."""
+    summary = {}
+    for variant, per_seed in evals.items():
+        steps = sorted({r["step"] for records in per_seed.values() for r in records})
+        summary[variant] = {}
+        for metric in metrics:
+            at = {s: [r[metric] for records in per_seed.values() for r in records if r["step"] == s] for s in steps}
+            pairs = [mean_and_se(at[s]) for s in steps]
+            summary[variant][metric] = {"steps": steps, "mean": [m for m, _ in pairs], "se": [e for _, e in pairs],
+                                        "last": at[steps[-1]]}
+    return summary
+
+
+def plot(summary: dict, metrics: list[str], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(metrics), figsize=(6 * len(metrics), 4))
+    for ax, metric in zip(np.atleast_1d(axes), metrics):
+        for variant, by_metric in summary.items():
+            curve = by_metric[metric]
+            mean, se = np.array(curve["mean"]), np.nan_to_num(np.array(curve["se"]))
+            ax.plot(curve["steps"], mean, marker="o", label=variant)
+            ax.fill_between(curve["steps"], mean - se, mean + se, alpha=0.2)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(f"replayed {metric}")
+        ax.grid(alpha=0.3)
+    np.atleast_1d(axes)[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", choices=["toy", "micro"], default="toy")
+    parser.add_argument("--cfg", default=None, help="default: configs/toy.yaml (toy), OUT/micro/micro.yaml (micro)")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--eval-every", type=int, default=50)
+    parser.add_argument("--out", default="runs/objectives")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at a time (each one process, one thread)")
+    parser.add_argument("overrides", nargs="*", help="key.sub=value for every run")
+    args = parser.parse_args()
+    out = Path(args.out).resolve()
+    variants, seeds = args.variants.split(","), [int(s) for s in args.seeds.split(",")]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown or len(seeds) < 1:
+        sys.exit(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
+    if args.cfg:
+        cfg = Path(args.cfg).resolve()
+    elif args.world == "micro":
+        cfg = build_micro_world(out / "micro")
+    else:
+        cfg = REPO / "configs" / "toy.yaml"
+        if not (REPO / "artifacts" / "toy" / "target").exists():
+            sys.exit("no toy world: run `python data/toy.py` first (or pass --world micro)")
+
+    def one(job):
+        variant, seed = job
+        records = run_variant(cfg, out, variant, seed, args, args.overrides)
+        print(f"  {variant:10s} seed {seed}: step {records[-1]['step']} tau_dflash {records[-1]['tau_dflash']:.3f}",
+              flush=True)
+        return records
+
+    jobs = [(variant, seed) for variant in variants for seed in seeds]
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        done = dict(zip(jobs, pool.map(one, jobs)))
+    evals = {variant: {seed: done[variant, seed] for seed in seeds} for variant in variants}
+    metrics = ["tau_dflash"] + sorted(k for k in evals[variants[0]][seeds[0]][-1] if k.startswith("tau_ddtree@"))
+    summary = summarise(evals, metrics)
+    (out / "summary.json").write_text(json.dumps({"config": str(cfg), "steps": args.steps, "seeds": seeds,
+                                                  "overrides": args.overrides, "summary": summary}, indent=1))
+    plot(summary, metrics, out / "tau_vs_steps.png")
+    responses = evals[variants[0]][seeds[0]][-1].get("eval_responses")
+    print(f"\nreplayed tau at step {args.steps}, mean +- standard error over {len(seeds)} seeds "
+          f"({responses} eval responses; {cfg}):")
+    print("| variant | " + " | ".join(metrics) + " |")
+    print("|---|" + "---:|" * len(metrics))
+    for variant in variants:
+        cells = [f"{summary[variant][m]['mean'][-1]:.3f} +- {summary[variant][m]['se'][-1]:.3f}" for m in metrics]
+        print(f"| {variant} | " + " | ".join(cells) + " |")
+    print(f"\nplots: {out / 'tau_vs_steps.png'}; per-run records: {out}/<variant>/seed<N>/metrics.jsonl")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,297 @@
+"""Objectives beyond data CE (drafter/distill.py): distillation labels and loss, D-PACE and tree-aware
+position weights, each against an independent computation (the target's own full logits, weights by
+hand, a hand-built tree)."""
+import math
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import MASK_ID, make_drafter
+from drafter.config import ConfigError, load_config
+from drafter.distill import (ChunkedRowLoss, RowLossSpec, dense_row_loss, dpace_weights, logit_softcap,
+                             teacher_rows, tree_weights)
+from drafter.objective import (ObjectiveConfig, build_blocks, drafter_hidden, sample_anchors, training_step,
+                               tree_accepted_depth)
+from drafter.target import context_features, features_and_final_hidden, random_qwen3
+from runs import REPO
+from test_objective import padded_batch
+
+B = 8
+
+
+def test_final_hidden_is_what_the_lm_head_reads_and_features_are_context_features(target):
+    ids, _ = padded_batch([20, 13])
+    layer_ids = [1, 3]
+    features, final = features_and_final_hidden(target, ids, layer_ids)
+    torch.testing.assert_close(features, context_features(target, ids, layer_ids), rtol=0, atol=1e-6)
+    with torch.no_grad():
+        logits = target(ids).logits
+    torch.testing.assert_close(target.lm_head(final), logits, rtol=1e-5, atol=1e-5)
+
+
+def reference_rows(target, drafter, ids, loss_mask, cfg, seed):
+    """The full-logits reference: drafter logits [b, A, B, V] of the step's blocks, and the target's own
+    logits from its forward, read at p+k-1 for slot k."""
+    anchors, valid = sample_anchors(loss_mask, cfg.num_anchors, torch.Generator().manual_seed(seed))
+    blocks = build_blocks(ids, loss_mask, anchors, valid, B, MASK_ID, gamma=10.0)
+    features = context_features(target, ids, drafter.target_layer_ids)
+    drafter_logits = target.lm_head(drafter_hidden(drafter, target, features, blocks, "dense"))
+    with torch.no_grad():
+        target_logits = target(ids).logits
+    T = ids.shape[1]
+    at = (blocks.positions[..., 1:] - 1).clamp(max=T - 1)  # slot k >= 1 <- position p+k-1
+    teacher = torch.stack([target_logits[i, at[i]] for i in range(ids.shape[0])])
+    return blocks, drafter_logits[..., 1:, :], teacher
+
+
+@pytest.mark.parametrize("loss", ["kl", "ce"])
+def test_target_labels_match_the_targets_full_logits(drafter, target, loss):
+    """Forward KL to (and CE on the argmax of) the target's distribution one position before each
+    slot, the teacher taken from the target's own full forward, equals training_step's loss, and the
+    gradients agree."""
+    ids, loss_mask = padded_batch([40, 29], seed=3)
+    cfg = ObjectiveConfig(block_size=B, mask_token_id=MASK_ID, num_anchors=6, gamma=10.0,
+                          labels="target", loss=loss, chunk_bytes=4 * 256 * 5)  # 5 rows a chunk
+    features, final = features_and_final_hidden(target, ids, drafter.target_layer_ids)
+    step_loss, _ = training_step(drafter, target, features, ids, loss_mask, cfg,
+                                 torch.Generator().manual_seed(4), "dense", final)
+    step_grads = torch.autograd.grad(step_loss, list(drafter.parameters()))
+    blocks, logits, teacher = reference_rows(target, drafter, ids, loss_mask, cfg, seed=4)
+    log_q = logits.float().log_softmax(-1)
+    if loss == "kl":
+        rows = F.kl_div(log_q, teacher.log_softmax(-1), log_target=True, reduction="none").sum(-1)
+    else:
+        rows = F.cross_entropy(log_q.flatten(0, -2), teacher.argmax(-1).flatten(), reduction="none").view_as(log_q[..., 0])
+    w = blocks.weights[..., 1:]
+    expected = (rows * w).sum() / w.sum()
+    torch.testing.assert_close(step_loss, expected, rtol=1e-5, atol=1e-6)
+    for got, want in zip(step_grads, torch.autograd.grad(expected, list(drafter.parameters()))):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    assert not torch.equal(teacher.argmax(-1), blocks.labels[..., 1:])  # the target is not the data here
+
+
+@pytest.mark.parametrize("labels, loss, softcap", [("data", "ce", None), ("target", "ce", None),
+                                                   ("target", "kl", None), ("target", "kl", 5.0)])
+def test_chunked_row_losses_equal_dense_ones_with_gradients(labels, loss, softcap):
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(23, 16, generator=gen, requires_grad=True)
+    teacher = torch.randn(23, 16, generator=gen) * 2
+    head = torch.randn(300, 16, generator=gen)
+    data_labels = torch.randint(0, 300, (23,), generator=gen)
+    weights = torch.rand(23, generator=gen)
+    spec = RowLossSpec(labels, loss, chunk_rows=4, softcap=softcap)
+    rows, ranks, hard, hard_logprob = ChunkedRowLoss.apply(hidden, head, data_labels, teacher, spec)
+    (grad,) = torch.autograd.grad((rows * weights).sum(), hidden)
+    ref_hidden = hidden.detach().clone().requires_grad_(True)
+    ref = dense_row_loss(ref_hidden, head, data_labels, teacher, spec)
+    (ref_grad,) = torch.autograd.grad((ref * weights).sum(), ref_hidden)
+    torch.testing.assert_close(rows, ref)
+    torch.testing.assert_close(grad, ref_grad)
+    logits = hidden.detach() @ head.T
+    assert torch.equal(ranks, (logits > logits.gather(1, data_labels[:, None])).sum(1))
+    teacher_logits = teacher @ head.T
+    if softcap:  # the cap changes the distribution, not the argmax
+        teacher_logits = softcap * torch.tanh(teacher_logits / softcap)
+    expected_hard = teacher_logits.argmax(-1) if labels == "target" else data_labels
+    assert torch.equal(hard, expected_hard)
+    torch.testing.assert_close(hard_logprob, logits.log_softmax(-1).gather(1, hard[:, None])[:, 0])
+    if softcap:
+        uncapped = dense_row_loss(hidden.detach(), head, data_labels, teacher, RowLossSpec(labels, loss, 4))
+        assert (uncapped - rows.detach()).abs().max() > 1e-2
+
+
+def test_the_targets_softcap_is_read_from_its_config(target):
+    assert logit_softcap(target) is None
+    capped = type("Target", (), {"config": type("Config", (), {"final_logit_softcapping": 30.0})()})()
+    assert logit_softcap(capped) == 30.0
+
+
+def test_teacher_rows_read_one_position_before_each_slot():
+    final = torch.arange(2 * 6, dtype=torch.float32).view(2, 6, 1)  # value = 6 * row + position
+    positions = torch.tensor([[[1, 2, 3, 4]], [[3, 4, 5, 6]]])
+    assert teacher_rows(final, positions)[..., 0].tolist() == [[[1, 2, 3]], [[9, 10, 11]]]
+
+
+def test_dpace_weights_by_hand():
+    q = torch.tensor([[0.8, 0.4, 0.9, 0.5]])
+    supervised = torch.tensor([[True, True, True, False]])
+    s = [(1 - 0.5) * v + 0.5 for v in q[0, :3].tolist()]  # 0.9, 0.7, 0.95
+    reach = [s[0], s[0] * s[1], s[0] * s[1] * s[2]]
+    expected = [sum(reach[k:]) for k in range(3)] + [0.0]
+    torch.testing.assert_close(dpace_weights(q.log(), supervised, 0.5), torch.tensor([expected]))
+    assert dpace_weights(q.log(), torch.ones(1, 4, dtype=torch.bool), 1.0).tolist() == [[4, 3, 2, 1]]
+
+
+def test_tree_aware_weights_on_a_hand_built_tree():
+    """Three depths over a vocabulary of 4; the head is the identity, so hidden states are logits.
+    Marginals: depth 1 {0: .6, 1: .4}, depth 2 {2: .5, 3: .5}, depth 3 {0: .9, ...}. A budget-3 tree
+    holds the prefixes by probability: (0) .6, (1) .4, (0,2) = (0,3) = .3 (ties: lower rank first), so
+    (0), (1), (0,2). The labels (1, 2, 0) follow it to depth 1 only (prefix (1,2) = .2 is not in it),
+    the labels (0, 2, 0) to depth 2 (prefix (0,2,0) = .27 misses the budget), though neither label
+    path is the chain of argmaxes beyond depth 1. Budget 6 adds (0,3) .3 and (0,2,0) .27 (and
+    (0,3,0)); budget 7 then (1,2) .2."""
+    probs = torch.tensor([[0.6, 0.4, 1e-9, 1e-9], [1e-9, 1e-9, 0.5, 0.5], [0.9, 0.05, 0.03, 0.02]])
+    hidden = probs.log()[None].expand(2, -1, -1).contiguous()
+    labels = torch.tensor([[1, 2, 0], [0, 2, 0]])
+    depth = tree_accepted_depth(hidden, torch.eye(4), labels, budget=3, chunk_rows=2)
+    assert depth.tolist() == [1, 2]
+    assert tree_accepted_depth(hidden, torch.eye(4), labels, budget=6, chunk_rows=2).tolist() == [1, 3]
+    assert tree_accepted_depth(hidden, torch.eye(4), labels, budget=7, chunk_rows=2).tolist() == [2, 3]
+    supervised = torch.ones(2, 3, dtype=torch.bool)
+    a = 0.5  # reach: depth <= d -> 1, then a^(j - d)
+    expected = torch.tensor([[1 + a + a * a, a + a * a, a * a], [1 + 1 + a, 1 + a, a]])
+    torch.testing.assert_close(tree_weights(depth, supervised, a), expected)
+    supervised[0, 2] = False
+    torch.testing.assert_close(tree_weights(depth, supervised, a)[0], torch.tensor([1 + a, a, 0]))
+
+
+@pytest.mark.parametrize("weights", ["dpace", "tree"])
+def test_prediction_dependent_weights_carry_no_gradient(drafter, target, weights):
+    """The step's gradient is that of sum_r w_r CE_r / sum_r w_r with the weights held fixed at their
+    values, computed here from the dense logits of the same blocks."""
+    ids, loss_mask = padded_batch([40, 33], seed=5)
+    cfg = ObjectiveConfig(block_size=B, mask_token_id=MASK_ID, num_anchors=6, gamma=10.0,
+                          position_weights=weights, ddtree_budget=160)
+    features = context_features(target, ids, drafter.target_layer_ids)
+    step_loss, _ = training_step(drafter, target, features, ids, loss_mask, cfg,
+                                 torch.Generator().manual_seed(6), "dense")
+    step_grads = torch.autograd.grad(step_loss, list(drafter.parameters()))
+    blocks, logits, _ = reference_rows(target, drafter, ids, loss_mask, cfg, seed=6)
+    log_q = logits.float().log_softmax(-1)
+    ce = -log_q.gather(-1, blocks.labels[..., 1:, None])[..., 0].reshape(-1, B - 1)
+    supervised = (blocks.weights[..., 1:] > 0).reshape(-1, B - 1)
+    if weights == "dpace":
+        w = dpace_weights(-ce.detach(), supervised, 0.5)
+    else:
+        hidden = drafter_hidden(drafter, target, features, blocks, "dense")[:, :, 1:].reshape(-1, B - 1, 64)
+        depth = tree_accepted_depth(hidden, target.lm_head.weight, blocks.labels[..., 1:].reshape(-1, B - 1), 160, 50)
+        assert 0 < depth.float().mean() < B - 1  # the tree follows some labels some of the way
+        w = tree_weights(depth, supervised, 0.5)
+    expected = (ce * w).sum() / w.sum()
+    torch.testing.assert_close(step_loss, expected, rtol=1e-5, atol=1e-6)
+    for got, want in zip(step_grads, torch.autograd.grad(expected, list(drafter.parameters()))):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    exp_loss, _ = training_step(drafter, target, features, ids, loss_mask,
+                                ObjectiveConfig(block_size=B, mask_token_id=MASK_ID, num_anchors=6, gamma=10.0),
+                                torch.Generator().manual_seed(6), "dense")
+    assert abs(exp_loss.item() - step_loss.item()) > 1e-4  # the weights do change the loss
+
+
+@pytest.mark.parametrize("override, message", [
+    ("objective.labels=teacher", "objective.labels='teacher' is not one of data, target"),
+    ("objective.loss=jsd", "objective.loss='jsd' is not one of ce, kl"),
+    ("objective.position_weights=flat", "objective.position_weights='flat' is not one of exp, dpace, tree"),
+    ("objective.loss=kl", "objective.loss=kl needs objective.labels=target"),
+    ("objective.weight_smoothing=1.5", "objective.weight_smoothing=1.5 must be in [0, 1]"),
+])
+def test_bad_objective_settings_are_refused_naming_the_key(override, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(str(REPO / "configs" / "v3.yaml"), ["data.path=/x", override])
+
+
+def test_distillation_with_a_tensor_parallel_target_is_refused_naming_both_keys():
+    with pytest.raises(ConfigError, match=re.escape("objective.labels=target needs target.tp_size=1 (got 2)")):
+        load_config(str(REPO / "configs" / "v3.yaml"),
+                    ["data.path=/x", "objective.labels=target", "target.tp_size=2", "train.generate_every=0"])
+
+
+def test_the_run_name_says_the_objective():
+    cfg = load_config(str(REPO / "configs" / "v3.yaml"),
+                      ["data.path=/x", "objective.labels=target", "objective.loss=kl", "objective.position_weights=tree"])
+    assert cfg.run.name == "v3-g10-b95-target-kl-tree"
+    assert load_config(str(REPO / "configs" / "v3.yaml"), ["data.path=/x"]).run.name == "v3-g10-b95"
+
+
+VARIANTS = {"target-kl": dict(labels="target", loss="kl"), "target-ce": dict(labels="target", loss="ce"),
+            "dpace": dict(position_weights="dpace"), "tree": dict(position_weights="tree", ddtree_budget=16)}
+
+
+def cfg_budget(variant: str) -> int:
+    return VARIANTS[variant].get("ddtree_budget", ObjectiveConfig.ddtree_budget)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_each_objective_learns_and_differs_from_the_default(target, variant):
+    """20 AdamW steps from the same start: every variant's loss falls, and its trajectory is its own
+    (the default's first step is the same computation; later steps move apart)."""
+    ids, loss_mask = padded_batch([48, 48, 30], seed=6)
+    features, final = features_and_final_hidden(target, ids, [1, 3])
+
+    def fit(**objective):
+        drafter = make_drafter(target, num_layers=1, target_layer_ids=[1, 3])
+        cfg = ObjectiveConfig(block_size=B, mask_token_id=MASK_ID, num_anchors=8, gamma=10.0, **objective)
+        optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+        losses = []
+        for step in range(20):
+            loss, metrics = training_step(drafter, target, features, ids, loss_mask, cfg,
+                                          torch.Generator().manual_seed(step), "dense", final)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        return losses, metrics
+
+    losses, metrics = fit(**VARIANTS[variant])
+    default, _ = fit()
+    assert sum(losses[-4:]) < 0.8 * sum(losses[:4])
+    assert math.isfinite(metrics["acc"][0]) and math.isfinite(metrics[f"anchor_ddtree@{cfg_budget(variant)}"][0])
+    assert abs(losses[-1] - default[-1]) > 1e-3
+
+
+def test_the_objective_keys_define_the_run():
+    from drafter.checkpoint import run_identity
+    identity = run_identity(load_config(str(REPO / "configs" / "v3.yaml"), ["data.path=/x"]))
+    for key in ("objective.labels", "objective.loss", "objective.position_weights", "objective.weight_smoothing"):
+        assert key in identity, key
+
+
+def test_muon_steps_the_matrices_and_adamw_the_rest():
+    from omegaconf import OmegaConf
+
+    from drafter.config import OptimConfig
+    from drafter.engine import build_optimizers
+    drafter = make_drafter(random_qwen3(vocab_size=256, num_hidden_layers=4), num_layers=1)
+    params = list(drafter.parameters())
+    muon, adamw = build_optimizers(params, OmegaConf.structured(OptimConfig(name="muon")))
+    assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
+    matrices = {id(p) for p in muon.param_groups[0]["params"]}
+    assert matrices == {id(p) for p in params if p.dim() == 2} and id(drafter.fc.weight) in matrices
+    assert all(p.dim() == 1 for p in adamw.param_groups[0]["params"]) and adamw.param_groups[0]["params"]
+    (only,) = build_optimizers(params, OmegaConf.structured(OptimConfig()))
+    assert isinstance(only, torch.optim.AdamW) and len(only.param_groups[0]["params"]) == len(params)
+
+
+def test_muon_under_deepspeed_is_refused_by_name_before_anything_loads(tmp_path):
+    from drafter.engine import EngineConfigError, deepspeed_config
+    cfg = load_config(str(REPO / "configs" / "v3.yaml"), ["data.path=/x", "optim.name=muon"])
+    with pytest.raises(EngineConfigError, match="optim.name=muon is not supported under train.engine=deepspeed"):
+        deepspeed_config(str(REPO / "ds_configs" / "zero2.json"), cfg, 2, True, 64, on_cpu=False)
+    with pytest.raises(ConfigError, match=re.escape("optim.name='lion' is not one of adamw, muon")):
+        load_config(str(REPO / "configs" / "v3.yaml"), ["data.path=/x", "optim.name=lion"])
+
+
+@pytest.mark.slow
+def test_distillation_tree_weights_and_muon_train_resume_exactly_and_export_under_fsdp(tmp_path):
+    """Two ranks (torchrun, FSDP2: Muon's Newton-Schulz on sharded matrices): target KL labels,
+    tree-aware weights and Muon, 4 steps saving every 2; a resume from step 2 replays steps 3 and 4
+    exactly; the export loads in the public package."""
+    from runs import launch, records, run_to_end, train_losses, write_run
+    cfg = write_run(tmp_path)
+    run = tmp_path / "run"
+    common = ["objective.labels=target", "objective.loss=kl", "objective.position_weights=tree",
+              "optim.name=muon", "train.engine=fsdp", "train.eval_every=4", "train.save_every=2",
+              "train.keep_last=5", "train.max_steps=4", "train.generate_every=0"]
+    out = run_to_end(cfg, *common, launcher="torchrun")
+    assert "2 ranks on cpu" in out and "tiny-g4-b95-target-kl-tree-muon" in out
+    first = train_losses(run)
+    assert list(first) == [1, 2, 3, 4] and first[4] < first[1]
+    assert records(run, "eval")[-1]["tau_ddtree@16"] >= 1
+    out = run_to_end(cfg, *common, f"train.resume={run / 'checkpoints' / 'step_2'}", launcher="torchrun")
+    assert "resumed from" in out and "at step 2" in out
+    resumed = train_losses(run)
+    for step in (3, 4):
+        assert resumed[step] == pytest.approx(first[step], rel=1e-6, abs=1e-7), step
+    from dflash.model import DFlashDraftModel as PublicDraftModel
+    PublicDraftModel.from_pretrained(run / "checkpoints" / "step_4" / "drafter", dtype=torch.float32)
