@@ -20,6 +20,7 @@ import signal
 import sys
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -212,28 +213,41 @@ class Timers:
 
 # ----------------------------------------------------------------------------- training
 
-def target_pass(target, target_features, input_ids, layer_ids, objective):
+@dataclass(frozen=True)
+class RunParts:
+    """What stays fixed for the whole run, as the step, eval and generation functions need it."""
+    cfg: object
+    rank: int
+    world_size: int
+    device: torch.device
+    target: torch.nn.Module
+    target_features: TargetFeatures  # this rank's features, whatever the tp size
+    objective: ObjectiveConfig
+    attention: str
+
+
+def target_pass(run: RunParts, input_ids, layer_ids):
     """(context features, the target's final hidden states or None): the latter only when the
     objective distils the target (at target.tp_size 1: the config refuses distillation above it)."""
-    if objective.labels == "target":
-        return features_and_final_hidden(target, input_ids, layer_ids)
-    return target_features(input_ids, layer_ids), None
+    if run.objective.labels == "target":
+        return features_and_final_hidden(run.target, input_ids, layer_ids)
+    return run.target_features(input_ids, layer_ids), None
 
 
-def micro_step(engine, target, target_features, batch, objective, cfg, step, micro, rank, noise, device, attention,
-               timers):
+def micro_step(run: RunParts, engine, batch, step, micro, noise, timers):
     """Forward + backward of one micro batch; returns its metrics ([sum, count] tensors, on the device:
     nothing here waits for the device)."""
-    input_ids = batch["input_ids"].to(device, non_blocking=True)
-    loss_mask = batch["loss_mask"].to(device, non_blocking=True)
+    input_ids = batch["input_ids"].to(run.device, non_blocking=True)
+    loss_mask = batch["loss_mask"].to(run.device, non_blocking=True)
     drafter = engine.module
     timers.start()
-    features, final_hidden = target_pass(target, target_features, input_ids, drafter.target_layer_ids, objective)
+    features, final_hidden = target_pass(run, input_ids, drafter.target_layer_ids)
     features = add_feature_noise(features, noise, len(drafter.target_layer_ids),
-                                 step_generator(cfg.run.seed, step, rank, 1 + micro, device))
+                                 step_generator(run.cfg.run.seed, step, run.rank, 1 + micro, run.device))
     timers.lap("target")
-    loss, metrics = training_step(drafter, target, features, input_ids, loss_mask, objective,
-                                  step_generator(cfg.run.seed, step, rank, -1 - micro), attention, final_hidden)
+    loss, metrics = training_step(drafter, run.target, features, input_ids, loss_mask, run.objective,
+                                  step_generator(run.cfg.run.seed, step, run.rank, -1 - micro), run.attention,
+                                  final_hidden)
     # A non-finite loss makes every gradient NaN, so the engine's global check skips the step on all ranks.
     loss = loss * torch.where(torch.isfinite(loss.detach()), 1.0, math.nan)
     engine.backward(loss)
@@ -252,7 +266,7 @@ def local_drafter(engine, target):
 
 
 @torch.no_grad()
-def evaluate(drafter, target, target_features, eval_set, eval_sampler, objective, cfg, rank, device, attention):
+def evaluate(run: RunParts, drafter, eval_set, eval_sampler):
     """Held-out loss, random-anchor metrics and replayed tau over up to eval_batches of this rank's
     share of the held-out rows, on clean features. Ranks hold different numbers of batches; the members
     of a tensor-parallel group run the target as often as the one with the most, passing None when out."""
@@ -261,20 +275,20 @@ def evaluate(drafter, target, target_features, eval_set, eval_sampler, objective
     summed = defaultdict(lambda: 0)
     loader = make_loader(eval_set, eval_sampler, epoch=0, num_workers=0, prefetch_factor=2)
     with loader:
-        batches = list(itertools.islice(loader, cfg.train.eval_batches))
-    for i in range(target_features.most_in_group(len(batches))):
+        batches = list(itertools.islice(loader, run.cfg.train.eval_batches))
+    for i in range(run.target_features.most_in_group(len(batches))):
         batch = batches[i] if i < len(batches) else None
-        input_ids = batch["input_ids"].to(device) if batch else None
-        features, final_hidden = target_pass(target, target_features, input_ids, drafter.target_layer_ids, objective)
+        input_ids = batch["input_ids"].to(run.device) if batch else None
+        features, final_hidden = target_pass(run, input_ids, drafter.target_layer_ids)
         if batch is None:
             continue
-        loss_mask = batch["loss_mask"].to(device)
-        _, metrics = training_step(drafter, target, features, input_ids, loss_mask, objective,
-                                   step_generator(cfg.run.seed, i, rank, 7), attention, final_hidden)
-        metrics.update(replayed_tau(drafter, target, features, input_ids, loss_mask,
-                                    cfg.train.tau_budgets, attention,
-                                    blocks_per_forward=objective.anchors_per_batch or 2048,
-                                    chunk_bytes=objective.chunk_bytes))
+        loss_mask = batch["loss_mask"].to(run.device)
+        _, metrics = training_step(drafter, run.target, features, input_ids, loss_mask, run.objective,
+                                   step_generator(run.cfg.run.seed, i, run.rank, 7), run.attention, final_hidden)
+        metrics.update(replayed_tau(drafter, run.target, features, input_ids, loss_mask,
+                                    run.cfg.train.tau_budgets, run.attention,
+                                    blocks_per_forward=run.objective.anchors_per_batch or 2048,
+                                    chunk_bytes=run.objective.chunk_bytes))
         for k, v in metrics.items():
             summed[k] = summed[k] + v.float()
     drafter.train(was_training)
@@ -366,7 +380,6 @@ def train(cfg, rank, world_size, device) -> int:
     check_memory_plan(cfg, model_config, world_size, device, dtype, ds_config, rank)
     tp_group = form_tp_group(cfg.target.tp_size)
     target, tokenizer = build_target_and_tokenizer(cfg, device, dtype, tp_group)
-    target_features = TargetFeatures(target, tp_group, device)  # this rank's features, whatever the tp size
     drafter = build_drafter(cfg, target, tokenizer)
     generate_prompts = generation_prompts(cfg, tokenizer, eval_set)
     probe = probe_decoding(target) if generate_prompts else None
@@ -385,6 +398,8 @@ def train(cfg, rank, world_size, device) -> int:
                                 weight_smoothing=cfg.objective.weight_smoothing, logit_softcap=logit_softcap(target),
                                 selector_alpha=cfg.objective.selector_alpha)
     engine = build_engine(cfg, drafter, device, dtype, ds_config)
+    run = RunParts(cfg, rank, world_size, device, target, TargetFeatures(target, tp_group, device), objective,
+                   attention)
 
     state = {"step": 0, "epoch": 0, "micro_step_in_epoch": 0, "skipped_steps": 0, "wandb_id": None,
              "elapsed_s": 0.0, "schedule_steps": cfg.train.schedule_steps or total_steps}
@@ -430,8 +445,7 @@ def train(cfg, rank, world_size, device) -> int:
                         batch = next(loader)
                         window.data_wait += time.perf_counter() - t_wait
                         window.queue.append(loader.queue_depth())
-                        metrics = micro_step(engine, target, target_features, batch, objective, cfg, step,
-                                             micro, rank, noise, device, attention, window.timers)
+                        metrics = micro_step(run, engine, batch, step, micro, noise, window.timers)
                         window.add(metrics, batch)
                         state["micro_step_in_epoch"] += 1
                     window.timers.start()
@@ -465,11 +479,9 @@ def train(cfg, rank, world_size, device) -> int:
                     if evaluating or generating:  # one gather of a sharded drafter serves both
                         drafter_now = local_drafter(engine, target)
                         if evaluating:
-                            run_eval(drafter_now, target, target_features, eval_share, eval_sampler, objective,
-                                     cfg, rank, device, attention, step, log)
+                            run_eval(run, drafter_now, eval_share, eval_sampler, step, log)
                         if generating:
-                            run_generation(drafter_now, target, generate_prompts, stops, cfg, rank, world_size,
-                                           step, log)
+                            run_generation(run, drafter_now, generate_prompts, stops, step, log)
                     if step % cfg.train.save_every == 0:
                         save(step)
                         last_saved = step
@@ -483,9 +495,8 @@ def train(cfg, rank, world_size, device) -> int:
         log.close()
 
 
-def run_eval(drafter, target, target_features, eval_set, eval_sampler, objective, cfg, rank, device, attention,
-             step, log):
-    metrics = evaluate(drafter, target, target_features, eval_set, eval_sampler, objective, cfg, rank, device, attention)
+def run_eval(run: RunParts, drafter, eval_set, eval_sampler, step, log):
+    metrics = evaluate(run, drafter, eval_set, eval_sampler)
     if not metrics:
         return
     log.log({"step": step, **metrics}, prefix="eval")
@@ -505,10 +516,11 @@ def generation_prompts(cfg, tokenizer, eval_set) -> list[list[int]] | None:
     return bench_prompts(cfg.train.generate_prompts, tokenizer, thinking, cfg.train.generate_max_prompts)
 
 
-def run_generation(drafter, target, prompts, stops, cfg, rank, world_size, step, log):
+def run_generation(run: RunParts, drafter, prompts, stops, step, log):
     """The drafter as it is now, served on the fixed prompts (split over ranks, time-bounded)."""
+    cfg = run.cfg
     summed = all_reduce_sum(generation_tau(
-        target, drafter, prompts, rank, world_size, budgets=cfg.train.tau_budgets,
+        run.target, drafter, prompts, run.rank, run.world_size, budgets=cfg.train.tau_budgets,
         max_new_tokens=cfg.train.generate_max_new_tokens, max_seconds=cfg.train.generate_max_seconds,
         stop_token_ids=stops))
     metrics = {"step": step, **finalize_metrics(summed), "gen_responses": int(summed["gen_tau_dflash"][1])}

@@ -407,7 +407,8 @@ def save_plots(results: dict, out: Path) -> list[Path]:
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_formatter(ticker.ScalarFormatter())
         ax.set(xlabel="tree budget", ylabel=label)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:  # replayed rows have no speedup to plot
+            ax.legend(fontsize=7)
     budget_plot = out.with_name(out.stem + "_budget.png")
     fig.tight_layout()
     fig.savefig(budget_plot, dpi=120)
