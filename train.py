@@ -35,8 +35,8 @@ from drafter.engine import DeepSpeedEngine, EngineConfigError, FSDPEngine, deeps
 from drafter.decode import stop_token_ids
 from drafter.launch import LaunchError, init_distributed
 from drafter.memory_plan import MemoryPlanError, check_fits, plan_inputs, plan_memory, target_model_config
-from drafter.model import (drafter_class, drafter_config, drafter_from_state_dict, drafter_variant, load_drafter,
-                           resolve_mask_token_id)
+from drafter.draft_config import drafter_config, drafter_variant, resolve_mask_token_id
+from drafter.model import drafter_class, drafter_from_state_dict, load_drafter
 from drafter.objective import ObjectiveConfig, attention_kernel, finalize_metrics, training_step
 from drafter.run_lock import RunDirectoryBusy, hold_run_directory
 from drafter.sampler import bucket_table, held_out_share, make_loader, plan_notes, sampler_from_config

@@ -64,7 +64,8 @@ from drafter.ddtree import build_tree, committed_tokens, follow_tree, tree_verif
 from drafter.decode import generate, pick
 from drafter.host_sync import host_syncs
 from drafter.lossless import first_divergence, lossless_verdict, near_tie_share
-from drafter.model import DFlashDraftModel, DraftCache, compiled_graph_count, drafter_config
+from drafter.draft_config import drafter_config
+from drafter.model import DFlashDraftModel, DraftCache, compiled_graph_count
 from drafter.objective import (ObjectiveConfig, attention_kernel, build_blocks, drafter_hidden, resolve_gamma,
                                sample_anchors, training_step)
 from drafter.sampler import BucketSampler, collate, make_buckets

@@ -252,7 +252,7 @@ def validate(cfg) -> list[str]:
     layer_ids = cfg.drafter.target_layer_ids
     if layer_ids is not None and (not layer_ids or min(layer_ids) < 0 or len(set(layer_ids)) != len(layer_ids)):
         problems.append(f"drafter.target_layer_ids={list(layer_ids)} must be distinct layer indices >= 0 (or null)")
-    from drafter.model import drafter_variant
+    from drafter.draft_config import drafter_variant
     problems += [f"drafter.{problem}" for problem in drafter_variant(cfg.drafter).problems(cfg.drafter.num_layers)]
     if not cfg.train.tau_budgets or min(cfg.train.tau_budgets) < 1:
         problems.append(f"train.tau_budgets={list(cfg.train.tau_budgets)} must be tree budgets >= 1")

@@ -175,7 +175,8 @@ def target_model_config(path: str | None, random: dict | None):
 
 def plan_inputs(cfg, model_config, world_size: int, ds_config: dict | None, dtype_bytes: int) -> PlanInputs:
     """The plan's inputs from the run config, the target's (full) config and the DeepSpeed JSON."""
-    from drafter.model import drafter_class, drafter_config, drafter_variant
+    from drafter.draft_config import drafter_config, drafter_variant
+    from drafter.model import drafter_class
     from drafter.objective import ObjectiveConfig
     from drafter.tensor_parallel import planned_split
 

@@ -6,7 +6,8 @@ import pytest
 from drafter.config import load_config
 from drafter.memory_plan import (GiB, MemoryPlanError, check_fits, plan_inputs, plan_memory, size_text,
                                  target_model_config)
-from drafter.model import DFlashDraftModel, drafter_config
+from drafter.draft_config import drafter_config
+from drafter.model import DFlashDraftModel
 from drafter.target import random_qwen3
 from runs import REPO
 

@@ -5,8 +5,9 @@ import torch
 from safetensors import safe_open
 
 from conftest import MASK_ID, VARIANTS, make_drafter
-from drafter.model import (DFlash2DraftModel, DFlashDraftModel, DraftCache, DrafterVariant, LayerAttention,
-                           drafter_config, layer_attention, load_drafter, resolve_mask_token_id)
+from drafter.draft_config import DrafterVariant, drafter_config, resolve_mask_token_id
+from drafter.model import (DFlash2DraftModel, DFlashDraftModel, DraftCache, LayerAttention, layer_attention,
+                           load_drafter)
 from drafter.target import context_features, default_target_layer_ids, select_features
 
 

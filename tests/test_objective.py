@@ -8,7 +8,8 @@ from conftest import MASK_ID, VARIANTS, fit_drafter, make_drafter
 from drafter import ddtree, model, objective
 from drafter.ddtree import build_tree, teacher_forced_accept
 from drafter.host_sync import HostSyncCounter
-from drafter.model import CandidateSelector, DraftCache, LayerAttention, compiled_graph_count, drafter_config
+from drafter.draft_config import drafter_config
+from drafter.model import CandidateSelector, DraftCache, LayerAttention, compiled_graph_count
 from drafter.objective import (ATTENTION_KERNELS, ChunkedLMHeadLoss, ObjectiveConfig, attention_kernel,
                                build_blocks, dense_block_mask, dense_lm_head_loss, ddtree_accept_metric,
                                drafter_hidden, finalize_metrics, position_weights, rank_metrics,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import MASK_ID, fit_drafter, make_drafter
-from drafter.model import DrafterVariant
+from drafter.draft_config import DrafterVariant
 from drafter.benchmarks import load_prompts
 from drafter.decode import generate
 from drafter.objective import ObjectiveConfig, finalize_metrics

@@ -16,7 +16,8 @@ from drafter import decode
 from drafter.ddtree import build_tree, teacher_forced_accept
 from drafter.decode import generate
 from drafter.lossless import BF16_TIE_TOLERANCE, first_divergence, lossless_verdict, near_tie_share
-from drafter.model import DFlash2DraftModel, DFlashDraftModel, drafter_config
+from drafter.draft_config import drafter_config
+from drafter.model import DFlash2DraftModel, DFlashDraftModel
 from drafter.objective import build_blocks, drafter_hidden
 from drafter.target import context_features, random_qwen3
 

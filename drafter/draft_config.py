@@ -1,0 +1,208 @@
+"""The drafter's config from the target's: the widths it must share with the target, the attention
+shape and rotary it chooses where the target's do not apply (MLA, per-layer head dims, rope per
+layer type), the drafter variant (`drafter.*`: sliding-window and causal layers, DFlash2), and what
+`dflash_config` records so that a checkpoint serves and evaluates without flags. The modules that
+this config builds live in `drafter/model.py`."""
+from dataclasses import dataclass
+
+from transformers import Qwen3Config
+
+from drafter.target import check_feature_layers, default_target_layer_ids
+
+_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")  # Qwen3RotaryEmbedding's own
+
+
+def _config_value(config, key: str, default=None):
+    """config.key, or its global value where the config holds the key per layer (Gemma 4)."""
+    try:
+        value = getattr(config, key, default)
+    except Exception:  # transformers: an attribute that differs per layer has no single value
+        value = config.to_dict().get(key, default)
+    return default if value is None else value
+
+
+def drafter_attention_shape(text_config) -> dict:
+    """The drafter's heads: the target's (query heads, KV heads, head dim) where its attention is
+    ordinary multi-head attention; for MLA targets (DeepSeek-V3, Kimi) head dim = the target's value
+    head dim, as many query heads as fill the hidden size, and at most 8 KV heads that divide them.
+    A per-layer head dim (Gemma 4's global layers) gives way to the config's head_dim."""
+    hidden, heads = text_config.hidden_size, text_config.num_attention_heads
+    if getattr(text_config, "kv_lora_rank", None):  # multi-head latent attention
+        head_dim = getattr(text_config, "v_head_dim", None) or hidden // heads
+        heads = max(1, hidden // head_dim)
+        kv_heads = max(k for k in range(1, min(8, heads) + 1) if heads % k == 0)
+        return {"num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim}
+    kv_heads = _config_value(text_config, "num_key_value_heads", heads)
+    head_dim = _config_value(text_config, "head_dim", hidden // heads)
+    return {"num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim}
+
+
+def drafter_rope(text_config) -> dict:
+    """The drafter's rotary: the target's full-attention rotary (one entry of a per-layer-type dict),
+    applied to the whole head (partial-rotary and multimodal sections dropped), of a type
+    Qwen3RotaryEmbedding computes; otherwise the default rotary at the target's base."""
+    rope = dict(getattr(text_config, "rope_parameters", None) or {})
+    if "full_attention" in rope and isinstance(rope["full_attention"], dict):
+        rope = dict(rope["full_attention"])
+    theta = rope.get("rope_theta", getattr(text_config, "rope_theta", 10000.0))
+    if rope.get("rope_type", "default") not in _ROPE_TYPES:
+        return {"rope_type": "default", "rope_theta": theta}
+    for key in ("partial_rotary_factor", "mrope_section", "mrope_interleaved"):
+        rope.pop(key, None)
+    return {**rope, "rope_type": rope.get("rope_type", "default"), "rope_theta": theta}
+
+
+def drafter_widths(text_config) -> dict:
+    """Everything of the drafter's Qwen3 config that comes from the target: the hidden size (which
+    must match: the drafter reads the target's features and calls its embedding and LM head), the
+    vocabulary, and the sizes the drafter takes over where the target has them (MLP width: the
+    target's dense `intermediate_size`, else 3x hidden; activation, norm eps, attention bias)."""
+    from transformers.activations import ACT2FN
+
+    hidden_act = getattr(text_config, "hidden_act", None)
+    eps = next((getattr(text_config, k) for k in ("rms_norm_eps", "layer_norm_epsilon", "norm_eps")
+                if getattr(text_config, k, None)), 1e-6)
+    return {"hidden_size": text_config.hidden_size, "vocab_size": text_config.vocab_size,
+            **drafter_attention_shape(text_config),
+            "intermediate_size": getattr(text_config, "intermediate_size", None) or 3 * text_config.hidden_size,
+            "hidden_act": hidden_act if hidden_act in ACT2FN else "silu", "rms_norm_eps": float(eps),
+            "max_position_embeddings": getattr(text_config, "max_position_embeddings", 32768),
+            "attention_bias": bool(getattr(text_config, "attention_bias", False)),
+            "rope_parameters": drafter_rope(text_config)}
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+ARCHITECTURES = ("dflash", "dflash2")  # drafter.model.DFlashDraftModel, DFlash2DraftModel
+
+
+@dataclass(frozen=True)
+class DrafterVariant:
+    """What tells the drafter variants apart (config keys `drafter.*`, README "Drafter variants").
+
+    layer_types: one of LAYER_TYPES per draft layer (None: all full_attention).
+    sliding_window: the window of the sliding layers, in positions, the query's own included.
+    causal: None is the public default (sliding layers causal inside the block, full layers
+        bidirectional); True / False makes every layer causal / bidirectional (`is_causal`).
+    arch: "dflash" or "dflash2" (DFlash2DraftModel); the conv_* and selector_* settings are
+        DFlash2's: the convolution's taps and channel group, the selector's rank and candidates.
+    """
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None
+    causal: bool | None = None
+    arch: str = "dflash"
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+
+    def problems(self, num_layers: int) -> list[str]:
+        """What is wrong with this variant for a drafter of `num_layers` layers, each naming its key."""
+        problems = []
+        types = self.layer_types
+        if types is not None and len(types) != num_layers:
+            problems.append(f"layer_types has {len(types)} entries for {num_layers} draft layers "
+                            "(one per layer)")
+        if types is not None and not set(types) <= set(LAYER_TYPES):
+            problems.append(f"layer_types {list(types)}: each entry must be one of {', '.join(LAYER_TYPES)}")
+        sliding = types is not None and "sliding_attention" in types
+        if sliding and self.sliding_window is None:
+            problems.append("sliding_window must be set for sliding_attention layers")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            problems.append(f"sliding_window={self.sliding_window} must be >= 1 (the query itself)")
+        if self.sliding_window is not None and not sliding:
+            problems.append(f"sliding_window={self.sliding_window} is set but no layer_types entry is "
+                            "sliding_attention")
+        if self.arch not in ARCHITECTURES:
+            problems.append(f"arch={self.arch!r} is not one of {', '.join(ARCHITECTURES)}")
+        for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            if getattr(self, key) < 1:
+                problems.append(f"{key}={getattr(self, key)} must be >= 1")
+        return problems
+
+    def width_problems(self, hidden_size: int, vocab_size: int, block_size: int) -> list[str]:
+        """What DFlash2's settings cannot do with the target's widths and the block size."""
+        if self.arch != "dflash2":
+            return []
+        problems = []
+        if hidden_size % self.conv_group_size:
+            problems.append(f"conv_group_size={self.conv_group_size} does not divide the hidden size "
+                            f"{hidden_size} (the convolution's channel groups)")
+        if self.selector_top_k > vocab_size:
+            problems.append(f"selector_top_k={self.selector_top_k} exceeds the vocabulary ({vocab_size})")
+        if self.conv_kernel_size > block_size:
+            problems.append(f"conv_kernel_size={self.conv_kernel_size} exceeds block_size={block_size}: "
+                            "taps past the block's start see only zeros")
+        return problems
+
+    def config_fields(self, num_layers: int) -> dict:
+        """The Qwen3Config fields that `dflash` 0.1.0 reads for this variant."""
+        types = list(self.layer_types or ["full_attention"] * num_layers)
+        sliding = "sliding_attention" in types
+        fields = {"layer_types": types, "use_sliding_window": sliding,
+                  "sliding_window": self.sliding_window if sliding else None}
+        if self.causal is not None:
+            fields["is_causal"] = bool(self.causal)
+        return fields
+
+    def dflash_config_fields(self) -> dict:
+        """The `dflash_config` entries (and architecture) `dflash` 0.1.0 reads for this variant."""
+        if self.arch != "dflash2":
+            return {}
+        return {"conv_kernel_size": self.conv_kernel_size, "conv_group_size": self.conv_group_size,
+                "selector_rank": self.selector_rank, "selector_top_k": self.selector_top_k}
+
+
+def drafter_variant(drafter_section) -> DrafterVariant:
+    """The DrafterVariant of the config's `drafter` section (drafter.config.DrafterConfig)."""
+    types = drafter_section.layer_types
+    return DrafterVariant(layer_types=None if types is None else tuple(types),
+                          sliding_window=drafter_section.sliding_window, causal=drafter_section.causal,
+                          arch=drafter_section.arch, conv_kernel_size=drafter_section.conv_kernel_size,
+                          conv_group_size=drafter_section.conv_group_size,
+                          selector_rank=drafter_section.selector_rank,
+                          selector_top_k=drafter_section.selector_top_k)
+
+
+def drafter_config(target_config, *, num_layers: int, block_size: int, mask_token_id: int,
+                   target_layer_ids: list[int] | None = None, input_embedding_scale: float = 1.0,
+                   variant: DrafterVariant = DrafterVariant(), **record) -> Qwen3Config:
+    """A drafter config for any HF causal-LM target config (`drafter_widths`), of `variant`.
+
+    `input_embedding_scale` is the target's embedding scale (`target.input_embedding_scale`): the
+    block is embedded as raw embedding rows times it, at training and serving time alike. The
+    drafter's logits are the target's LM head on its states, without the target's final soft-capping
+    (tanh keeps the order, so argmax and the tree's top-k are the same; the drafter is trained on
+    the uncapped logits). `record` lands in `dflash_config` (e.g. target_path, chat_template_kwargs)
+    so that a checkpoint can be evaluated without flags.
+    """
+    text_config = target_config.get_text_config()
+    problems = variant.problems(num_layers) + variant.width_problems(
+        text_config.hidden_size, text_config.vocab_size, block_size)
+    if problems:
+        raise ValueError("; ".join(problems))
+    num_target_layers = text_config.num_hidden_layers
+    if target_layer_ids is None:
+        target_layer_ids = default_target_layer_ids(num_target_layers, num_layers)
+    target_layer_ids = [int(i) for i in target_layer_ids]
+    check_feature_layers(target_layer_ids, num_target_layers)
+    if not 0 <= mask_token_id < text_config.vocab_size:
+        raise ValueError(f"mask_token_id {mask_token_id} has no row in the target's embedding "
+                         f"(vocab_size {text_config.vocab_size})")
+    return Qwen3Config(
+        **drafter_widths(text_config), num_hidden_layers=num_layers, num_target_layers=num_target_layers,
+        block_size=block_size, tie_word_embeddings=False, **variant.config_fields(num_layers),
+        architectures=["DFlash2DraftModel" if variant.arch == "dflash2" else "DFlashDraftModel"],
+        dflash_config={"target_layer_ids": target_layer_ids, "mask_token_id": int(mask_token_id),
+                       "input_embedding_scale": float(input_embedding_scale),
+                       "target_model_type": getattr(text_config, "model_type", None),
+                       **variant.dflash_config_fields(), **record})
+
+
+def resolve_mask_token_id(tokenizer, target_vocab_size: int) -> int:
+    """The tokenizer's mask token; if it has none, add `<|MASK|>` (it must fit the target's vocab rows)."""
+    if tokenizer.mask_token_id is None:
+        tokenizer.add_special_tokens({"mask_token": "<|MASK|>"})
+    if tokenizer.mask_token_id >= target_vocab_size:
+        raise ValueError(f"mask token id {tokenizer.mask_token_id} >= target vocab size "
+                         f"{target_vocab_size}: the frozen target has no embedding row for it")
+    return tokenizer.mask_token_id
