@@ -159,6 +159,12 @@ def feature_tap(target: nn.Module, layer_ids: list[int], stop_after_last: bool =
         tap.remove()
 
 
+def _rows_are_single_sequences():
+    """Without a cache, transformers looks for packed sequences in the position ids, which reads the
+    device (a host sync per forward); every row here is one sequence, so the answer is known."""
+    return mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
+
+
 @torch.no_grad()
 def context_features(target: nn.Module, input_ids: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
     """Features of `layer_ids` for every position, [b, T, K*H]: the target's own forward, stopped
@@ -168,10 +174,7 @@ def context_features(target: nn.Module, input_ids: torch.Tensor, layer_ids: list
     padding mask is needed (features at padded positions are garbage and must not be read). No
     position_ids: every row is one sequence at 0..T-1.
     """
-    # Without a cache, transformers looks for packed sequences in the position ids, which reads the
-    # device (a host sync per forward); every row here is one sequence, so the answer is known.
-    no_packing = mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
-    with feature_tap(target, layer_ids, stop_after_last=True) as tap, no_packing:
+    with feature_tap(target, layer_ids, stop_after_last=True) as tap, _rows_are_single_sequences():
         try:
             target(input_ids=input_ids, use_cache=False)
         except _StopForward:
@@ -185,8 +188,7 @@ def features_and_final_hidden(target: nn.Module, input_ids: torch.Tensor,
     """(features of `layer_ids` [b, T, K*H], the final-normed last hidden state [b, T, H]): what
     distillation needs, the target's LM-head input at every position, from one whole forward of the
     target's decoder with the same hooks as `context_features` (its LM head does not run)."""
-    no_packing = mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
-    with feature_tap(target, layer_ids) as tap, no_packing:
+    with feature_tap(target, layer_ids) as tap, _rows_are_single_sequences():
         final = target.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state
         return tap.features(), final
 
