@@ -283,6 +283,11 @@ def test_data_prepared_with_other_thinking_stops_train_py_naming_both(tmp_path):
     ("data.bucket_boundaries=[512,256]", "data.bucket_boundaries=[512, 256] must be increasing"),
     ("drafter.layer_types=[sliding_attention]", "drafter.layer_types has 1 entries for 5 draft layers"),
     ("drafter.sliding_window=0", "drafter.sliding_window=0 must be >= 1"),
+    ("objective.labels=teacher", "objective.labels='teacher' is not one of data, target"),
+    ("objective.loss=jsd", "objective.loss='jsd' is not one of ce, kl"),
+    ("objective.position_weights=flat", "objective.position_weights='flat' is not one of exp, dpace, tree"),
+    ("objective.loss=kl", "objective.loss=kl needs objective.labels=target"),
+    ("objective.weight_smoothing=1.5", "objective.weight_smoothing=1.5 must be in [0, 1]"),
 ])
 def test_invalid_values_are_refused_naming_the_key(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
