@@ -20,6 +20,10 @@ Output (each step is skipped when its output exists; --force rebuilds everything
                        (data.eval_fraction) holds out whole files
   bench_data/          the bench prompts with the target's greedy answers, prepared (loops kept): the
                        drafter's eval set, so replayed tau is the served tau of the bench prompts
+  heldout.jsonl        NUM_HELDOUT further chats from the bench files (another draw, so it may share
+                       prompts with bench.jsonl; none from a file the drafter trains on)
+  heldout_data/        those prompts with the target's greedy answers, prepared: the eval set of
+                       bench/variants.py, large enough to separate variants beyond seed noise
   report.json          held-out loss, distinct 4-gram share of the greedy bench answers, loop shares
 """
 
@@ -315,6 +319,7 @@ NUM_PROMPTS = 2000
 MAX_NEW_TOKENS = 64
 REGENERATE_BATCH_SIZE = 64
 NUM_BENCH = 32
+NUM_HELDOUT = 512
 
 
 def target_config(tokenizer) -> Qwen3Config:
@@ -395,12 +400,12 @@ def step_target(out: Path) -> None:
     tmp.rename(out / "target")
 
 
-def chat_prompts(out: Path, split: str, count: int) -> list[dict]:
+def chat_prompts(out: Path, split: str, count: int, seed: int = SEED) -> list[dict]:
     """`count` chat prompts from one set of files; the source file is the group (a held-out split
     keeps a file's functions together)."""
     heads = completion_heads(split_files(out, split))
     return [{"messages": completion_messages(head), "group": rel_path}
-            for rel_path, head in sample_in_order(heads, count, SEED)]
+            for rel_path, head in sample_in_order(heads, count, seed)]
 
 
 def step_prompts(out: Path) -> None:
@@ -409,6 +414,10 @@ def step_prompts(out: Path) -> None:
 
 def step_bench(out: Path) -> None:
     write_jsonl(out / "bench.jsonl", chat_prompts(out, "bench", NUM_BENCH))
+
+
+def step_heldout(out: Path) -> None:
+    write_jsonl(out / "heldout.jsonl", chat_prompts(out, "bench", NUM_HELDOUT, seed=SEED + 1))
 
 
 def run_cli(script: str, args: list[str]) -> None:
@@ -448,6 +457,11 @@ def step_prepare(out: Path) -> None:
 def step_bench_data(out: Path) -> None:
     regenerate(out, "bench.jsonl", "bench_answers.jsonl")
     prepare(out, "bench_answers.jsonl", "bench_data")
+
+
+def step_heldout_data(out: Path) -> None:
+    regenerate(out, "heldout.jsonl", "heldout_answers.jsonl")
+    prepare(out, "heldout_answers.jsonl", "heldout_data")
 
 
 def step_report(out: Path) -> dict:
@@ -503,6 +517,8 @@ def main(argv=None) -> dict:
         (step_regenerate, "regenerated.summary.json"),  # written last, after every row
         (step_prepare, "train_data"),
         (step_bench_data, "bench_data"),
+        (step_heldout, "heldout.jsonl"),
+        (step_heldout_data, "heldout_data"),
     ]
     for step, marker in steps:
         name = step.__name__.removeprefix("step_")

@@ -300,3 +300,35 @@ def test_speculative_sampling_keeps_the_target_distribution():
         accepted, bonus = speculative_sample(draft.view(1), target_probs, draft_probs)
         counts[int(draft) if accepted else bonus] += 1
     torch.testing.assert_close(counts / trials, target_probs[0], rtol=0, atol=0.02)
+
+
+def test_the_selector_tree_accepts_the_label_prefixes_among_the_best_b_by_enumeration():
+    """bench/selector_tree.py's beam search, against every prefix of a first-order tree scored and
+    ranked by hand: a label prefix is accepted while it is among the best B prefixes."""
+    from bench.selector_tree import selector_tree_accept
+    gen = torch.Generator().manual_seed(3)
+    n, depth, k = 64, 3, 3
+    candidates = torch.stack([torch.randperm(10, generator=gen)[:k].repeat(depth, 1) + 10 * torch.arange(depth)[:, None]
+                              for _ in range(n)])                     # distinct ids per slot
+    first = torch.randn(n, k, generator=gen).log_softmax(-1)
+    later = torch.randn(n, depth - 1, k, k, generator=gen).log_softmax(-1)
+    # labels follow a candidate path, or leave the candidates (an id no slot holds) at a random slot
+    path = torch.randint(0, k, (n, depth), generator=gen)
+    labels = candidates.gather(2, path[..., None])[..., 0]
+    off = torch.randint(0, depth + 1, (n,), generator=gen)
+    labels[torch.arange(depth)[None] >= off[:, None]] = 999
+    for budget in (1, 4, 7, 39):
+        got = selector_tree_accept(candidates, first, later, labels, budget)
+        for i in range(n):
+            scores = {}
+            for d in range(1, depth + 1):
+                for ranks in itertools.product(range(k), repeat=d):
+                    s = first[i, ranks[0]] + sum(later[i, j - 1, ranks[j - 1], ranks[j]] for j in range(1, d))
+                    scores[ranks] = float(s)
+            tree = set(sorted(scores, key=scores.get, reverse=True)[:budget])
+            accepted = 0
+            for d in range(1, depth + 1):
+                if d > int(off[i]) or tuple(path[i, :d].tolist()) not in tree:
+                    break
+                accepted = d
+            assert int(got[i]) == accepted + 1, (budget, i)

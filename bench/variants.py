@@ -1,17 +1,23 @@
-"""Objectives compared by replayed tau: the same training steps under each objective variant and seed.
+"""Training variants compared by replayed tau: the same steps under each variant and seed.
 
-    python data/toy.py                                  # once: the toy world
-    python bench/objectives.py                          # configs/toy.yaml, 6 variants x 3 seeds, 200 steps
-    python bench/objectives.py --steps 60 --eval-every 20 --variants default,tree [key.sub=value ...]
-    python bench/objectives.py --world micro --jobs 2   # no toy world: a random target's own greedy text
+    python data/toy.py                                  # once: the toy world (heldout_data included)
+    python bench/variants.py                            # objectives: 6 variants x 3 seeds, 200 steps
+    python bench/variants.py --variants drafters --seeds 0,1
+    python bench/variants.py --steps 60 --eval-every 20 --variants default,tree [key.sub=value ...]
+    python bench/variants.py --world micro --jobs 2     # no toy world: a random target's own greedy text
 
-Every run is train.py in one process (world of one) under FSDP2, so that the Muon variant trains on
-the same engine as the others; runs differ only by the variant's overrides and run.seed (drafter
-initialisation, anchors, feature noise; the data order stays fixed). Replayed tau (drafter/served.py:
-serving replayed under teacher forcing on the eval split, equal to served tau at T=0 when the eval
-answers are the target's own) is read from each run's eval records. Prints, per variant, the mean and
-standard error over seeds of tau_dflash and tau_ddtree@B at the last eval, and writes
-OUT/summary.json and OUT/tau_vs_steps.png (mean +- standard error against steps).
+Variants are named overrides of configs/toy.yaml: the objectives of issue 21 (`default`, `target-kl`,
+`target-ce`, `dpace`, `tree`, `muon`) and the drafters of issue 20 (`dflash2`, `sliding`,
+`dflash2-sliding`); `--variants objectives|drafters|all` or a comma list. Every run is train.py in one
+process (world of one) under FSDP2, so that the Muon variant trains on the same engine as the others;
+runs differ only by the variant's overrides and run.seed (drafter initialisation, anchors, feature
+noise; the data order stays fixed). Replayed tau (drafter/served.py: serving replayed under teacher
+forcing, equal to served tau at T=0 when the eval answers are the target's own) is read from each
+run's eval records; on the toy world the eval set is `artifacts/toy/heldout_data`, 512 held-out
+prompts with the target's greedy answers (the 32 bench answers of the training config leave a seed
+spread larger than the differences between variants). Prints, per variant, the mean and standard
+error over seeds of tau_dflash and tau_ddtree@B at the last eval, and writes OUT/summary.json and
+OUT/tau_vs_steps.png (mean +- standard error against steps).
 
 `--world micro` builds, in OUT/micro, a 4-layer Qwen3 target trained for 150 steps on sequences
 x_t = (x_{t-1} + x_{t-2}) mod 64, its greedy continuations of fresh prompts (192 train, 64 eval rows)
@@ -21,6 +27,7 @@ training is too slow. Its numbers say less than the toy world's.
 import argparse
 import json
 import math
+import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +36,8 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
+SLIDING = ["drafter.layer_types=[sliding_attention,sliding_attention]", "drafter.sliding_window=32"]
+DFLASH2 = ["drafter.arch=dflash2", "drafter.selector_rank=32"]  # rank 256 would outweigh the toy drafter
 VARIANTS = {
     "default": [],
     "target-kl": ["objective.labels=target", "objective.loss=kl"],
@@ -36,7 +45,14 @@ VARIANTS = {
     "dpace": ["objective.position_weights=dpace"],
     "tree": ["objective.position_weights=tree"],
     "muon": ["optim.name=muon"],
+    "dflash2": DFLASH2,
+    "sliding": SLIDING,  # the toy contexts are ~100-170 tokens: a 32-position window cuts most of them
+    "dflash2-sliding": DFLASH2 + SLIDING,
 }
+GROUPS = {"objectives": ["default", "target-kl", "target-ce", "dpace", "tree", "muon"],
+          "drafters": ["default", "dflash2", "sliding", "dflash2-sliding"]}
+GROUPS["all"] = list(VARIANTS)
+TOY_EVAL = ["data.eval_path=artifacts/toy/heldout_data", "train.eval_batches=1000"]
 MICRO_TARGET = {"vocab_size": 320, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
                 "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128}
 MICRO_MODULUS = 64  # micro-world tokens are 0..63: x_t = (x_{t-1} + x_{t-2}) mod 64
@@ -114,18 +130,30 @@ def build_micro_world(directory: Path, train_rows: int = 192, eval_rows: int = 6
     return path
 
 
+def eval_records(run: Path) -> list[dict]:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == "eval"]
+
+
 def run_variant(cfg: Path, out: Path, variant: str, seed: int, args, overrides: list[str]) -> list[dict]:
-    """One training run; its eval records."""
+    """One training run; its eval records. A run that finished with the same command before (its
+    command.json, written once it ended) is reused, so that a group of variants can be added to an
+    earlier comparison without training its shared runs again."""
     run = out / variant / f"seed{seed}"
     command = [sys.executable, str(REPO / "train.py"), "--cfg", str(cfg), f"run.out_dir={run}",
                f"run.seed={seed}", f"train.max_steps={args.steps}", f"train.eval_every={args.eval_every}",
                f"train.save_every={args.steps}", "train.generate_every=0", "train.engine=fsdp",
-               "train.resume=never", "train.log_every=10", *VARIANTS[variant], *overrides]
+               "train.resume=never", "train.log_every=10", f"train.threads_per_rank={args.threads}",
+               *VARIANTS[variant], *overrides]
+    done = run / "command.json"
+    if done.exists() and json.loads(done.read_text()) == command[1:]:
+        return eval_records(run)
+    done.unlink(missing_ok=True)
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     if result.returncode != 0:
         sys.exit(f"{variant} seed {seed} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    lines = (run / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["kind"] == "eval"]
+    done.write_text(json.dumps(command[1:]))
+    return eval_records(run)
 
 
 def mean_and_se(values: list[float]) -> tuple[float, float]:
@@ -172,31 +200,36 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", choices=["toy", "micro"], default="toy")
     parser.add_argument("--cfg", default=None, help="default: configs/toy.yaml (toy), OUT/micro/micro.yaml (micro)")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default="objectives", help="objectives | drafters | all | a comma list")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--eval-every", type=int, default=50)
-    parser.add_argument("--out", default="runs/objectives")
-    parser.add_argument("--jobs", type=int, default=1, help="runs at a time (each one process, one thread)")
+    parser.add_argument("--out", default="runs/variants")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at a time, each one process")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per run (default: cores / jobs)")
     parser.add_argument("overrides", nargs="*", help="key.sub=value for every run")
     args = parser.parse_args()
     out = Path(args.out).resolve()
-    variants, seeds = args.variants.split(","), [int(s) for s in args.seeds.split(",")]
+    args.threads = args.threads or max(1, (os.cpu_count() or 1) // args.jobs)
+    variants = GROUPS.get(args.variants, args.variants.split(","))
+    seeds = [int(s) for s in args.seeds.split(",")]
     unknown = [v for v in variants if v not in VARIANTS]
-    if unknown or len(seeds) < 1:
-        sys.exit(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
+    if unknown:
+        sys.exit(f"--variants: unknown {unknown}; choose from {', '.join(GROUPS)} or {', '.join(VARIANTS)}")
+    overrides = list(args.overrides)
     if args.cfg:
         cfg = Path(args.cfg).resolve()
     elif args.world == "micro":
         cfg = build_micro_world(out / "micro")
     else:
         cfg = REPO / "configs" / "toy.yaml"
-        if not (REPO / "artifacts" / "toy" / "target").exists():
-            sys.exit("no toy world: run `python data/toy.py` first (or pass --world micro)")
+        if not (REPO / "artifacts" / "toy" / "heldout_data").exists():
+            sys.exit("no toy world with its held-out set: run `python data/toy.py` first (or pass --world micro)")
+        overrides = TOY_EVAL + overrides
 
     def one(job):
         variant, seed = job
-        records = run_variant(cfg, out, variant, seed, args, args.overrides)
+        records = run_variant(cfg, out, variant, seed, args, overrides)
         print(f"  {variant:10s} seed {seed}: step {records[-1]['step']} tau_dflash {records[-1]['tau_dflash']:.3f}",
               flush=True)
         return records
@@ -208,7 +241,7 @@ def main():
     metrics = ["tau_dflash"] + sorted(k for k in evals[variants[0]][seeds[0]][-1] if k.startswith("tau_ddtree@"))
     summary = summarise(evals, metrics)
     (out / "summary.json").write_text(json.dumps({"config": str(cfg), "steps": args.steps, "seeds": seeds,
-                                                  "overrides": args.overrides, "summary": summary}, indent=1))
+                                                  "overrides": overrides, "summary": summary}, indent=1))
     plot(summary, metrics, out / "tau_vs_steps.png")
     responses = evals[variants[0]][seeds[0]][-1].get("eval_responses")
     print(f"\nreplayed tau at step {args.steps}, mean +- standard error over {len(seeds)} seeds "
