@@ -11,8 +11,9 @@ the B prefixes of highest summed log-probability. The marginal tree (`drafter.dd
 what `ddtree@B` serves) takes each slot's own distribution, whatever came before.
 
 Both are replayed under teacher forcing on the eval set exactly as training's replayed tau is
-(`drafter/served.py`: a verify at every response position, then serving walked response by
-response), with the same drafter forward, so the difference is the tree alone. Also printed: the
+(`drafter/served.py`'s `scored_blocks` and `walks_of`: a verify at every response position, then
+serving walked response by response), on the same drafter forward, so the difference is the tree
+alone. Also printed: the
 selector's chain (what `dflash` serves for DFlash2) against the marginals' argmax chain.
 
 The selector tree is found by a beam of B per depth (every prefix among the best B overall is among
@@ -30,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from drafter.ddtree import build_tree, teacher_forced_accept  # noqa: E402
 from drafter.model import DFlash2DraftModel, load_drafter  # noqa: E402
-from drafter.objective import build_blocks, drafter_hidden  # noqa: E402
-from drafter.served import every_anchor, mean_tau, response_spans, serve_walk  # noqa: E402
+from drafter.sampler import collate  # noqa: E402
+from drafter.served import mean_tau, scored_blocks, walks_of  # noqa: E402
 from drafter.target import context_features, load_target  # noqa: E402
 
 
@@ -74,33 +75,23 @@ def selector_tree_accept(candidates, first, later, labels, budget: int) -> torch
 
 
 @torch.no_grad()
-def acceptance_tables(drafter, target, row, budgets, attention="dense", per_forward=1024):
-    """Accepted tokens at every anchor of one row, per method: {method: list over positions, -1 off}."""
-    input_ids = torch.tensor([row["input_ids"]])
-    loss_mask = torch.tensor([row["loss_mask"]])
+def acceptance(drafter, target, batch, budgets) -> dict[str, torch.Tensor]:
+    """Accepted tokens at every anchor of a collated batch, per method: {method: [b, T]}, -1 off."""
+    input_ids, loss_mask = batch["input_ids"], batch["loss_mask"]
     features = context_features(target, input_ids, drafter.target_layer_ids)
-    anchors, valid = every_anchor(loss_mask)
     methods = ["chain:selector", "chain:marginal"] + [f"{kind}@{b}" for b in budgets for kind in ("marginal", "selector")]
-    tables = {m: torch.full((input_ids.shape[1],), -1, dtype=torch.long) for m in methods}
-    head = target.get_output_embeddings()
-    for first in range(0, anchors.shape[1], per_forward):
-        chunk, chunk_valid = anchors[:, first:first + per_forward], valid[:, first:first + per_forward]
-        blocks = build_blocks(input_ids, loss_mask, chunk, chunk_valid, drafter.block_size,
-                              drafter.mask_token_id, gamma=1.0)
-        hidden = drafter_hidden(drafter, target, features, blocks, attention)[chunk_valid][:, 1:]
-        labels = blocks.labels[chunk_valid][:, 1:]
-        predecessors = blocks.labels[chunk_valid][:, :-1]
-        positions = chunk[chunk_valid]
-        logits = head(hidden.to(target.dtype)).float()
-        chains = {"chain:selector": drafter.chain_picks(hidden, logits, predecessors),
-                  "chain:marginal": logits.argmax(-1)}
+    accepted = {m: torch.full(input_ids.shape, -1, dtype=torch.long) for m in methods}
+    for part in scored_blocks(drafter, target, features, input_ids, loss_mask, "dense"):
+        where = (part.rows, part.positions)
+        chains = {"chain:selector": drafter.chain_picks(part.hidden, part.logits, part.predecessors),
+                  "chain:marginal": part.logits.argmax(-1)}
         for name, drafted in chains.items():
-            tables[name][positions] = (drafted == labels).long().cumprod(-1).sum(-1)
-        tables_ = selector_tables(drafter.candidate_selector, hidden, logits, predecessors[:, 0])
+            accepted[name][where] = (drafted == part.labels).long().cumprod(-1).sum(-1)
+        tables = selector_tables(drafter.candidate_selector, part.hidden, part.logits, part.predecessors[:, 0])
         for b in budgets:
-            tables[f"marginal@{b}"][positions] = teacher_forced_accept(build_tree(logits, b), labels) - 1
-            tables[f"selector@{b}"][positions] = selector_tree_accept(*tables_, labels, b) - 1
-    return {m: t.tolist() for m, t in tables.items()}
+            accepted[f"marginal@{b}"][where] = teacher_forced_accept(build_tree(part.logits, b), part.labels) - 1
+            accepted[f"selector@{b}"][where] = selector_tree_accept(*tables, part.labels, b) - 1
+    return accepted
 
 
 def main():
@@ -110,6 +101,7 @@ def main():
     parser.add_argument("--data", default="artifacts/toy/heldout_data")
     parser.add_argument("--budgets", default="8,16,32")
     parser.add_argument("--max-rows", type=int, default=None)
+    parser.add_argument("--batch-rows", type=int, default=16)
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     directory = Path(args.ckpt) / "drafter" if (Path(args.ckpt) / "drafter").is_dir() else Path(args.ckpt)
@@ -125,10 +117,10 @@ def main():
         rows = rows.select(range(min(args.max_rows, len(rows))))
     budgets = [int(b) for b in args.budgets.split(",")]
     walks = {}
-    for row in rows:
-        tables = acceptance_tables(drafter, target, row, budgets)
-        for method, table in tables.items():
-            walks.setdefault(method, []).extend(serve_walk(table, s, e) for s, e in response_spans(row["loss_mask"]))
+    for first in range(0, len(rows), args.batch_rows):
+        batch = collate(rows.select(range(first, min(first + args.batch_rows, len(rows)))), bucket=0)
+        for method, responses in walks_of(acceptance(drafter, target, batch, budgets), batch["loss_mask"]).items():
+            walks.setdefault(method, []).extend(responses)
     print(f"replayed tau of {args.ckpt} on {args.data} ({len(rows)} rows):")
     print("| method | tau |\n|---|---:|")
     for method, responses in walks.items():

@@ -31,6 +31,7 @@ Generation (`generation_tau`): the target and the drafter decode a fixed prompt 
 for the caller to all-reduce.
 """
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -67,26 +68,33 @@ def every_anchor(loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(valid, order, 0), valid
 
 
+@dataclass
+class AnchorBlocks:
+    """One chunk of scored blocks: the drafter's states and logits at block slots 1..B-1, the text's
+    labels there and each slot's predecessor (the anchor, then the text), and where the anchors are."""
+    rows: torch.Tensor           # [n] batch row of each anchor (CPU)
+    positions: torch.Tensor      # [n] its position (CPU)
+    hidden: torch.Tensor         # [n, B-1, H]
+    logits: torch.Tensor         # [n, B-1, V] fp32
+    labels: torch.Tensor         # [n, B-1]
+    predecessors: torch.Tensor   # [n, B-1]
+
+
 @torch.no_grad()
-def anchor_acceptance(drafter, target, features, input_ids, loss_mask, budgets, attention: str, *,
-                      blocks_per_forward: int = 2048, chunk_bytes: int = 256 * 2**20,
-                      tree_backend: str = "auto") -> dict[str, torch.Tensor]:
-    """Drafted tokens a verify at each anchor would accept, per method: {method: [b, T] long on the
-    CPU}, -1 where p is no anchor. The labels are the text as it goes on, past the response's end
-    too (`serve_walk` cuts every step at that end).
+def scored_blocks(drafter, target, features, input_ids, loss_mask, attention: str, *,
+                  blocks_per_forward: int = 2048, chunk_bytes: int = 256 * 2**20):
+    """The drafter's block at every anchor of the batch (`every_anchor`), chunk by chunk (AnchorBlocks).
 
     features [b, T, K*H] are `target.context_features` of input_ids (right-padded batch). At most
     `blocks_per_forward` blocks (all rows together) go through the drafter at once, and at most
     `chunk_bytes` of fp32 logits exist at once.
     """
-    methods = method_names(budgets)
-    b, T = input_ids.shape
+    b = input_ids.shape[0]
     block_size = drafter.block_size
     head = target.get_output_embeddings()
     rows_per_chunk = chunk_rows_for(head.weight.shape[0] * (block_size - 1), chunk_bytes)
     anchors, valid = every_anchor(loss_mask)
     per_row = max(1, blocks_per_forward // b)
-    accepted = {m: torch.full((b, T), -1, dtype=torch.long) for m in methods}
     for first in range(0, anchors.shape[1], per_row):
         chunk, chunk_valid = anchors[:, first:first + per_row], valid[:, first:first + per_row]
         if not chunk_valid.any():
@@ -102,14 +110,38 @@ def anchor_acceptance(drafter, target, features, input_ids, loss_mask, budgets, 
             part = slice(start, start + rows_per_chunk)
             # as DFlashDraftModel.draft_logits computes them at serving time
             logits = head(hidden[part].to(target.dtype)).float()
-            where = (rows[part].cpu(), positions[part].cpu())
-            drafted = drafter.chain_picks(hidden[part], logits, predecessors[part])
-            matches = (drafted == labels[part]).long().cumprod(-1).sum(-1)
-            accepted["dflash"][where] = matches.cpu()
-            for method in methods[1:]:
-                tree = build_tree(logits, int(method.split("@")[1]), tree_backend)
-                accepted[method][where] = (teacher_forced_accept(tree, labels[part]) - 1).cpu()
+            yield AnchorBlocks(rows[part].cpu(), positions[part].cpu(), hidden[part], logits, labels[part],
+                               predecessors[part])
+
+
+@torch.no_grad()
+def anchor_acceptance(drafter, target, features, input_ids, loss_mask, budgets, attention: str, *,
+                      tree_backend: str = "auto", **chunking) -> dict[str, torch.Tensor]:
+    """Drafted tokens a verify at each anchor would accept, per method: {method: [b, T] long on the
+    CPU}, -1 where p is no anchor. The labels are the text as it goes on, past the response's end
+    too (`serve_walk` cuts every step at that end). `chunking`: see `scored_blocks`."""
+    methods = method_names(budgets)
+    accepted = {m: torch.full(input_ids.shape, -1, dtype=torch.long) for m in methods}
+    for part in scored_blocks(drafter, target, features, input_ids, loss_mask, attention, **chunking):
+        where = (part.rows, part.positions)
+        drafted = drafter.chain_picks(part.hidden, part.logits, part.predecessors)
+        accepted["dflash"][where] = (drafted == part.labels).long().cumprod(-1).sum(-1).cpu()
+        for method in methods[1:]:
+            tree = build_tree(part.logits, int(method.split("@")[1]), tree_backend)
+            accepted[method][where] = (teacher_forced_accept(tree, part.labels) - 1).cpu()
     return accepted
+
+
+def walks_of(accepted: dict[str, torch.Tensor], loss_mask: torch.Tensor) -> dict[str, list[list[int]]]:
+    """Tokens per step of every response of the batch (row by row, turn by turn), per method, from
+    the accepted tokens at each anchor (`anchor_acceptance`)."""
+    spans = [response_spans(row) for row in loss_mask.tolist()]
+    walks = {}
+    for method, table in accepted.items():
+        table = table.tolist()
+        walks[method] = [serve_walk(table[row], start, end)
+                         for row, row_spans in enumerate(spans) for start, end in row_spans]
+    return walks
 
 
 def response_spans(loss_mask_row: list[int]) -> list[tuple[int, int]]:
@@ -142,16 +174,10 @@ def replay_steps(drafter, target, features, input_ids, loss_mask, budgets, atten
                  **chunking) -> dict[str, list[list[int]]]:
     """Tokens per step of every response of the batch (row by row, turn by turn), per method, as
     `generate` would commit them serving that text (module docstring). `chunking`: see
-    `anchor_acceptance`."""
+    `scored_blocks`."""
     accepted = anchor_acceptance(drafter, target, features, input_ids, loss_mask, budgets, attention,
                                  **chunking)
-    spans = [response_spans(row) for row in loss_mask.tolist()]
-    walks = {}
-    for method, table in accepted.items():
-        table = table.tolist()
-        walks[method] = [serve_walk(table[row], start, end)
-                         for row, row_spans in enumerate(spans) for start, end in row_spans]
-    return walks
+    return walks_of(accepted, loss_mask)
 
 
 def mean_tau(steps_per_response: list[list[int]]) -> torch.Tensor:
