@@ -173,13 +173,17 @@ def test_a_plan_that_cannot_fit_stops_with_its_numbers_and_the_changes_that_fit(
     check_fits(big, big.total, node_ranks=8)  # fits exactly: no error
 
 
-def test_data_plan_prints_the_start_up_plan_for_a_given_gpu(capsys):
+@pytest.mark.parametrize("run", [["target.tp_size=2"], ["objective.labels=target", "optim.name=muon", "train.engine=fsdp"]])
+def test_data_plan_prints_the_start_up_plan_for_a_given_gpu(capsys, run):
+    """The start-up plan, with the lines that name distillation's tensors and Muon's share."""
     from data.plan import main
-    overrides = ["target.path=null", "target.tp_size=2", *[f"target.random.{k}={v}" for k, v in RANDOM.items()],
-                 "drafter.num_layers=2", "drafter.target_layer_ids=[1,3]"]
+    overrides = ["target.path=null", *[f"target.random.{k}={v}" for k, v in RANDOM.items()],
+                 "drafter.num_layers=2", "drafter.target_layer_ids=[1,3]", *run]
     result = main(["--cfg", str(REPO / "configs" / "v3.yaml"), "--world-size", "8", "--gpu-memory", "80GB",
                    "--memory-only", *overrides])
-    expected = plan(config("target.tp_size=2"), 8, zero(2))
+    deepspeed = "train.engine=fsdp" not in run
+    expected = plan(config(*run), 8, zero(2) if deepspeed else None)
     assert result["memory"]["gpu"] == expected.gpu and result["memory"]["gpu_memory"] == 80 * GiB
     printed = capsys.readouterr().out
     assert "\n".join(expected.lines(80 * GiB)) in printed and "does not fit" not in printed
+    assert ("target final hidden states" in printed) == ("Muon momentum on" in printed) == (not deepspeed)
