@@ -129,7 +129,8 @@ def test_the_loss_chunk_figure_is_the_peak_memory_of_the_loss(objective):
     here 1.0-1.35 times the plan's figure (what the count misses, up to about one buffer, was not traced),
     so it must lie in 0.9-1.5."""
     from drafter.distill import ChunkedRowLoss, RowLossSpec
-    from drafter.objective import ChunkedLMHeadLoss, ObjectiveConfig, chunk_rows_for, loss_chunk_peak_bytes, one_pass_loss
+    from drafter.objective import (ChunkedLMHeadLoss, ObjectiveConfig, chunk_rows_for, loss_chunk_peak_bytes,
+                                   one_pass_loss)
     cfg = ObjectiveConfig(block_size=16, mask_token_id=0, chunk_bytes=128 * 2**20, **objective)
     vocab, width = 32768, 32
     rows = 2 * chunk_rows_for(vocab, cfg.chunk_bytes)
@@ -173,7 +174,8 @@ def test_a_plan_that_cannot_fit_stops_with_its_numbers_and_the_changes_that_fit(
     check_fits(big, big.total, node_ranks=8)  # fits exactly: no error
 
 
-@pytest.mark.parametrize("run", [["target.tp_size=2"], ["objective.labels=target", "optim.name=muon", "train.engine=fsdp"]])
+@pytest.mark.parametrize("run", [["target.tp_size=2"],
+                                 ["objective.labels=target", "optim.name=muon", "train.engine=fsdp"]])
 def test_data_plan_prints_the_start_up_plan_for_a_given_gpu(capsys, run):
     """The start-up plan, with the lines that name distillation's tensors and Muon's share."""
     from data.plan import main
