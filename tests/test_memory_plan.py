@@ -189,3 +189,11 @@ def test_data_plan_prints_the_start_up_plan_for_a_given_gpu(capsys, run):
     printed = capsys.readouterr().out
     assert "\n".join(expected.lines(80 * GiB)) in printed and "does not fit" not in printed
     assert ("target final hidden states" in printed) == ("Muon momentum on" in printed) == (not deepspeed)
+
+
+def test_data_plan_refuses_what_train_py_refuses_by_name(capsys):
+    from data.plan import main
+    with pytest.raises(SystemExit):
+        main(["--cfg", str(REPO / "configs" / "v3.yaml"), "--gpu-memory", "80GB", "--memory-only", "target.path=null",
+              "optim.name=muon"])
+    assert "optim.name=muon is not supported under train.engine=deepspeed" in capsys.readouterr().err
