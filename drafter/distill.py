@@ -50,6 +50,12 @@ def label_rank(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return (logits > label_logit).sum(-1) + ((logits == label_logit) & (vocab_ids < labels[:, None])).sum(-1)
 
 
+def rows_per_chunk(labels: str, chunk_rows: int) -> int:
+    """Rows of one chunk of `ChunkedRowLoss`: a chunk of target labels holds both sides' logits, so
+    it takes half the rows."""
+    return chunk_rows if labels == "data" else max(1, chunk_rows // 2)
+
+
 class ChunkedRowLoss(torch.autograd.Function):
     """Per-row losses [rows] (fp32, differentiable w.r.t. `hidden`) through the frozen LM head, plus,
     without gradient: each row's data-label rank (metrics), its hard label (the data token, or the
@@ -68,8 +74,7 @@ class ChunkedRowLoss(torch.autograd.Function):
         hard_labels = data_labels.clone()
         hard_logprob = torch.empty(rows, dtype=torch.float32, device=hidden.device)
         row_grad = torch.empty_like(hidden) if need_grad else None
-        # a chunk of target labels holds both sides' logits: half the rows keep the same bytes alive
-        chunk_rows = spec.chunk_rows if spec.labels == "data" else max(1, spec.chunk_rows // 2)
+        chunk_rows = rows_per_chunk(spec.labels, spec.chunk_rows)
         for start in range(0, rows, chunk_rows):
             chunk = slice(start, start + chunk_rows)
             logits = (hidden[chunk] @ head_weight.T).float()

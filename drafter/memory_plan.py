@@ -4,13 +4,19 @@
                           + the rest: embedding, LM head, norms, routers), counted on the meta device
     drafter weights       under the engine: DeepSpeed keeps them whole except at ZeRO-3; FSDP2 shards
     drafter gradients     in the compute dtype (DeepSpeed; sharded from ZeRO-2) or fp32 shards (FSDP2)
-    optimizer state       AdamW m and v, plus DeepSpeed's fp32 master copy, sharded over every rank
+    optimizer state       AdamW m and v (fp32), or with optim.name=muon torch.optim.Muon's one fp32
+                          momentum buffer on the 2-D matrices and AdamW's two on the rest, plus
+                          DeepSpeed's fp32 master copy, sharded over every rank
     activations           an estimate at data.tokens_per_batch and the anchors of one micro batch
 
 Offloaded state (DeepSpeed offload_optimizer / offload_param, fsdp.cpu_offload) is counted in host
 memory instead. The activation figure is a rough model (what autograd keeps per drafter layer and
 row, the context K/V, one target layer's working set, one loss chunk), good to a factor of about 2:
 the plan is for sizing a run and catching one that cannot fit, not for accounting to the byte.
+Distillation (objective.labels=target) runs every target layer, but without gradient one layer's
+working set is alive at a time, as for features alone; it adds the final hidden states [tokens, H]
+kept for the loss, their rows gathered per block slot [rows, H], and its loss chunks hold both
+sides' logits (objective.loss_chunk_peak_bytes).
 """
 import math
 from dataclasses import dataclass, replace
@@ -19,6 +25,7 @@ import torch
 
 GiB = 2**30
 ADAM_BYTES = 8    # fp32 m and v per parameter
+MUON_BYTES = 4    # torch.optim.Muon's fp32 momentum buffer per parameter
 MASTER_BYTES = 4  # DeepSpeed's fp32 copy of the weights it optimises
 
 
@@ -33,6 +40,7 @@ class PlanInputs:
     dtype_bytes: int          # of the target and of the drafter's compute
     tp_size: int
     drafter_params: int
+    muon_params: int          # those torch.optim.Muon steps (optim.name=muon: the 2-D matrices), else 0
     world_size: int
     engine: str               # deepspeed | fsdp
     zero_stage: int | None    # deepspeed only
@@ -46,7 +54,8 @@ class PlanInputs:
     kv_width: int             # num_key_value_heads x head_dim
     feature_layers: int
     drafter_layers: int
-    loss_chunk_bytes: int
+    target_labels: bool       # objective.labels=target: the loss reads the target's final hidden states
+    loss_chunk_peak: int      # bytes of logits alive at a loss chunk's peak (objective.loss_chunk_peak_bytes)
 
 
 @dataclass(frozen=True)
@@ -68,6 +77,10 @@ class MemoryPlan:
         lines.append(f"  {'total':<20} {size_text(self.total):>11}" + (f" of {size_text(gpu_bytes)}" if gpu_bytes else ""))
         if self.host:
             lines.append("  host memory per rank: " + ", ".join(f"{n} {size_text(b)}" for n, b in self.host.items()))
+        if p.muon_params:
+            lines.append(f"  optimizer state: Muon momentum on {p.muon_params:,} matrix parameters, AdamW m, v "
+                         f"on {p.drafter_params - p.muon_params:,} others")
+        lines.append("  activations include: " + ", ".join(f"{n} {size_text(b)}" for n, b in loss_parts(p).items()))
         return lines
 
 
@@ -75,19 +88,29 @@ def plan_memory(p: PlanInputs) -> MemoryPlan:
     n, w = p.world_size, p.dtype_bytes
     whole = p.target_params - p.target_split_params
     gpu = {"target weights": math.ceil((whole + p.target_split_params / p.tp_size) * w)}
-    if p.engine == "fsdp":  # fp32 shards of weights and gradients; AdamW state of the shard
+    optimizer = MUON_BYTES * p.muon_params + ADAM_BYTES * (p.drafter_params - p.muon_params)
+    if p.engine == "fsdp":  # fp32 shards of weights and gradients; the optimizers' state of the shard
         state = {"drafter weights": 4 * p.drafter_params / n, "drafter gradients": 4 * p.drafter_params / n,
-                 "optimizer state": ADAM_BYTES * p.drafter_params / n}
+                 "optimizer state": optimizer / n}
         offloaded = set(state) if p.offload_optimizer else set()
     else:
         state = {"drafter weights": w * p.drafter_params / (n if p.zero_stage == 3 else 1),
                  "drafter gradients": w * p.drafter_params / (n if p.zero_stage >= 2 else 1),
-                 "optimizer state": (MASTER_BYTES + ADAM_BYTES) * p.drafter_params / n}
+                 "optimizer state": (MASTER_BYTES * p.drafter_params + optimizer) / n}
         offloaded = ({"optimizer state"} if p.offload_optimizer else set()) | (
             {"drafter weights"} if p.offload_params else set())
     gpu.update({name: math.ceil(size) for name, size in state.items() if name not in offloaded})
     gpu["activations (est.)"] = activation_bytes(p)
     return MemoryPlan(p, gpu, {name: math.ceil(state[name]) for name in state if name in offloaded})
+
+
+def loss_parts(p: PlanInputs) -> dict[str, int]:
+    """What the loss adds to the drafter's activations, by part."""
+    rows, width = p.anchors * p.block_size, p.hidden_size * p.dtype_bytes
+    parts = {"loss chunk logits": p.loss_chunk_peak, "hidden-state gradient": rows * width}
+    if p.target_labels:
+        parts.update({"target final hidden states": p.tokens_per_batch * width, "their block rows": rows * width})
+    return parts
 
 
 def activation_bytes(p: PlanInputs) -> int:
@@ -98,8 +121,7 @@ def activation_bytes(p: PlanInputs) -> int:
     target_layer = t * (4 * h + 3 * p.intermediate_size // p.tp_size) * w  # one layer's working set
     context = t * h * w + p.drafter_layers * t * 2 * p.kv_width * w  # fc output; K/V of the context
     per_layer = rows * (8 * h + 4 * p.intermediate_size) * w     # norms, q/k/v/o, attention out, MLP
-    loss = 2 * p.loss_chunk_bytes + rows * h * w                  # one fp32 logit chunk; the hidden grad
-    return features + max(target_layer, context + p.drafter_layers * per_layer + loss)
+    return features + max(target_layer, context + p.drafter_layers * per_layer + sum(loss_parts(p).values()))
 
 
 def fitting_changes(p: PlanInputs, gpu_bytes: int, node_ranks: int) -> list[str]:
@@ -176,8 +198,9 @@ def target_model_config(path: str | None, random: dict | None):
 def plan_inputs(cfg, model_config, world_size: int, ds_config: dict | None, dtype_bytes: int) -> PlanInputs:
     """The plan's inputs from the run config, the target's (full) config and the DeepSpeed JSON."""
     from drafter.draft_config import drafter_config, drafter_variant
+    from drafter.engine import uses_muon
     from drafter.model import drafter_class
-    from drafter.objective import ObjectiveConfig
+    from drafter.objective import ObjectiveConfig, loss_chunk_peak_bytes
     from drafter.tensor_parallel import planned_split
 
     text = model_config.get_text_config()
@@ -188,12 +211,16 @@ def plan_inputs(cfg, model_config, world_size: int, ds_config: dict | None, dtyp
     offloaded = lambda key: zero.get(key, {}).get("device", "none") not in ("none", None)  # noqa: E731
     fsdp_offload = cfg.train.engine == "fsdp" and cfg.fsdp.cpu_offload
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    target = on_meta(model_config)
+    target, drafter = on_meta(model_config), on_meta(draft, drafter_class(draft))
+    matrices = sum(param.numel() for param in drafter.parameters() if uses_muon(param))
+    objective = ObjectiveConfig(block_size=cfg.drafter.block_size, mask_token_id=0, labels=cfg.objective.labels,
+                                loss=cfg.objective.loss, position_weights=cfg.objective.position_weights)
     return PlanInputs(
         target_params=count_parameters(target),
         target_split_params=sum(param.numel() for param, _ in planned_split(target)[0]),
         dtype_bytes=dtype_bytes, tp_size=cfg.target.tp_size,
-        drafter_params=count_parameters(on_meta(draft, drafter_class(draft))), world_size=world_size,
+        drafter_params=count_parameters(drafter), world_size=world_size,
+        muon_params=matrices if cfg.optim.name == "muon" else 0,
         engine=cfg.train.engine, zero_stage=zero.get("stage") if cfg.train.engine == "deepspeed" else None,
         offload_optimizer=fsdp_offload or offloaded("offload_optimizer"),
         offload_params=fsdp_offload or offloaded("offload_param"),
@@ -201,4 +228,6 @@ def plan_inputs(cfg, model_config, world_size: int, ds_config: dict | None, dtyp
         block_size=cfg.drafter.block_size, hidden_size=text.hidden_size,
         intermediate_size=text.intermediate_size, kv_width=text.num_key_value_heads * head_dim,
         feature_layers=len(draft.dflash_config["target_layer_ids"]), drafter_layers=cfg.drafter.num_layers,
-        loss_chunk_bytes=ObjectiveConfig.chunk_bytes)
+        target_labels=cfg.objective.labels == "target",
+        loss_chunk_peak=loss_chunk_peak_bytes(objective, text.vocab_size,
+                                              anchors_per_micro_batch(cfg) * (cfg.drafter.block_size - 1)))

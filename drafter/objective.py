@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import _DEFAULT_SPARSE_BLOCK_SIZE, create_block_mask
 
 from drafter.ddtree import build_tree_from_logprobs, teacher_forced_accept
-from drafter.distill import ChunkedRowLoss, RowLossSpec, dpace_weights, teacher_rows, tree_weights
+from drafter.distill import (ChunkedRowLoss, RowLossSpec, dpace_weights, rows_per_chunk, teacher_rows,
+                             tree_weights)
 from drafter.model import DFlash2DraftModel, FlexMask, LayerAttention, compile_dynamic
 
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # DFlash paper, by block size
@@ -254,6 +255,29 @@ class ObjectiveConfig:
     selector_alpha: float = 1.0  # DFlash2: weight of the selector's K-way cross entropy (selector_loss)
 
 
+def one_pass_loss(cfg: ObjectiveConfig) -> bool:
+    """Data labels under fixed weights: `ChunkedLMHeadLoss`; every other objective: `shaped_block_loss`."""
+    return cfg.labels == "data" and cfg.position_weights == "exp"
+
+
+RANK_BUFFERS = 2.25  # a chunk's label ranks: a bool mask (1/4 of an fp32 logit buffer), its int64 count (2)
+
+
+def loss_chunk_peak_bytes(cfg: ObjectiveConfig, vocab_size: int, rows: int) -> int:
+    """The fp32 [rows, vocab] logit buffers alive at the peak of the loss over `rows` block slots, in
+    bytes (the memory plan's figure). The peak is at a chunk's label ranks (`label_rank`,
+    RANK_BUFFERS): beside them, this chunk's logits and what a previous chunk left alive: nothing in the
+    one-pass data CE (it reuses its logits buffer), the drafter's log-probabilities in `ChunkedRowLoss`,
+    and with target labels the target's too (and its probabilities for KL), in chunks of half the rows."""
+    chunk_rows = chunk_rows_for(vocab_size, cfg.chunk_bytes)
+    if one_pass_loss(cfg):
+        chunk, left_alive = min(rows, chunk_rows), 0
+    else:
+        chunk = min(rows, rows_per_chunk(cfg.labels, chunk_rows))
+        left_alive = 0 if rows <= chunk else (2 if cfg.labels == "target" else 1) + (cfg.loss == "kl")
+    return math.ceil((left_alive + 1 + RANK_BUFFERS) * chunk * vocab_size * 4)
+
+
 def training_step(drafter, target, features, input_ids, loss_mask, cfg: ObjectiveConfig,
                   generator: torch.Generator, attention: str, final_hidden: torch.Tensor | None = None):
     """One training forward: (loss, metrics). `metrics` maps names to [sum, count] tensors so that
@@ -269,7 +293,7 @@ def training_step(drafter, target, features, input_ids, loss_mask, cfg: Objectiv
     b, num_blocks, block_size, width = hidden.shape
     head = target.get_output_embeddings().weight
     chunk_rows = chunk_rows_for(head.shape[0], cfg.chunk_bytes)
-    if cfg.labels == "data" and cfg.position_weights == "exp":  # fixed weights: the one-pass loss
+    if one_pass_loss(cfg):
         loss, ranks = ChunkedLMHeadLoss.apply(
             hidden[:, :, 1:].reshape(-1, width), head, blocks.labels[..., 1:].reshape(-1),
             blocks.weights[..., 1:].reshape(-1), chunk_rows)

@@ -251,7 +251,8 @@ def test_muon_steps_the_matrices_and_adamw_the_rest():
     assert isinstance(only, torch.optim.AdamW) and len(only.param_groups[0]["params"]) == len(params)
 
 
-def test_muon_under_deepspeed_is_refused_by_name_before_anything_loads(tmp_path):
+def test_muon_under_deepspeed_is_refused_by_name(tmp_path):
+    """(train.py refuses it before the data or any model loads: tests/test_train.py.)"""
     from drafter.engine import EngineConfigError, deepspeed_config
     cfg = load_config(str(REPO / "configs" / "v3.yaml"), ["data.path=/x", "optim.name=muon"])
     with pytest.raises(EngineConfigError, match="optim.name=muon is not supported under train.engine=deepspeed"):

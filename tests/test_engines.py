@@ -1,7 +1,8 @@
 """Engines, ZeRO stages and launchers, on two CPU ranks over gloo through the real launchers.
 
-Every ZeRO stage a user can write (and optimizer offload) trains, resumes exactly and exports the full
-weights; FSDP2 under torchrun follows the DeepSpeed trajectory, resumes exactly after SIGKILL and
+Every ZeRO stage a user can write (and optimizer offload) trains, resumes and exports the full weights:
+ZeRO-3 the reference drafter, ZeRO-1 and offload a distilled DFlash2 variant, whose offload resume is
+exact; FSDP2 under torchrun follows the DeepSpeed trajectory, resumes exactly after SIGKILL and
 exports for the public `dflash` package; a non-finite step that only one rank sees is skipped on both;
 gradient accumulation agrees between the engines; `srun`-style tasks form one world and stop on SIGUSR1.
 
@@ -26,6 +27,7 @@ from runs import REPO, kill_job, launch, records, run_to_end, train_losses, wait
 
 pytestmark = pytest.mark.slow
 ENGINE_RTOL = 1e-4
+RESUME_RTOL = 1e-6
 
 
 def ds_config(tmp_path: Path, base: str, **zero) -> str:
@@ -61,21 +63,15 @@ def params_line(out: str) -> str:
     return next(line for line in out.splitlines() if "M params" in line).split("drafter ")[1].split(",")[0]
 
 
-@pytest.mark.parametrize("stage", ["zero1", "zero3", "zero2_offload"])
-def test_every_zero_stage_trains_resumes_and_exports_full_weights(reference_run, tmp_path, stage):
+def test_zero3_partitions_trains_resumes_and_exports_full_weights(reference_run, tmp_path):
     ref_dir, cfg, ref_out = reference_run
-    json_path = {"zero1": lambda: ds_config(tmp_path, "zero2.json", stage=1),
-                 # a persistence threshold of 0 partitions even the tiny test drafter's weights
-                 "zero3": lambda: ds_config(tmp_path, "zero3.json", stage3_param_persistence_threshold=0),
-                 "zero2_offload": lambda: str(REPO / "ds_configs" / "zero2_offload.json")}[stage]()
+    # a persistence threshold of 0 partitions even the tiny test drafter's weights
+    json_path = ds_config(tmp_path, "zero3.json", stage3_param_persistence_threshold=0)
     run = tmp_path / "run"
     common = [f"run.out_dir={run}", f"train.ds_config={json_path}", "train.schedule_steps=24"]
-    if stage == "zero1":  # stage 1 resumes through stage 2's code (the reference run's engine)
-        first = run_to_end(cfg, *common, "train.max_steps=12")
-    else:
-        first = run_to_end(cfg, *common, "train.max_steps=6")
-        assert "resumed from" in run_to_end(cfg, *common, "train.max_steps=12")
-    assert f"ZeRO-{stage[4]}" in first
+    first = run_to_end(cfg, *common, "train.max_steps=6")
+    assert "resumed from" in run_to_end(cfg, *common, "train.max_steps=12")
+    assert "ZeRO-3" in first
     assert params_line(first) == params_line(ref_out)  # counted before ZeRO-3 partitions the weights
     expected = train_losses(ref_dir / "run")
     assert list(train_losses(run)) == list(range(1, 13))
@@ -121,12 +117,49 @@ def test_fsdp_sigkill_then_resume_reproduces_the_uninterrupted_losses(reference_
     out = run_to_end(cfg, f"run.out_dir={run}", "train.engine=fsdp", launcher="torchrun")
     assert re.search(r"resumed from \S+ at step (12|18) ", out), out[-3000:]
     assert [r["step"] for r in records(run)] == list(range(1, 25))
-    assert_same_trajectory(train_losses(run), train_losses(fsdp_run[0]), range(1, 25), 1e-6)
+    assert_same_trajectory(train_losses(run), train_losses(fsdp_run[0]), range(1, 25), RESUME_RTOL)
 
 
 # DESIGN.md contract 11: the variant launches below train DFlash2 with a sliding layer.
 VARIANT = ["drafter.arch=dflash2", "drafter.layer_types=[sliding_attention]", "drafter.sliding_window=4",
            "drafter.selector_rank=8", "drafter.selector_top_k=8"]
+# objective.* options that only the FSDP launch of tests/test_distill.py ran before (issue 21)
+DISTILL = ["objective.labels=target", "objective.loss=kl", "objective.position_weights=dpace"]
+
+
+def assert_public_dflash2_loads_every_weight(drafter_dir: Path):
+    from dflash.model import DFlash2DraftModel as PublicDraftModel
+    public, loading = PublicDraftModel.from_pretrained(drafter_dir, dtype=torch.float32, output_loading_info=True)
+    assert not any(loading.values()), loading
+    assert public.layers[0].self_attn.sliding_window == 4 and public.candidate_selector.top_k == 8
+
+
+def test_a_distilled_variant_trains_under_zero1_and_offload_resumes_exactly_and_exports(reference_run, tmp_path):
+    """DFlash2 with a sliding layer, distilled (target KL labels, D-PACE weights): ZeRO-1 and ZeRO-2 with
+    optimizer offload train it alike; the offload run resumed from its step-6 checkpoint replays steps
+    7-12 to rel 1e-6 and ends on the same weights (convolutions and selector included); both exports
+    load in the public DFlash2DraftModel with every weight."""
+    ref_dir, cfg, _ = reference_run
+    common = [*VARIANT, *DISTILL, "train.max_steps=12", "train.schedule_steps=24"]
+    zero1, offload = tmp_path / "zero1", tmp_path / "offload"
+    out = run_to_end(cfg, f"run.out_dir={zero1}", f"train.ds_config={ds_config(tmp_path, 'zero2.json', stage=1)}",
+                     *common)
+    assert "deepspeed ZeRO-1" in out and "run tiny-g4-b95-target-kl-dpace" in out
+    offload_args = [f"run.out_dir={offload}", f"train.ds_config={REPO / 'ds_configs' / 'zero2_offload.json'}", *common]
+    assert "deepspeed ZeRO-2, optimizer offload to cpu" in run_to_end(cfg, *offload_args)
+    uninterrupted, final_weights = train_losses(offload), exported(offload, 12)
+    assert list(uninterrupted) == list(range(1, 13)) and "selector_loss" in records(offload)[-1]
+    assert uninterrupted[1] != pytest.approx(train_losses(ref_dir / "run")[1], rel=1e-3)  # KL, not data CE
+    assert_same_trajectory(train_losses(zero1), uninterrupted, range(1, 13), ENGINE_RTOL)
+    assert_same_weights(exported(zero1, 12), final_weights, rtol=10 * ENGINE_RTOL)
+
+    out = run_to_end(cfg, *offload_args, f"train.resume={offload / 'checkpoints' / 'step_6'}")
+    assert re.search(r"resumed from \S+step_6 at step 6 ", out), out[-3000:]
+    assert [r["step"] for r in records(offload)] == list(range(1, 13))
+    assert_same_trajectory(train_losses(offload), uninterrupted, range(7, 13), RESUME_RTOL)
+    assert_same_weights(exported(offload, 12), final_weights, rtol=RESUME_RTOL)
+    for run in (zero1, offload):
+        assert_public_dflash2_loads_every_weight(run / "checkpoints" / "step_12" / "drafter")
 
 
 @pytest.mark.parametrize("engine", ["deepspeed zero3", "fsdp"])
@@ -147,11 +180,7 @@ def test_a_nonfinite_step_on_one_rank_is_skipped_on_both(reference_run, tmp_path
     assert all(not torch.equal(exported(run, 6)[name], value) for name, value in exported(run, 2).items()
                if "norm" not in name)
     assert "selector_loss" in records(run)[-1]
-    from dflash.model import DFlash2DraftModel as PublicDraftModel
-    public, loading = PublicDraftModel.from_pretrained(run / "checkpoints" / "step_6" / "drafter",
-                                                       dtype=torch.float32, output_loading_info=True)
-    assert not any(loading.values()), loading
-    assert public.layers[0].self_attn.sliding_window == 4 and public.candidate_selector.top_k == 8
+    assert_public_dflash2_loads_every_weight(run / "checkpoints" / "step_6" / "drafter")
 
 
 def test_gradient_accumulation_with_hard_coded_batch_keys_matches_fsdp(reference_run, tmp_path):

@@ -1,13 +1,19 @@
 """The memory plan (drafter/memory_plan.py) against independent counts: the target's bytes from a model
 actually built, divided by the tp size; the drafter's state from an actually built drafter, sharded
-as each engine and ZeRO stage shards it; the fit check names the changes that would fit."""
+as each engine and ZeRO stage shards it; the optimizer state that torch's AdamW and Muon actually hold;
+distillation's tensors by hand from their shapes; the loss chunk's logits against the peak resident
+memory of the loss actually run; the fit check names the changes that would fit."""
+import math
+from pathlib import Path
+
 import pytest
+import torch
 
 from drafter.config import load_config
 from drafter.memory_plan import (GiB, MemoryPlanError, check_fits, plan_inputs, plan_memory, size_text,
                                  target_model_config)
-from drafter.draft_config import drafter_config
-from drafter.model import DFlashDraftModel
+from drafter.draft_config import drafter_config, drafter_variant
+from drafter.model import DFlashDraftModel, drafter_class
 from drafter.target import random_qwen3
 from runs import REPO
 
@@ -67,6 +73,86 @@ def test_drafter_state_is_sharded_as_each_engine_and_stage_shards_it():
         "drafter weights": fp32 / 4, "drafter gradients": fp32 / 4, "optimizer state": 2 * fp32 / 4}
 
 
+DFLASH2 = ["drafter.arch=dflash2", "drafter.selector_rank=8", "drafter.selector_top_k=4"]
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_optimizer_state_is_what_torch_optimizers_hold_after_a_step(optimizer):
+    """A DFlash2 drafter (3-D convolution kernels, which Muon leaves to AdamW, and 2-D selector
+    codebooks) under FSDP2 on 4 ranks: the plan's optimizer state is a quarter of the bytes the
+    optimizers of `build_optimizers` hold after one step (Muon: one momentum buffer per matrix)."""
+    from drafter.engine import build_optimizers
+    cfg = config("train.engine=fsdp", f"optim.name={optimizer}", *DFLASH2)
+    draft = drafter_config(random_qwen3(**RANDOM).config, num_layers=2, block_size=16, mask_token_id=0,
+                           target_layer_ids=[1, 3], variant=drafter_variant(cfg.drafter))
+    drafter = drafter_class(draft)(draft)
+    gen = torch.Generator().manual_seed(0)
+    for param in drafter.parameters():
+        param.grad = torch.randn(param.shape, generator=gen)
+    optimizers = build_optimizers(list(drafter.parameters()), cfg.optim)
+    for step in optimizers:
+        step.step()
+    held = sum(value.numel() * value.element_size() for step in optimizers for state in step.state.values()
+               for value in state.values() if value.dim() > 0)  # not the 0-d step counters
+    assert plan(cfg, 4, None).gpu["optimizer state"] == math.ceil(held / 4)
+    matrices = sum(p.numel() for p in drafter.parameters() if p.dim() == 2)
+    assert 0 < matrices < built_bytes(drafter, 1)
+    assert plan(cfg, 4, None).inputs.muon_params == (matrices if optimizer == "muon" else 0)
+
+
+def test_distillation_adds_the_final_hidden_states_and_their_block_rows():
+    """objective.labels=target keeps the target's final hidden states [tokens, H] and gathers them for
+    every block slot [anchors x block, H] (bf16 here); its logit chunks are another figure (below)."""
+    data = plan(config(), 8, zero(2))
+    distilled = plan(config("objective.labels=target", "objective.loss=kl"), 8, zero(2))
+    cfg = config()
+    tokens, rows, width = cfg.data.tokens_per_batch, cfg.objective.anchors_per_batch * 16, RANDOM["hidden_size"] * 2
+    chunks = distilled.inputs.loss_chunk_peak - data.inputs.loss_chunk_peak
+    assert (distilled.gpu["activations (est.)"] - data.gpu["activations (est.)"]
+            == tokens * width + rows * width + chunks)
+    assert {k: v for k, v in distilled.gpu.items() if k != "activations (est.)"} == {
+        k: v for k, v in data.gpu.items() if k != "activations (est.)"}
+
+
+def resident_bytes(field: str) -> int:
+    """VmRSS or VmHWM (the peak since the last reset) of this process."""
+    status = Path("/proc/self/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith(field + ":")).split()[1]) * 1024
+
+
+@pytest.mark.parametrize("objective", [{}, {"position_weights": "dpace"}, {"labels": "target"},
+                                       {"labels": "target", "loss": "kl"}])
+def test_the_loss_chunk_figure_is_the_peak_memory_of_the_loss(objective):
+    """The loss over two chunks' rows at a vocabulary of 32k, measured as the rise of the process's
+    peak resident memory (VmHWM, reset through /proc/self/clear_refs): its logit buffers are 64 MiB or
+    more, which malloc maps and unmaps whole, so the resident peak is what the tensors hold. Measured
+    here 1.0-1.35 times the plan's figure (what the count misses, up to about one buffer, was not traced),
+    so it must lie in 0.9-1.5."""
+    from drafter.distill import ChunkedRowLoss, RowLossSpec
+    from drafter.objective import (ChunkedLMHeadLoss, ObjectiveConfig, chunk_rows_for, loss_chunk_peak_bytes,
+                                   one_pass_loss)
+    cfg = ObjectiveConfig(block_size=16, mask_token_id=0, chunk_bytes=128 * 2**20, **objective)
+    vocab, width = 32768, 32
+    rows = 2 * chunk_rows_for(vocab, cfg.chunk_bytes)
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(rows, width, generator=gen).requires_grad_(True)
+    head, teacher = torch.randn(vocab, width, generator=gen), torch.randn(rows, width, generator=gen)
+    labels = torch.randint(0, vocab, (rows,), generator=gen)
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current resident size
+    except OSError:
+        pytest.skip("this kernel does not let a process reset its peak resident size")
+    before = resident_bytes("VmRSS")
+    if one_pass_loss(cfg):
+        ChunkedLMHeadLoss.apply(hidden, head, labels, torch.ones(rows), chunk_rows_for(vocab, cfg.chunk_bytes))
+    else:
+        spec = RowLossSpec(cfg.labels, cfg.loss, chunk_rows_for(vocab, cfg.chunk_bytes))
+        ChunkedRowLoss.apply(hidden, head, labels, teacher if cfg.labels == "target" else None, spec)
+    measured = resident_bytes("VmHWM") - before
+    planned = loss_chunk_peak_bytes(cfg, vocab, rows)
+    assert 0.9 * planned <= measured <= 1.5 * planned, (measured, planned)
+
+
 def test_activations_grow_with_the_batch_and_the_anchors():
     base = plan(config(), 8, zero(2)).gpu["activations (est.)"]
     assert plan(config("data.tokens_per_batch=32768"), 8, zero(2)).gpu["activations (est.)"] > base
@@ -88,13 +174,26 @@ def test_a_plan_that_cannot_fit_stops_with_its_numbers_and_the_changes_that_fit(
     check_fits(big, big.total, node_ranks=8)  # fits exactly: no error
 
 
-def test_data_plan_prints_the_start_up_plan_for_a_given_gpu(capsys):
+@pytest.mark.parametrize("run", [["target.tp_size=2"],
+                                 ["objective.labels=target", "optim.name=muon", "train.engine=fsdp"]])
+def test_data_plan_prints_the_start_up_plan_for_a_given_gpu(capsys, run):
+    """The start-up plan, with the lines that name distillation's tensors and Muon's share."""
     from data.plan import main
-    overrides = ["target.path=null", "target.tp_size=2", *[f"target.random.{k}={v}" for k, v in RANDOM.items()],
-                 "drafter.num_layers=2", "drafter.target_layer_ids=[1,3]"]
+    overrides = ["target.path=null", *[f"target.random.{k}={v}" for k, v in RANDOM.items()],
+                 "drafter.num_layers=2", "drafter.target_layer_ids=[1,3]", *run]
     result = main(["--cfg", str(REPO / "configs" / "v3.yaml"), "--world-size", "8", "--gpu-memory", "80GB",
                    "--memory-only", *overrides])
-    expected = plan(config("target.tp_size=2"), 8, zero(2))
+    deepspeed = "train.engine=fsdp" not in run
+    expected = plan(config(*run), 8, zero(2) if deepspeed else None)
     assert result["memory"]["gpu"] == expected.gpu and result["memory"]["gpu_memory"] == 80 * GiB
     printed = capsys.readouterr().out
     assert "\n".join(expected.lines(80 * GiB)) in printed and "does not fit" not in printed
+    assert ("target final hidden states" in printed) == ("Muon momentum on" in printed) == (not deepspeed)
+
+
+def test_data_plan_refuses_what_train_py_refuses_by_name(capsys):
+    from data.plan import main
+    with pytest.raises(SystemExit):
+        main(["--cfg", str(REPO / "configs" / "v3.yaml"), "--gpu-memory", "80GB", "--memory-only", "target.path=null",
+              "optim.name=muon"])
+    assert "optim.name=muon is not supported under train.engine=deepspeed" in capsys.readouterr().err

@@ -231,13 +231,17 @@ def test_deepspeed_json_contradicting_the_yaml_is_refused_naming_both(tmp_path, 
         deepspeed_config(path, cfg, world_size=8, bf16=True, hidden_size=4096, on_cpu=False)
 
 
-def test_a_json_contradiction_stops_train_py_before_any_model_loads(tmp_path):
+def test_a_json_contradiction_or_muon_stops_train_py_before_any_model_loads(tmp_path):
+    """DeepSpeed's own ZeRO Muon is not torch.optim.Muon: optim.name=muon is refused by name with the
+    JSON's problems, before the data or any model loads."""
     cfg = write_run(tmp_path)
     path = ds_json(tmp_path, gradient_accumulation_steps=8)
-    proc = subprocess.run([sys.executable, "train.py", "--cfg", str(cfg), f"train.ds_config={path}"], cwd=REPO,
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run([sys.executable, "train.py", "--cfg", str(cfg), f"train.ds_config={path}", "optim.name=muon"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 2
     assert "gradient_accumulation_steps=8 in the JSON contradicts optim.grad_accum = 1" in proc.stderr
+    assert "optim.name=muon is not supported under train.engine=deepspeed" in proc.stderr
     assert "Traceback" not in proc.stderr and "params" not in proc.stdout  # no model was built
 
 
