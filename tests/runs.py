@@ -63,7 +63,10 @@ def _env(extra: dict | None = None) -> dict:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
            and not k.startswith("SLURM_")}
-    return {**env, "PATH": f"{VENV_BIN}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1", **(extra or {})}
+    # this checkout's packages first: a script in tests/ would otherwise import the installed (editable) copy
+    python_path = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return {**env, "PATH": f"{VENV_BIN}:{os.environ['PATH']}", "PYTHONPATH": python_path, "OMP_NUM_THREADS": "1",
+            **(extra or {})}
 
 
 def launch(cfg: Path, *overrides: str, launcher: str = "deepspeed", faults: dict | None = None) -> subprocess.Popen:
