@@ -230,9 +230,6 @@ def validate(cfg) -> list[str]:
     for key in FRACTIONS:
         if not 0 <= get(key) <= 1:
             problems.append(f"{key}={get(key)!r} must be in [0, 1]")
-    if cfg.objective.labels == "target" and cfg.target.tp_size > 1:
-        problems.append(f"objective.labels=target needs target.tp_size=1 (got {cfg.target.tp_size}): the "
-                        "tensor-parallel target gives features only, not its final hidden states, yet")
     if cfg.objective.loss == "kl" and cfg.objective.labels != "target":
         problems.append("objective.loss=kl needs objective.labels=target (KL to the data's one-hot labels is CE)")
     if not 0 <= cfg.data.eval_fraction < 1:

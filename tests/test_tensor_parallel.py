@@ -20,7 +20,7 @@ RTOL = 1e-4
 
 
 @pytest.mark.slow
-def test_tp2_features_equal_tp1_features_for_a_dense_and_a_moe_target(tmp_path):
+def test_tp2_features_and_final_hidden_states_equal_tp1_for_a_dense_and_a_moe_target(tmp_path):
     import subprocess
     cmd = [str(VENV_BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(REPO / "tests" / "tp_features.py"), str(tmp_path)]
@@ -31,6 +31,8 @@ def test_tp2_features_equal_tp1_features_for_a_dense_and_a_moe_target(tmp_path):
         for family in ("dense", "moe"):
             r = report[family]
             assert r["max_diff"] <= 2e-6 * r["scale"], (rank, family, r)
+            assert r["no_final"] and r["distill_features_diff"] <= 2e-6 * r["scale"], (rank, family, r)
+            assert r["final_diff"] <= 2e-6 * r["final_scale"], (rank, family, r)  # what distillation reads
             # each rank holds about half of the layers' weights (norms and the MoE router stay whole)
             assert 0.5 <= r["sharded_layer_bytes"] / r["whole_layer_bytes"] < 0.51, (rank, family, r)
             if rank == 0:  # the other member had no batch: rank 0's features still come right

@@ -1,6 +1,7 @@
 """Run under torchrun (CPU, gloo) by test_tensor_parallel.py: every rank holds its own batch (its own
-shape), computes its features through a target sharded over the world (a dense Qwen3 and a Qwen3-MoE)
-and through the whole target, and writes the difference and its weight bytes to <out>/rank<r>.json."""
+shape), computes its features and final hidden states (distillation's) through a target sharded over
+the world (a dense Qwen3 and a Qwen3-MoE) and through the whole target, and writes the differences and
+its weight bytes to <out>/rank<r>.json."""
 import copy
 import json
 import sys
@@ -9,7 +10,7 @@ import torch
 import torch.distributed as dist
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from drafter.target import context_features, freeze, random_qwen3
+from drafter.target import context_features, features_and_final_hidden, freeze, random_qwen3
 from drafter.tensor_parallel import TargetFeatures, form_tp_group, shard_target
 
 WIDTHS = dict(vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -43,12 +44,17 @@ def main(out_dir: str):
         sharded = shard_target(copy.deepcopy(whole), group)
         features = TargetFeatures(sharded, group, torch.device("cpu"))
         expected = context_features(whole, ids, LAYERS)
-        got = features(ids, LAYERS)
-        alone = features(ids if rank == 0 else None, LAYERS)  # rank 1 has no batch this time
+        got, no_final = features(ids, LAYERS)
+        alone, _ = features(ids if rank == 0 else None, LAYERS)  # rank 1 has no batch this time
+        expected_features, expected_final = features_and_final_hidden(whole, ids, LAYERS)
+        distilled, final = TargetFeatures(sharded, group, torch.device("cpu"), final_hidden=True)(ids, LAYERS)
         report[name] = {"max_diff": (got - expected).abs().max().item(), "scale": expected.abs().max().item(),
                         "alone_diff": (alone - expected).abs().max().item() if rank == 0 else None,
-                        "alone_is_none": alone is None, "whole_layer_bytes": weight_bytes(whole),
-                        "sharded_layer_bytes": weight_bytes(sharded)}
+                        "alone_is_none": alone is None, "no_final": no_final is None,
+                        "distill_features_diff": (distilled - expected_features).abs().max().item(),
+                        "final_diff": (final - expected_final).abs().max().item(),
+                        "final_scale": expected_final.abs().max().item(),
+                        "whole_layer_bytes": weight_bytes(whole), "sharded_layer_bytes": weight_bytes(sharded)}
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
         json.dump(report, f)
     dist.destroy_process_group()
