@@ -40,7 +40,7 @@ from drafter.model import drafter_class, drafter_from_state_dict, load_drafter
 from drafter.objective import ObjectiveConfig, attention_kernel, finalize_metrics, training_step
 from drafter.run_lock import RunDirectoryBusy, hold_run_directory
 from drafter.sampler import bucket_table, held_out_share, make_loader, plan_notes, sampler_from_config
-from drafter.served import bench_prompts, generation_tau, held_out_prompts, replayed_tau
+from drafter.served import PromptShare, bench_prompts, generation_tau, held_out_prompts, replayed_tau
 from drafter.distill import logit_softcap
 from drafter.target import TargetError, input_embedding_scale, random_qwen3
 from drafter.target_cache import probe_decoding
@@ -374,6 +374,7 @@ def train(cfg, rank, world_size, device) -> int:
     target, tokenizer = build_target_and_tokenizer(cfg, device, dtype, tp_group)
     drafter = build_drafter(cfg, target, tokenizer)
     generate_prompts = generation_prompts(cfg, tokenizer, eval_set)
+    # every rank probes (the same forwards: under tp each is a collective over the group)
     probe = probe_decoding(target) if generate_prompts else None
     if probe and (refusal := probe.cannot_decode or probe.cannot_verify):
         raise ConfigError(f"{refusal}: set train.generate_every=0 (the replayed tau of the eval steps needs "
@@ -509,10 +510,12 @@ def generation_prompts(cfg, tokenizer, eval_set) -> list[list[int]] | None:
 
 
 def run_generation(run: RunParts, drafter, prompts, stops, step, log):
-    """The drafter as it is now, served on the fixed prompts (split over ranks, time-bounded)."""
+    """The drafter as it is now, served on the fixed prompts (split over the ranks, or over the
+    tensor-parallel groups, whose members decode together; time-bounded)."""
     cfg = run.cfg
+    share = PromptShare.of(run.target_features.group, run.world_size)
     summed = all_reduce_sum(generation_tau(
-        run.target, drafter, prompts, run.rank, run.world_size, budgets=cfg.train.tau_budgets,
+        run.target, drafter, prompts, share, budgets=cfg.train.tau_budgets,
         max_new_tokens=cfg.train.generate_max_new_tokens, max_seconds=cfg.train.generate_max_seconds,
         stop_token_ids=stops))
     metrics = {"step": step, **finalize_metrics(summed), "gen_responses": int(summed["gen_tau_dflash"][1])}

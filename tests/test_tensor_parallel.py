@@ -1,7 +1,8 @@
 """target.tp_size (drafter/tensor_parallel.py) on two CPU ranks over gloo through the real launchers.
 
 Tolerances: a sharded target sums its row-parallel products over the group, in another order than one
-matmul: the features agree to rel 2e-6 of their scale in fp32 (measured: 8e-7 dense, 3e-7 MoE). A
+matmul: the features agree to rel 2e-6 of their scale in fp32 (measured: 8e-7 dense, 3e-7 MoE), the
+final hidden states too (1.5e-6, 2.7e-7). A
 run's losses carry that through Adam at lr 3e-2 as the engines' reduction orders are carried
 (test_engines.py): the per-step losses of tp 2 and tp 1 agree to rel 1e-4 (measured: 1.1e-5 over
 12 steps from the start); the held-out metrics to rel 1e-4.
@@ -12,7 +13,6 @@ import re
 import pytest
 from transformers import GPT2Config, Qwen3Config
 
-from drafter.config import ConfigError, load_config
 from drafter.tensor_parallel import TensorParallelError, check_tensor_parallel
 from runs import REPO, VENV_BIN, _env, free_port, records, run_to_end, train_losses
 
@@ -20,14 +20,14 @@ RTOL = 1e-4
 
 
 @pytest.mark.slow
-def test_tp2_features_and_final_hidden_states_equal_tp1_for_a_dense_and_a_moe_target(tmp_path):
+def test_tp2_features_distillation_and_generation_equal_tp1_for_a_dense_and_a_moe_target(tmp_path):
     import subprocess
     cmd = [str(VENV_BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(REPO / "tests" / "tp_features.py"), str(tmp_path)]
     done = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    for rank in (0, 1):
-        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    for rank, report in enumerate(reports):
         for family in ("dense", "moe"):
             r = report[family]
             assert r["max_diff"] <= 2e-6 * r["scale"], (rank, family, r)
@@ -39,6 +39,20 @@ def test_tp2_features_and_final_hidden_states_equal_tp1_for_a_dense_and_a_moe_ta
                 assert r["alone_diff"] <= 2e-6 * r["scale"]
             else:
                 assert r["alone_is_none"]
+    # Generation: the group decodes all 4 prompts in lockstep (dflash and ddtree@4 on the sharded
+    # target, its decoding probe included) and counts them once: the tau of the whole target.
+    generation = reports[0]["generation"]
+    expected, sharded = generation["expected"], generation["sharded"]
+    assert expected["gen_tau_dflash_count"] == expected["gen_tau_ddtree@4_count"] == 4
+    assert expected["gen_tau_dflash"] > 1.5  # a drafter that accepts something: prompts tell apart
+    for key in ("gen_tau_dflash", "gen_tau_ddtree@4", "gen_tau_dflash_count", "gen_tau_ddtree@4_count"):
+        assert sharded[key] == pytest.approx(expected[key], rel=1e-12), key
+    assert sharded["gen_seconds_count"] == 1 and 0 < sharded["gen_seconds"] < 600  # one group's seconds
+    member = reports[1]["generation"]  # the member that does not report adds zeros to the same sums
+    assert member["reported_nothing"] and not generation["reported_nothing"] and member["sharded"] == sharded
+    # rank 1 started 3 s late with a 2.5 s budget: rank 0's clock stops the group after one prompt
+    # (a member stopping on its own clock would leave the other waiting on a sharded forward)
+    assert generation["late"]["gen_tau_dflash_count"] == 1
 
 
 @pytest.mark.slow
@@ -89,7 +103,3 @@ def test_a_plan_style_this_trainer_does_not_apply_is_refused_by_name():
     with pytest.raises(TensorParallelError, match=r"the qwen3_5_text plan shards .*colwise_gather_output"):
         check_tensor_parallel(config, 2, 2, 2)
 
-
-def test_generation_during_training_is_refused_under_tp(tmp_path):
-    with pytest.raises(ConfigError, match=r"train.generate_every=1000: .*target.tp_size=2"):
-        load_config(str(REPO / "configs" / "v3.yaml"), ["data.path=/x", "target.tp_size=2"])

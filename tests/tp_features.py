@@ -1,15 +1,22 @@
 """Run under torchrun (CPU, gloo) by test_tensor_parallel.py: every rank holds its own batch (its own
 shape), computes its features and final hidden states (distillation's) through a target sharded over
 the world (a dense Qwen3 and a Qwen3-MoE) and through the whole target, and writes the differences and
-its weight bytes to <out>/rank<r>.json."""
+its weight bytes to <out>/rank<r>.json. Then the two ranks, one group, generate with a trained drafter
+on the sharded dense target (`generation_tau`, summed over the group as train.py all-reduces it), once
+within the time budget and once with rank 1 arriving late and the budget shorter than its delay."""
 import copy
 import json
 import sys
+import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from conftest import train_on_greedy_text
+from drafter.objective import finalize_metrics
+from drafter.served import PromptShare, generation_tau
 from drafter.target import context_features, features_and_final_hidden, freeze, random_qwen3
 from drafter.tensor_parallel import TargetFeatures, form_tp_group, shard_target
 
@@ -29,8 +36,37 @@ def weight_bytes(target) -> int:
     return sum(p.numel() * p.element_size() for p in target.get_decoder().layers.parameters())
 
 
+def summary(out: dict[str, torch.Tensor]) -> dict[str, float]:
+    """finalize_metrics of generation_tau's [sum, count] pairs, and the counts."""
+    return {**finalize_metrics(out), **{f"{name}_count": float(value[1]) for name, value in out.items()}}
+
+
+def group_sum(out: dict[str, torch.Tensor], group) -> dict[str, float]:
+    """`summary` of the outputs summed over the group, as train.py all-reduces them."""
+    summed = {name: value.clone() for name, value in out.items()}
+    for name in sorted(summed):
+        dist.all_reduce(summed[name], group=group.group)
+    return summary(summed)
+
+
+def generation_report(whole, group) -> dict:
+    """Served tau of the sharded group against the whole target's, and a budget one member overruns."""
+    trained = train_on_greedy_text(whole)  # the same drafter on both ranks (seeded, deterministic)
+    prompts = trained.prompts[:4].tolist()
+    settings = dict(budgets=(4,), max_new_tokens=16, stop_token_ids=())
+    expected = generation_tau(whole, trained.drafter, prompts, max_seconds=600, **settings)
+    sharded = shard_target(copy.deepcopy(whole), group)
+    share = PromptShare.of(group, dist.get_world_size())
+    got = generation_tau(sharded, trained.drafter, prompts, share, max_seconds=600, **settings)
+    if group.index == 1:
+        time.sleep(3.0)  # rank 1's clock starts 3 s after rank 0's: only rank 0's says time is up
+    late = generation_tau(sharded, trained.drafter, prompts, share, max_seconds=2.5, **settings)
+    return {"expected": summary(expected), "sharded": group_sum(got, group), "late": group_sum(late, group),
+            "reported_nothing": all(not value.any() for value in got.values())}
+
+
 def main(out_dir: str):
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))  # a member left waiting fails the test
     torch.set_num_threads(1)
     rank = dist.get_rank()
     group = form_tp_group(dist.get_world_size())
@@ -55,6 +91,7 @@ def main(out_dir: str):
                         "final_diff": (final - expected_final).abs().max().item(),
                         "final_scale": expected_final.abs().max().item(),
                         "whole_layer_bytes": weight_bytes(whole), "sharded_layer_bytes": weight_bytes(sharded)}
+    report["generation"] = generation_report(dense, group)
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
         json.dump(report, f)
     dist.destroy_process_group()
