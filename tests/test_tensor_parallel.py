@@ -2,21 +2,24 @@
 
 Tolerances: a sharded target sums its row-parallel products over the group, in another order than one
 matmul: the features agree to rel 2e-6 of their scale in fp32 (measured: 8e-7 dense, 3e-7 MoE), the
-final hidden states too (1.5e-6, 2.7e-7). A
-run's losses carry that through Adam at lr 3e-2 as the engines' reduction orders are carried
-(test_engines.py): the per-step losses of tp 2 and tp 1 agree to rel 1e-4 (measured: 1.1e-5 over
-12 steps from the start); the held-out metrics to rel 1e-4.
+final hidden states too (1.5e-6, 2.7e-7). A run's losses carry that through Adam at lr 3e-2, which
+amplifies it as training goes on (more than the engines' few ulps, test_engines.py): the per-step
+losses of tp 2 and tp 1 agree to rel 1e-4 over the first 12 steps (measured: 1.1e-5) and to rel 2e-3
+over steps 13-24 (measured: 4.7e-4, at step 20); the held-out metrics to rel 1e-4 (measured: 4.9e-5
+at step 24). A greedy decode is lossless, so with drafters this close the generated tau is equal.
 """
 import json
 import re
+import signal
 
 import pytest
 from transformers import GPT2Config, Qwen3Config
 
 from drafter.tensor_parallel import TensorParallelError, check_tensor_parallel
-from runs import REPO, VENV_BIN, _env, free_port, records, run_to_end, train_losses
+from runs import REPO, VENV_BIN, _env, free_port, kill_job, launch, records, run_to_end, train_losses, wait_for_step
 
 RTOL = 1e-4
+LATE_RTOL = 2e-3  # steps 13-24 from the start (module docstring)
 
 
 @pytest.mark.slow
@@ -55,25 +58,46 @@ def test_tp2_features_distillation_and_generation_equal_tp1_for_a_dense_and_a_mo
     assert generation["late"]["gen_tau_dflash_count"] == 1
 
 
+def max_rel_diff(got: dict, expected: dict, keys) -> float:
+    return max(abs(got[k] - expected[k]) / abs(expected[k]) for k in keys)
+
+
 @pytest.mark.slow
-def test_a_tp1_checkpoint_resumes_at_tp2_and_logs_the_losses_of_tp1(reference_run, tmp_path):
-    """The reference run is tp 1 on 2 ranks (deepspeed, ZeRO-2). Its step-18 checkpoint resumes at
-    tp 2 (the same run: tp_size changes neither its identity nor its data position), and steps 19-24
-    log the reference's losses and, at step 24, its held-out metrics."""
+def test_a_tp2_run_killed_under_slurm_resumes_at_tp2_with_the_losses_generation_and_eval_of_tp1(
+        reference_run, tmp_path):
+    """A tp 2 run on 2 ranks (one group sharing the target), generating every 6 steps, started as srun
+    starts tasks and SIGKILLed after its step-6 checkpoint; resumed at tp 2 through deepspeed. The
+    reference is tp 1 (deepspeed, ZeRO-2), which generates only at its last step. Every step's loss, the
+    held-out metrics and the step-24 generated tau are the reference's; each step is logged once."""
     ref_dir, cfg, _ = reference_run
     run = tmp_path / "tp2"
-    out = run_to_end(cfg, f"run.out_dir={run}", f"train.resume={ref_dir / 'run' / 'checkpoints' / 'step_18'}",
-                     "target.tp_size=2", "train.generate_every=0")
+    tp2 = (f"run.out_dir={run}", "target.tp_size=2", "train.generate_every=6")
+    proc = launch(cfg, *tp2, launcher="slurm")
+    wait_for_step(run, 8, proc)
+    kill_job(proc, signal.SIGKILL)
+    proc.wait()
+    assert [r["step"] for r in records(run, "generate")] == [6]  # generated at tp 2 before the kill
+    out = run_to_end(cfg, *tp2, "train.resume=auto")
     assert "memory plan per GPU (target.tp_size=2, 2 ranks, ZeRO-2)" in out
-    assert re.search(r"resumed from \S+step_18 at step 18 ", out), out[-2000:]
+    assert re.search(r"resumed from \S+step_6 at step 6 ", out), out[-2000:]
     expected, losses = train_losses(ref_dir / "run"), train_losses(run)
-    assert sorted(losses) == list(range(19, 25))
-    for step in losses:
-        assert losses[step] == pytest.approx(expected[step], rel=RTOL), (step, losses[step], expected[step])
-    (evaluated,), reference_eval = records(run, "eval"), records(ref_dir / "run", "eval")[-1]
-    assert evaluated["step"] == reference_eval["step"] == 24 and evaluated["eval_responses"] == 16
-    for key in ("loss", "acc", "tau_dflash", "tau_ddtree@16"):
-        assert evaluated[key] == pytest.approx(reference_eval[key], rel=RTOL), key
+    assert [r["step"] for r in records(run)] == list(range(1, 25))
+    early = [step for step in expected if step <= 12]
+    assert max_rel_diff(losses, expected, early) <= RTOL, {s: (losses[s], expected[s]) for s in early}
+    assert max_rel_diff(losses, expected, expected) <= LATE_RTOL, {s: (losses[s], expected[s]) for s in expected}
+    generated, reference_gen = records(run, "generate"), records(ref_dir / "run", "generate")
+    assert [r["step"] for r in generated] == [6, 12, 18, 24] and [r["step"] for r in reference_gen] == [24]
+    # one group decodes all 4 prompts (the reference: 2 ranks, 2 each); a lossless decode with drafters
+    # this close (the losses above) commits the same tokens per step
+    assert generated[-1]["gen_responses"] == reference_gen[0]["gen_responses"] == 4
+    for key in ("gen_tau_dflash", "gen_tau_ddtree@4", "gen_tau_ddtree@16"):
+        assert generated[-1][key] == pytest.approx(reference_gen[0][key], rel=1e-12), key
+    evaluated, reference_eval = records(run, "eval"), records(ref_dir / "run", "eval")
+    assert [r["step"] for r in evaluated] == [r["step"] for r in reference_eval] == [12, 24]
+    for got, want in zip(evaluated, reference_eval):
+        assert got["eval_responses"] == want["eval_responses"] == 16
+        for key in ("loss", "acc", "tau_dflash", "tau_ddtree@16"):
+            assert got[key] == pytest.approx(want[key], rel=RTOL), (got["step"], key)
 
 
 def qwen3(**widths):
