@@ -16,6 +16,7 @@ import signal
 import pytest
 from transformers import GPT2Config, Qwen3Config
 
+from drafter.config import load_config
 from drafter.tensor_parallel import TensorParallelError, check_tensor_parallel
 from runs import REPO, VENV_BIN, _env, free_port, kill_job, launch, records, run_to_end, train_losses, wait_for_step
 
@@ -99,6 +100,21 @@ def test_a_tp2_run_killed_under_slurm_resumes_at_tp2_with_the_losses_generation_
         assert got["eval_responses"] == want["eval_responses"] == 16
         for key in ("loss", "acc", "tau_dflash", "tau_ddtree@16"):
             assert got[key] == pytest.approx(want[key], rel=RTOL), (got["step"], key)
+
+
+def test_the_tp_size_may_change_across_a_resume():
+    """A tp 1 checkpoint resumes at tp 2 and back: target.tp_size is in neither the run's identity nor
+    its data position (the features, and so the trajectory, are those of tp 1)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from drafter.checkpoint import run_identity
+    from train import data_position
+    tp1, tp2 = (load_config(str(REPO / "configs" / "v3.yaml"), ["data.path=/x", f"target.tp_size={g}"]) for g in (1, 2))
+    assert run_identity(tp1) == run_identity(tp2)
+    sampler = SimpleNamespace(boundaries=np.array([64, 128]), lengths=np.arange(10))
+    assert data_position(tp1, sampler, 2, None) == data_position(tp2, sampler, 2, None)
 
 
 def qwen3(**widths):
