@@ -75,9 +75,11 @@ def test_a_tp2_run_killed_under_slurm_resumes_at_tp2_with_the_losses_generation_
     run = tmp_path / "tp2"
     tp2 = (f"run.out_dir={run}", "target.tp_size=2", "train.generate_every=6")
     proc = launch(cfg, *tp2, launcher="slurm")
-    wait_for_step(run, 8, proc)
-    kill_job(proc, signal.SIGKILL)
-    proc.wait()
+    try:
+        wait_for_step(run, 8, proc)
+    finally:  # a rank that died would leave the other waiting in a collective
+        kill_job(proc, signal.SIGKILL)
+        proc.wait()
     assert [r["step"] for r in records(run, "generate")] == [6]  # generated at tp 2 before the kill
     out = run_to_end(cfg, *tp2, "train.resume=auto")
     assert "memory plan per GPU (target.tp_size=2, 2 ranks, ZeRO-2)" in out
