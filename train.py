@@ -40,9 +40,9 @@ from drafter.model import drafter_class, drafter_from_state_dict, load_drafter
 from drafter.objective import ObjectiveConfig, attention_kernel, finalize_metrics, training_step
 from drafter.run_lock import RunDirectoryBusy, hold_run_directory
 from drafter.sampler import bucket_table, held_out_share, make_loader, plan_notes, sampler_from_config
-from drafter.served import bench_prompts, generation_tau, held_out_prompts, replayed_tau
+from drafter.served import PromptShare, bench_prompts, generation_tau, held_out_prompts, replayed_tau
 from drafter.distill import logit_softcap
-from drafter.target import TargetError, features_and_final_hidden, input_embedding_scale, random_qwen3
+from drafter.target import TargetError, input_embedding_scale, random_qwen3
 from drafter.target_cache import probe_decoding
 from drafter.tensor_parallel import (TargetFeatures, TensorParallelError, check_tensor_parallel, form_tp_group,
                                      load_tp_target, shard_target)
@@ -221,17 +221,9 @@ class RunParts:
     world_size: int
     device: torch.device
     target: torch.nn.Module
-    target_features: TargetFeatures  # this rank's features, whatever the tp size
+    target_features: TargetFeatures  # this rank's features (and final hidden states), whatever the tp size
     objective: ObjectiveConfig
     attention: str
-
-
-def target_pass(run: RunParts, input_ids, layer_ids):
-    """(context features, the target's final hidden states or None): the latter only when the
-    objective distils the target (at target.tp_size 1: the config refuses distillation above it)."""
-    if run.objective.labels == "target":
-        return features_and_final_hidden(run.target, input_ids, layer_ids)
-    return run.target_features(input_ids, layer_ids), None
 
 
 def micro_step(run: RunParts, engine, batch, step, micro, noise, timers):
@@ -241,7 +233,7 @@ def micro_step(run: RunParts, engine, batch, step, micro, noise, timers):
     loss_mask = batch["loss_mask"].to(run.device, non_blocking=True)
     drafter = engine.module
     timers.start()
-    features, final_hidden = target_pass(run, input_ids, drafter.target_layer_ids)
+    features, final_hidden = run.target_features(input_ids, drafter.target_layer_ids)
     features = add_feature_noise(features, noise, len(drafter.target_layer_ids),
                                  step_generator(run.cfg.run.seed, step, run.rank, 1 + micro, run.device))
     timers.lap("target")
@@ -279,7 +271,7 @@ def evaluate(run: RunParts, drafter, eval_set, eval_sampler):
     for i in range(run.target_features.most_in_group(len(batches))):
         batch = batches[i] if i < len(batches) else None
         input_ids = batch["input_ids"].to(run.device) if batch else None
-        features, final_hidden = target_pass(run, input_ids, drafter.target_layer_ids)
+        features, final_hidden = run.target_features(input_ids, drafter.target_layer_ids)
         if batch is None:
             continue
         loss_mask = batch["loss_mask"].to(run.device)
@@ -382,6 +374,7 @@ def train(cfg, rank, world_size, device) -> int:
     target, tokenizer = build_target_and_tokenizer(cfg, device, dtype, tp_group)
     drafter = build_drafter(cfg, target, tokenizer)
     generate_prompts = generation_prompts(cfg, tokenizer, eval_set)
+    # every rank probes (the same forwards: under tp each is a collective over the group)
     probe = probe_decoding(target) if generate_prompts else None
     if probe and (refusal := probe.cannot_decode or probe.cannot_verify):
         raise ConfigError(f"{refusal}: set train.generate_every=0 (the replayed tau of the eval steps needs "
@@ -398,8 +391,8 @@ def train(cfg, rank, world_size, device) -> int:
                                 weight_smoothing=cfg.objective.weight_smoothing, logit_softcap=logit_softcap(target),
                                 selector_alpha=cfg.objective.selector_alpha)
     engine = build_engine(cfg, drafter, device, dtype, ds_config)
-    run = RunParts(cfg, rank, world_size, device, target, TargetFeatures(target, tp_group, device), objective,
-                   attention)
+    target_features = TargetFeatures(target, tp_group, device, final_hidden=objective.labels == "target")
+    run = RunParts(cfg, rank, world_size, device, target, target_features, objective, attention)
 
     state = {"step": 0, "epoch": 0, "micro_step_in_epoch": 0, "skipped_steps": 0, "wandb_id": None,
              "elapsed_s": 0.0, "schedule_steps": cfg.train.schedule_steps or total_steps}
@@ -517,10 +510,12 @@ def generation_prompts(cfg, tokenizer, eval_set) -> list[list[int]] | None:
 
 
 def run_generation(run: RunParts, drafter, prompts, stops, step, log):
-    """The drafter as it is now, served on the fixed prompts (split over ranks, time-bounded)."""
+    """The drafter as it is now, served on the fixed prompts (split over the ranks, or over the
+    tensor-parallel groups, whose members decode together; time-bounded)."""
     cfg = run.cfg
+    share = PromptShare.of(run.target_features.group, run.world_size)
     summed = all_reduce_sum(generation_tau(
-        run.target, drafter, prompts, run.rank, run.world_size, budgets=cfg.train.tau_budgets,
+        run.target, drafter, prompts, share, budgets=cfg.train.tau_budgets,
         max_new_tokens=cfg.train.generate_max_new_tokens, max_seconds=cfg.train.generate_max_seconds,
         stop_token_ids=stops))
     metrics = {"step": step, **finalize_metrics(summed), "gen_responses": int(summed["gen_tau_dflash"][1])}

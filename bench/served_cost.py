@@ -86,7 +86,7 @@ def main():
     prompts = input_ids[:, :args.prompt_length].tolist()
 
     def generation():
-        out = generation_tau(target, drafter, prompts, 0, 1, budgets=train.tau_budgets,
+        out = generation_tau(target, drafter, prompts, budgets=train.tau_budgets,
                              max_new_tokens=train.generate_max_new_tokens, max_seconds=math.inf)
         assert out["gen_tau_dflash"][1] == len(prompts)
 

@@ -230,9 +230,6 @@ def validate(cfg) -> list[str]:
     for key in FRACTIONS:
         if not 0 <= get(key) <= 1:
             problems.append(f"{key}={get(key)!r} must be in [0, 1]")
-    if cfg.objective.labels == "target" and cfg.target.tp_size > 1:
-        problems.append(f"objective.labels=target needs target.tp_size=1 (got {cfg.target.tp_size}): the "
-                        "tensor-parallel target gives features only, not its final hidden states, yet")
     if cfg.objective.loss == "kl" and cfg.objective.labels != "target":
         problems.append("objective.loss=kl needs objective.labels=target (KL to the data's one-hot labels is CE)")
     if not 0 <= cfg.data.eval_fraction < 1:
@@ -261,11 +258,6 @@ def validate(cfg) -> list[str]:
         problems.append(f"data.bucket_boundaries={list(bounds)} must be increasing positive lengths (or null)")
     if bounds is not None and bounds and bounds[-1] > cfg.data.max_length:
         problems.append(f"data.bucket_boundaries ends at {bounds[-1]} > data.max_length={cfg.data.max_length}")
-    if cfg.target.tp_size > 1 and cfg.train.generate_every:
-        problems.append(f"train.generate_every={cfg.train.generate_every}: generation during training decodes each "
-                        "rank's own prompts, which a tensor-parallel target (target.tp_size="
-                        f"{cfg.target.tp_size}) does not do yet; set train.generate_every=0 (the replayed tau of "
-                        "each eval still runs)")
     if not isinstance(cfg.train.resume, str) or not cfg.train.resume:
         problems.append("train.resume must be auto, never, force or a checkpoint directory")
     return problems

@@ -27,20 +27,24 @@ remain before `max_new_tokens` (as the public loop does), which replay does not 
 cut by `max_new_tokens` can differ in its last steps.
 
 Generation (`generation_tau`): the target and the drafter decode a fixed prompt set through
-`generate` at temperature 0, this rank's share of it, bounded in time; it returns [sum, count] pairs
-for the caller to all-reduce.
+`generate` at temperature 0, this rank's share of it (`PromptShare`), bounded in time; it returns
+[sum, count] pairs for the caller to all-reduce. Under a tensor-parallel target the members of a group
+decode the group's share in lockstep (every forward of the sharded target is a collective over the
+group), agree on when time is up, and one of them counts the group's responses.
 """
 import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from drafter.benchmarks import load_prompts
 from drafter.chat import prompt_token_ids
 from drafter.ddtree import build_tree, teacher_forced_accept
 from drafter.decode import generate, tree_verify_refusal
 from drafter.objective import build_blocks, chunk_rows_for, drafter_hidden
+from drafter.tensor_parallel import TPGroup
 
 
 def method_names(budgets) -> list[str]:
@@ -223,19 +227,53 @@ def bench_prompts(spec: str, tokenizer, enable_thinking: bool, max_prompts: int)
                              enable_thinking) for p in prompts]
 
 
-def generation_tau(target, drafter, prompts: list[list[int]], rank: int, world_size: int, *, budgets,
+@dataclass(frozen=True)
+class PromptShare:
+    """Which prompts a rank decodes, prompts[index::count], and with whom. The members of a tensor-
+    parallel group (`group`, their process group; None for a rank that decodes alone) take the same
+    share and decode it in lockstep; only the member that `reports` counts its responses and time, so
+    that every group counts once in the all-reduced sums."""
+    index: int = 0
+    count: int = 1
+    group: object = None
+    reports: bool = True
+
+    @classmethod
+    def of(cls, tp: TPGroup, world_size: int) -> "PromptShare":
+        """Group g of the world_size / G groups of consecutive ranks takes prompts[g::groups]; its first
+        member reports. At tp 1 every rank is a group of one."""
+        return cls(tp.ranks[0] // tp.size, world_size // tp.size, tp.group, tp.index == 0)
+
+
+def agreed_elapsed(clock: float, group, device: torch.device) -> float:
+    """Seconds since `clock`; within a group the largest of its members' (a collective over it), so
+    that every member stops before the same prompt: a member still decoding would wait forever on
+    the sharded forwards of one that stopped."""
+    elapsed = time.perf_counter() - clock
+    if group is None:
+        return elapsed
+    value = torch.tensor([elapsed], dtype=torch.float64, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return float(value)
+
+
+def generation_tau(target, drafter, prompts: list[list[int]], share: PromptShare = PromptShare(), *, budgets,
                    max_new_tokens: int, max_seconds: float, stop_token_ids=(),
                    tree_backend: str = "auto") -> dict[str, torch.Tensor]:
-    """Served tau on this rank's share of `prompts` (prompts[rank::world_size]) at temperature 0.
+    """Served tau on this rank's share of `prompts` (prompts[share.index::share.count]) at temperature 0.
 
     Each prompt is decoded by every method (`dflash`, `ddtree@B`) through `drafter.decode.generate`;
-    no prompt starts once `max_seconds` have passed, so a call lasts at most max_seconds plus one
-    prompt. Returns {`gen_tau_dflash`, `gen_tau_ddtree@B`: [sum of per-response tau, responses],
-    `gen_seconds`: [seconds, 1]} (float64, CPU) for the caller to all-reduce (sum) and divide; a rank
-    that decoded nothing contributes zeros. On a target that refuses tree verification (conv or
-    recurrent layers: `decode.tree_verify_refusal`) only `dflash` is generated; the replayed
-    `tau_ddtree@B` of the eval steps is exact there. No collective runs here. The drafter is put in eval mode
-    and given back in the mode it came in; the global torch, CUDA and numpy RNGs are not used.
+    no prompt starts once `max_seconds` have passed (on the clock of the slowest member of a tensor-
+    parallel group: `agreed_elapsed`), so a call lasts at most max_seconds plus one prompt. Returns
+    {`gen_tau_dflash`, `gen_tau_ddtree@B`: [sum of per-response tau, responses], `gen_seconds`:
+    [seconds, 1]} (float64, CPU) for the caller to all-reduce (sum) and divide: the mean tau over the
+    responses and the mean seconds per decoding group (a rank, or a tp group). A rank that decoded
+    nothing contributes its seconds and zero responses; a member that does not report contributes
+    zeros throughout. On a target that refuses tree verification (conv or recurrent layers:
+    `decode.tree_verify_refusal`) only `dflash` is generated; the replayed `tau_ddtree@B` of the eval
+    steps is exact there. The only collectives are those of a group (its sharded forwards and the
+    time agreement). The drafter is put in eval mode and given back in the mode it came in; the
+    global torch, CUDA and numpy RNGs are not used.
     """
     methods = method_names(budgets)
     if tree_verify_refusal(target):  # the replayed tau_ddtree@B stands in for these (eval steps)
@@ -249,8 +287,8 @@ def generation_tau(target, drafter, prompts: list[list[int]], rank: int, world_s
     drafter.eval()
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            for prompt in prompts[rank::world_size]:
-                if time.perf_counter() - clock >= max_seconds:
+            for prompt in prompts[share.index::share.count]:
+                if agreed_elapsed(clock, share.group, device) >= max_seconds:
                     break
                 ids = torch.tensor([prompt], dtype=torch.long, device=device)
                 for method in methods:
@@ -263,4 +301,5 @@ def generation_tau(target, drafter, prompts: list[list[int]], rank: int, world_s
         drafter.train(was_training)
     out = {f"gen_tau_{method}": mean_tau(responses) for method, responses in steps.items()}
     out["gen_seconds"] = torch.tensor([time.perf_counter() - clock, 1.0], dtype=torch.float64)
-    return out
+    weight = 1.0 if share.reports else 0.0
+    return {name: value * weight for name, value in out.items()}

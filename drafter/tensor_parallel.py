@@ -4,7 +4,7 @@ rank keeps training the drafter on its own micro batch.
     group = form_tp_group(tp_size)                    # collective: consecutive ranks, within a node
     target = shard_target(whole_target, group)        # on the host, before the target moves to its GPU
     features = TargetFeatures(target, group, device)
-    features(input_ids, layer_ids)                    # this rank's features, as tp 1 computes them
+    features(input_ids, layer_ids)                    # this rank's (features, None), as tp 1 computes them
 
 Sharding applies the family's own plan (`base_model_tp_plan` of its transformers config): column-
 parallel projections keep their share of output rows (attention heads, MLP channels), row-parallel
@@ -15,7 +15,8 @@ apply, or a width the group cannot split is refused by name before anything load
 
 The group's members hold different batches, so `TargetFeatures` runs the sharded target once per
 member: the member's input ids are broadcast to the group, every member computes the same
-(replicated) features, and only the owner keeps them. The data plan, anchors, noise, metrics and
+(replicated) features, and the final hidden states for distillation (the final norm is whole on
+every member), and only the owner keeps them. The data plan, anchors, noise, metrics and
 checkpoints are those of a tp 1 run; the target's weights per GPU are divided by the group size.
 """
 import re
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from drafter.target import context_features, load_target
+from drafter.target import context_features, features_and_final_hidden, load_target
 
 SPLIT_DIM = {"colwise": -2, "packed_colwise": -2, "rowwise": -1}  # the weight dim each style splits
 SUMMED = ("rowwise", "moe_tp_experts")   # modules whose output is a partial sum over the group
@@ -153,27 +154,35 @@ def _sum_over(process_group):
 
 
 class TargetFeatures:
-    """`context_features` of this rank's batch, through its group's sharded target."""
+    """What the objective reads of this rank's batch, through its group's sharded target: the context
+    features (`context_features`), and with `final_hidden` (distillation) the target's final-normed
+    last hidden states too (`features_and_final_hidden`)."""
 
-    def __init__(self, target: nn.Module, group: TPGroup, device: torch.device):
-        self.target, self.group, self.device = target, group, device
+    def __init__(self, target: nn.Module, group: TPGroup, device: torch.device, final_hidden: bool = False):
+        self.target, self.group, self.device, self.final_hidden = target, group, device, final_hidden
 
-    def __call__(self, input_ids: torch.Tensor | None, layer_ids: list[int]) -> torch.Tensor | None:
-        """Collective over the group: every member calls it the same number of times; a member with no
-        batch this time passes None (and gets None)."""
+    def __call__(self, input_ids: torch.Tensor | None, layer_ids: list[int]):
+        """(features [b, T, K*H], final hidden states [b, T, H] or None without `final_hidden`).
+        Collective over the group: every member calls it the same number of times; a member with no
+        batch this time passes None (and gets (None, None))."""
         if self.group.size == 1:
-            return context_features(self.target, input_ids, layer_ids)
+            return self._target_pass(input_ids, layer_ids)
         shapes = self._gather(torch.tensor(input_ids.shape if input_ids is not None else (0, 0), device=self.device))
-        mine = None
+        mine = None, None
         for member, shape in zip(self.group.ranks, shapes.tolist()):
             if shape[0] == 0:
                 continue
             ids = input_ids if member == dist.get_rank() else torch.empty(shape, dtype=torch.long, device=self.device)
             dist.broadcast(ids, src=member, group=self.group.group)
-            features = context_features(self.target, ids, layer_ids)
+            passed = self._target_pass(ids, layer_ids)
             if member == dist.get_rank():
-                mine = features
+                mine = passed
         return mine
+
+    def _target_pass(self, input_ids: torch.Tensor, layer_ids: list[int]):
+        if self.final_hidden:
+            return features_and_final_hidden(self.target, input_ids, layer_ids)
+        return context_features(self.target, input_ids, layer_ids), None
 
     def most_in_group(self, count: int) -> int:
         """The largest `count` of the group's members (how many calls each member makes)."""

@@ -45,7 +45,7 @@ from drafter.chat import prompt_token_ids
 from drafter.decode import SAMPLING, STAGES, generate, stop_token_ids, tree_verify_refusal
 from drafter.lossless import BF16_TIE_TOLERANCE, first_divergence, lossless_verdict, near_tie_share
 from drafter.model import load_drafter
-from drafter.served import replay_steps
+from drafter.served import PromptShare, replay_steps
 from drafter.target import TargetError, context_features
 from drafter.target_cache import probe_decoding
 from drafter.tensor_parallel import TensorParallelError, check_tensor_parallel, form_tp_group, load_tp_target
@@ -216,13 +216,13 @@ class Evaluator:
                 self.generate(method, ids, min(16, self.args.max_new_tokens))
 
 
-def run_benchmark(evaluator: Evaluator, prompts, group_id: int, groups: int) -> dict[str, list[dict]]:
+def run_benchmark(evaluator: Evaluator, prompts, share: PromptShare) -> dict[str, list[dict]]:
     """Records per method for this rank's group's share of the prompts (a group: --tp ranks, or one)."""
-    shard = prompts[group_id::groups]
+    shard = prompts[share.index::share.count]
     records = {method: [] for method in evaluator.methods}
     if shard:
         evaluator.warm_up(shard[0])
-    for prompt in tqdm(shard, desc="prompts", disable=group_id != 0, dynamic_ncols=True):
+    for prompt in tqdm(shard, desc="prompts", disable=share.index != 0, dynamic_ncols=True):
         for method in evaluator.methods:
             if evaluator.replays(method):
                 turns = [r for r in records["ar"] if r["source"] == prompt.source]
@@ -421,8 +421,8 @@ def main(argv=None) -> dict | None:
     rank, world, device = setup_distributed(args.gather_timeout)
     target_path = target_path_of(args)
     tp_group = tensor_parallel_group(args, target_path, world, device)
-    group_id, groups = rank // args.tp, world // args.tp
-    torch.manual_seed(args.seed + group_id)  # a group's members sample alike, in lockstep
+    share = PromptShare.of(tp_group, world)  # the groups split the prompts, as generation in training does
+    torch.manual_seed(args.seed + share.index)  # a group's members sample alike, in lockstep
     evaluator = Evaluator(args, device, target_path, tp_group)
     prompt_sets = {}
     for spec in filter(None, args.bench.split(",")):
@@ -434,8 +434,8 @@ def main(argv=None) -> dict | None:
     for name, prompts in prompt_sets.items():
         if rank == 0:
             print(f"{name}: {len(prompts)} prompts, methods {', '.join(evaluator.methods)}", flush=True)
-        ran = run_benchmark(evaluator, prompts, group_id, groups)
-        records[name] = ran if tp_group.index == 0 else {method: [] for method in ran}  # one report per group
+        ran = run_benchmark(evaluator, prompts, share)
+        records[name] = ran if share.reports else {method: [] for method in ran}  # one report per group
     if world > 1:
         records = gather_records(records, world)
         dist.destroy_process_group()

@@ -1,5 +1,6 @@
 """Helpers for the tests that run train.py: a tiny prepared dataset and config, and the launchers
 (deepspeed, torchrun, a SLURM-style pair of `srun` tasks, plain python) with two CPU ranks over gloo."""
+import hashlib
 import json
 import os
 import socket
@@ -63,7 +64,13 @@ def _env(extra: dict | None = None) -> dict:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
            and not k.startswith("SLURM_")}
-    return {**env, "PATH": f"{VENV_BIN}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1", **(extra or {})}
+    # this checkout's packages first: a script in tests/ would otherwise import the installed (editable) copy
+    python_path = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    # DeepSpeed's JIT-built CPU ops per checkout: checkouts sharing one build directory rebuild it in turn
+    extensions = os.environ.get("TORCH_EXTENSIONS_DIR") or str(
+        Path.home() / ".cache" / "torch_extensions" / hashlib.sha1(str(REPO).encode()).hexdigest()[:12])
+    return {**env, "PATH": f"{VENV_BIN}:{os.environ['PATH']}", "PYTHONPATH": python_path,
+            "TORCH_EXTENSIONS_DIR": extensions, "OMP_NUM_THREADS": "1", **(extra or {})}
 
 
 def launch(cfg: Path, *overrides: str, launcher: str = "deepspeed", faults: dict | None = None) -> subprocess.Popen:
@@ -87,8 +94,18 @@ def launch(cfg: Path, *overrides: str, launcher: str = "deepspeed", faults: dict
         cmd = ["bash", "-c", f"SLURM_PROCID=0 SLURM_LOCALID=0 {task} & SLURM_PROCID=1 SLURM_LOCALID=1 {task} & wait"]
     else:
         raise ValueError(launcher)
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
+    proc.master_port = port
+    return proc
+
+
+def remove_shm_buffers(proc: subprocess.Popen) -> None:
+    """DeepSpeed's CPU all-reduce maps one shared-memory buffer per rank (66 MiB, /dev/shm, named by the
+    master port) that no exit removes, so every launch would leave them holding memory. The ranks map
+    theirs at start-up: once a job has logged a step or ended, its names can go."""
+    for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{proc.master_port}_*"):
+        path.unlink(missing_ok=True)
 
 
 def _quote(arg: str) -> str:
@@ -98,7 +115,10 @@ def _quote(arg: str) -> str:
 def run_to_end(cfg: Path, *overrides: str, expect: int | None = 0, **kwargs) -> str:
     """The job's output once it ended with exit code `expect` (None: any failure)."""
     proc = launch(cfg, *overrides, **kwargs)
-    out, _ = proc.communicate(timeout=600)
+    try:
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        remove_shm_buffers(proc)
     assert proc.returncode == expect if expect is not None else proc.returncode != 0, out[-4000:]
     return out
 
@@ -127,6 +147,7 @@ def kill_job(proc: subprocess.Popen, signum: int, launcher: bool = True) -> None
             os.kill(pid, signum)
         except ProcessLookupError:
             pass
+    remove_shm_buffers(proc)
 
 
 def records(out_dir: Path, kind: str = "train") -> list[dict]:

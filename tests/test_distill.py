@@ -179,12 +179,6 @@ def test_prediction_dependent_weights_carry_no_gradient(drafter, target, weights
     assert abs(exp_loss.item() - step_loss.item()) > 1e-4  # the weights do change the loss
 
 
-def test_distillation_with_a_tensor_parallel_target_is_refused_naming_both_keys():
-    with pytest.raises(ConfigError, match=re.escape("objective.labels=target needs target.tp_size=1 (got 2)")):
-        load_config(str(REPO / "configs" / "v3.yaml"),
-                    ["data.path=/x", "objective.labels=target", "target.tp_size=2", "train.generate_every=0"])
-
-
 def test_the_run_name_says_the_objective():
     cfg = load_config(str(REPO / "configs" / "v3.yaml"),
                       ["data.path=/x", "objective.labels=target", "objective.loss=kl", "objective.position_weights=tree"])

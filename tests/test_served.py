@@ -14,7 +14,7 @@ from drafter.draft_config import DrafterVariant
 from drafter.benchmarks import load_prompts
 from drafter.decode import generate
 from drafter.objective import ObjectiveConfig, finalize_metrics
-from drafter.served import (anchor_acceptance, bench_prompts, every_anchor, generation_tau,
+from drafter.served import (PromptShare, anchor_acceptance, bench_prompts, every_anchor, generation_tau,
                             held_out_prompts, mean_tau, replay_steps, replayed_tau, response_spans,
                             serve_walk)
 from drafter.target import context_features
@@ -159,7 +159,7 @@ def test_generation_is_split_over_ranks_and_sums_to_the_single_rank_figures(worl
     target, drafter, responses, *_ = world
     prompts = [prompt for prompt, _, _ in responses]
     settings = dict(budgets=(4,), max_new_tokens=16, max_seconds=600, stop_token_ids=())
-    ranks = [generation_tau(target, drafter, prompts, rank, 2, **settings) for rank in range(2)]
+    ranks = [generation_tau(target, drafter, prompts, PromptShare(rank, 2), **settings) for rank in range(2)]
     assert sorted(ranks[0]) == ["gen_seconds", "gen_tau_ddtree@4", "gen_tau_dflash"]
     for method in METHODS[:2]:
         name, _, budget = method.partition("@")
@@ -176,14 +176,14 @@ def test_generation_leaves_rng_streams_and_drafter_mode_alone(world):
     target, drafter, responses, *_ = world
     prompts = [prompt for prompt, _, _ in responses]
     settings = dict(budgets=(4,), max_new_tokens=12, max_seconds=600)
-    reference = generation_tau(target, drafter, prompts, 0, 1, **settings)
+    reference = generation_tau(target, drafter, prompts, **settings)
     torch.manual_seed(123)
     np.random.seed(123)
     random.seed(123)
     states = torch.get_rng_state(), np.random.get_state(), random.getstate()
     drafter.train()
     try:
-        out = generation_tau(target, drafter, prompts, 0, 1, **settings)
+        out = generation_tau(target, drafter, prompts, **settings)
         assert drafter.training  # given back in the mode it came in
     finally:
         drafter.eval()
@@ -211,10 +211,10 @@ def test_no_prompt_starts_after_the_time_budget(world, monkeypatch):
     target, drafter, responses, *_ = world
     prompts = [prompt for prompt, _, _ in responses]
     monkeypatch.setattr(served, "time", FakeClock())
-    out = generation_tau(target, drafter, prompts, 0, 1, budgets=BUDGETS, max_new_tokens=6, max_seconds=2.5)
+    out = generation_tau(target, drafter, prompts, budgets=BUDGETS, max_new_tokens=6, max_seconds=2.5)
     # readings: start 1, before prompt 1: 2 (1 s spent), before prompt 2: 3 (2 s), before prompt 3: 4 (3 s)
     assert [out[f"gen_tau_{m}"][1].item() for m in METHODS] == [2, 2, 2]
-    none = generation_tau(target, drafter, prompts, 0, 1, budgets=BUDGETS, max_new_tokens=6, max_seconds=0)
+    none = generation_tau(target, drafter, prompts, budgets=BUDGETS, max_new_tokens=6, max_seconds=0)
     assert [none[f"gen_tau_{m}"].tolist() for m in METHODS] == [[0, 0]] * 3
     assert np.isnan(finalize_metrics(none)["gen_tau_dflash"])
 
