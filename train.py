@@ -33,7 +33,7 @@ from drafter.config import ConfigError, load_config, lr_factor, noise_std
 from drafter.data import DataError, load_datasets
 from drafter.engine import DeepSpeedEngine, EngineConfigError, FSDPEngine, deepspeed_config
 from drafter.decode import stop_token_ids
-from drafter.launch import LaunchError, init_distributed
+from drafter.launch import LaunchError, init_distributed, remove_cpu_allreduce_buffer
 from drafter.memory_plan import MemoryPlanError, check_fits, plan_inputs, plan_memory, target_model_config
 from drafter.draft_config import drafter_config, drafter_variant, resolve_mask_token_id
 from drafter.model import drafter_class, drafter_from_state_dict, load_drafter
@@ -328,6 +328,8 @@ def main(argv=None):
         return 2
     finally:
         dist.destroy_process_group()
+        if device.type == "cpu":
+            remove_cpu_allreduce_buffer(rank)
 
 
 def train(cfg, rank, world_size, device) -> int:

@@ -3,6 +3,7 @@
 import hashlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -100,11 +101,17 @@ def launch(cfg: Path, *overrides: str, launcher: str = "deepspeed", faults: dict
     return proc
 
 
+def shm_buffers(proc: subprocess.Popen) -> list[Path]:
+    """DeepSpeed's CPU all-reduce buffers of the job (one per rank, 66 MiB in /dev/shm, named by the
+    master port) still there."""
+    return sorted(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{proc.master_port}_*"))
+
+
 def remove_shm_buffers(proc: subprocess.Popen) -> None:
-    """DeepSpeed's CPU all-reduce maps one shared-memory buffer per rank (66 MiB, /dev/shm, named by the
-    master port) that no exit removes, so every launch would leave them holding memory. The ranks map
-    theirs at start-up: once a job has logged a step or ended, its names can go."""
-    for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{proc.master_port}_*"):
+    """What a job could not remove itself (train.py removes its ranks' buffers on every exit it
+    reaches; a SIGKILLed or hung one cannot). The ranks map theirs at start-up: once a job has
+    logged a step or ended, its names can go."""
+    for path in shm_buffers(proc):
         path.unlink(missing_ok=True)
 
 
@@ -141,13 +148,14 @@ def descendants(pid: int) -> list[int]:
 
 def kill_job(proc: subprocess.Popen, signum: int, launcher: bool = True) -> None:
     """`signum` to every process the launcher started (and to the launcher itself unless told not
-    to), as a scheduler signals a job."""
+    to), as a scheduler signals a job. A job stopped by SIGTERM or SIGINT removes its own buffers."""
     for pid in [proc.pid] * launcher + descendants(proc.pid):
         try:
             os.kill(pid, signum)
         except ProcessLookupError:
             pass
-    remove_shm_buffers(proc)
+    if signum == signal.SIGKILL:
+        remove_shm_buffers(proc)
 
 
 def records(out_dir: Path, kind: str = "train") -> list[dict]:

@@ -19,7 +19,8 @@ from drafter.config import ConfigError, load_config, lr_factor, noise_std
 from drafter.engine import EngineConfigError, deepspeed_config
 from drafter.launch import LaunchError, expand_hostlist, launcher_environment, slurm_environment
 from drafter.run_lock import RunDirectoryBusy, acquire
-from runs import REPO, descendants, kill_job, launch, records, run_to_end, train_losses, wait_for_step, write_run
+from runs import (REPO, descendants, kill_job, launch, records, run_to_end, shm_buffers, train_losses, wait_for_step,
+                  write_run)
 
 
 def assert_loadable_by_public_dflash(ckpt: Path):
@@ -126,6 +127,7 @@ def test_sigterm_saves_a_loadable_checkpoint_and_exits_cleanly(reference_run, tm
     kill_job(proc, signal.SIGTERM)  # as a scheduler (scancel) or Ctrl-C does: every process of the job
     out, _ = proc.communicate(timeout=120)
     assert "stop requested: saving at step" in out, out[-3000:]
+    assert shm_buffers(proc) == []  # each rank removed DeepSpeed's CPU all-reduce buffer as it exited
     latest = out_dir / "checkpoints" / "latest"
     state = json.loads((latest / "trainer_state.json").read_text())
     assert 3 <= state["step"] < 24
