@@ -151,7 +151,9 @@ def run_variant(cfg: Path, out: Path, variant: str, seed: int, args, overrides: 
     done.unlink(missing_ok=True)
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     if result.returncode != 0:
-        sys.exit(f"{variant} seed {seed} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+        how = f"killed by signal {-result.returncode}" if result.returncode < 0 else f"exit code {result.returncode}"
+        sys.exit(f"{variant} seed {seed} failed ({how}; a rerun reuses the runs that finished):\n"
+                 f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     done.write_text(json.dumps(command[1:]))
     return eval_records(run)
 
