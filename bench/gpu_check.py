@@ -422,8 +422,8 @@ class ReplayDrafter:
         self.block_size, self.mask_token_id = drafter.block_size, drafter.mask_token_id
         self.target_layer_ids = drafter.target_layer_ids
 
-    def draft_logits(self, target, ctx_features, block_ids, cache):
-        logits = self.drafter.draft_logits(target, ctx_features, block_ids, cache)
+    def draft_states(self, target, ctx_features, block_ids, cache):
+        hidden, logits = self.drafter.draft_states(target, ctx_features, block_ids, cache)
         start = cache.length
         proposal = torch.zeros_like(logits)
         for k in range(logits.shape[1]):
@@ -433,11 +433,18 @@ class ReplayDrafter:
                 proposal[0, k, true] = 5.0
                 if position % 4 == 0:
                     proposal[0, k, (true + 1) % logits.shape[-1]] = 6.0
-        return proposal
+        return hidden, proposal
+
+    def draft_logits(self, target, ctx_features, block_ids, cache):
+        return self.draft_states(target, ctx_features, block_ids, cache)[1]
 
     def draft_chain(self, target, ctx_features, block_ids, cache):
         """DFlash's path through the replaced logits: their argmax."""
         return self.draft_logits(target, ctx_features, block_ids, cache).argmax(-1)
+
+    def block_trees(self, hidden, logits, roots, budget, backend="auto"):
+        """DFlash's tree of the replaced logits."""
+        return build_tree(logits, budget, backend)
 
 
 def check_lossless(target, drafter, device, run) -> dict:

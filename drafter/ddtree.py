@@ -102,6 +102,34 @@ def build_tree_from_logprobs(topk_logprobs: torch.Tensor, topk_token_ids: torch.
                      depths.view(*batch_shape, n), depth_limit)
 
 
+def build_conditional_tree(first_logprobs: torch.Tensor, later_logprobs: torch.Tensor,
+                           candidate_ids: torch.Tensor, budget: int) -> DraftTree:
+    """The best-`budget` draft tree when a slot's distribution depends on the token before it (a
+    DFlash2 drafter's selector): slot 1 offers its K candidates with first_logprobs [b, K]; slot
+    d > 1 offers its K candidates after the slot-(d-1) candidate i with later_logprobs [b, L-1, K, K]
+    (row i); candidate_ids [b, L, K]. A prefix scores the sum of its log-probabilities.
+
+    Depth by depth, the best `budget` prefixes of that depth are kept (every prefix among the best B
+    overall is among the best B of its depth, its parent among those of the parent's depth), stored
+    in (parent, candidate) order as `_best_first_tensor` stores its beams; the best B of their union,
+    in pop order, are the tree. Tensor ops only."""
+    batch, depth_limit, k = candidate_ids.shape
+    first, later = fixed_point(first_logprobs), fixed_point(later_logprobs)
+    width = min(budget, k)
+    keep = first.argsort(dim=1, descending=True, stable=True)[:, :width].sort(dim=1).values
+    beams = [(first.gather(1, keep), torch.full_like(keep, -1), keep)]
+    for depth in range(1, depth_limit):
+        score, _, rank = beams[-1]
+        after = later[:, depth - 1].gather(1, rank[:, :, None].expand(-1, -1, k))    # [b, W, K]
+        candidate = (score[:, :, None] + after).flatten(1)
+        width = min(budget, candidate.shape[1])
+        keep = candidate.argsort(dim=1, descending=True, stable=True)[:, :width].sort(dim=1).values
+        beams.append((candidate.gather(1, keep), keep // k, keep % k))
+    depths, ranks, parents = _best_over_depths(beams, budget)
+    tokens = candidate_ids.reshape(batch, depth_limit * k).gather(1, (depths - 1) * k + ranks)
+    return DraftTree(tokens, parents, depths, depth_limit)
+
+
 def fixed_point(logprobs: torch.Tensor) -> torch.Tensor:
     """Log-probabilities as int64 multiples of 2^-32 nats (clamped at SCORE_FLOOR)."""
     return (logprobs.double().clamp(min=SCORE_FLOOR) * SCORE_SCALE).round().long()

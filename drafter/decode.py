@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from drafter.ddtree import build_tree, committed_tokens, follow_tree, tree_verify_inputs
+from drafter.ddtree import DraftTree, committed_tokens, follow_tree, tree_verify_inputs
 from drafter.model import DFlash2DraftModel, DraftCache
 from drafter.target import TargetError, feature_tap, model_type
 from drafter.target_cache import TargetCache, probe_decoding
@@ -178,9 +178,11 @@ class _Steps:
 
     def ddtree(self, root: int, start: int, context):
         with self.timer("draft"):
-            block, logits = self.draft(root, self.drafter.block_size, context)
-        with self.timer("tree_build"):
-            tree = build_tree(logits, self.budget, self.tree_backend)
+            block = self.block(root, self.drafter.block_size)
+            hidden, logits = self.drafter.draft_states(self.target, context, block, self.draft_cache)
+        with self.timer("tree_build"):  # the drafter's own tree: marginals, or a DFlash2 selector's scores
+            tree = self.drafter.block_trees(hidden, logits, block[:, 0], self.budget, self.tree_backend)
+            tree = DraftTree(tree.tokens[0], tree.parents[0], tree.depths[0], tree.depth_limit)
         with self.timer("verify"):
             input_ids, position_ids, visible = tree_verify_inputs(tree, block[0, 0], start)
             mask = self.cache.tree_attention_mask(visible, position_ids[0] - start, start, self.target.dtype)
@@ -235,7 +237,7 @@ def generate(target, prompt_ids: torch.Tensor, max_new_tokens: int, stop_token_i
              tree_backend: str = "auto") -> Generation:
     """Generate after `prompt_ids` [1, n] with `method` ("ar", "dflash", or "ddtree" with `budget`
     tree nodes); `drafter` is a DFlashDraftModel (or DFlash2DraftModel: `dflash` walks its selector
-    chain, `ddtree` builds the tree from its marginals) for the speculative methods. `sampling` ("match"
+    chain, `ddtree` the tree of its selector scores) for the speculative methods. `sampling` ("match"
     or, for dflash, "rejection") is how drafted tokens are accepted at temperature > 0. `ddtree` on a
     target with conv or recurrent layers raises TreeVerifyUnsupported before any work."""
     settings = DecodeSettings(method, budget, temperature, sampling, tree_backend)

@@ -31,6 +31,8 @@ from transformers import initialization as init
 from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3MLP, Qwen3PreTrainedModel, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half)
 
+from drafter.ddtree import DraftTree, build_conditional_tree, build_tree
+
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [b, heads, n, d]; cos/sin [b, n, d]."""
@@ -361,10 +363,16 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         return hidden[:, 0]
 
     @torch.no_grad()
+    def draft_states(self, target, ctx_features, block_ids, cache: DraftCache):
+        """Inference: (states [b, B-1, H], fp32 logits [b, B-1, V]) of block positions 1..B-1
+        (arguments: `draft_hidden`), what `block_trees` builds a tree from."""
+        hidden = self.draft_hidden(target, ctx_features, block_ids, cache)[:, 1:]
+        return hidden, target.get_output_embeddings()(hidden.to(target.dtype)).float()
+
+    @torch.no_grad()
     def draft_logits(self, target, ctx_features, block_ids, cache: DraftCache) -> torch.Tensor:
         """Inference: fp32 logits [b, B-1, V] for block positions 1..B-1 (arguments: `draft_hidden`)."""
-        hidden = self.draft_hidden(target, ctx_features, block_ids, cache)
-        return target.get_output_embeddings()(hidden[:, 1:].to(target.dtype)).float()
+        return self.draft_states(target, ctx_features, block_ids, cache)[1]
 
     @torch.no_grad()
     def draft_chain(self, target, ctx_features, block_ids, cache: DraftCache) -> torch.Tensor:
@@ -376,6 +384,11 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         """The token the drafted path takes at each slot [...] given the token before it
         (`predecessors` [...]; unused by DFlash) from the slot's state and logits [..., V]."""
         return logits.argmax(-1)
+
+    def block_trees(self, hidden, logits, roots, budget: int, backend: str = "auto") -> DraftTree:
+        """The best-`budget` DDTree of each block [n] from its slots' states [n, B-1, H] and logits
+        [n, B-1, V] after the anchor tokens `roots` [n]: for DFlash, from the slots' marginals."""
+        return build_tree(logits, budget, backend)
 
 
 class CandidateSelector(nn.Module):
@@ -412,6 +425,18 @@ class CandidateSelector(nn.Module):
         scores = unary + self(hidden, predecessors, candidates).to(unary.dtype)
         return candidates.gather(-1, scores.argmax(-1, keepdim=True))[..., 0]
 
+    def conditional_logprobs(self, hidden, logits, roots):
+        """The selector's K-way distributions over blocks [n] of L slots (states [n, L, H], logits
+        [n, L, V]): the candidates [n, L, K]; at slot 1 after the anchor `roots` [n], [n, K]; at each
+        later slot after each candidate of the slot before, [n, L-1, K (before), K]."""
+        unary, candidates = self.candidates(logits)
+        first = unary[:, 0] + self(hidden[:, 0], roots, candidates[:, 0]).to(unary.dtype)
+        query = (F.embedding(candidates[:, :-1], self.predecessor_codebook)
+                 * self.hidden_projection(hidden[:, 1:])[:, :, None, :])          # [n, L-1, K, r]
+        keys = F.embedding(candidates[:, 1:], self.successor_codebook)             # [n, L-1, K, r]
+        later = unary[:, 1:, None, :] + torch.einsum("ndpr,ndcr->ndpc", query, keys).to(unary.dtype)
+        return candidates, first.log_softmax(-1), later.log_softmax(-1)
+
 
 class DFlash2DraftModel(DFlashDraftModel):
     """DFlash with a DynamicBlockConv around every attention and MLP sublayer and a
@@ -436,6 +461,13 @@ class DFlash2DraftModel(DFlashDraftModel):
 
     def chain_picks(self, hidden, logits, predecessors) -> torch.Tensor:
         return self.candidate_selector.pick(hidden, logits, predecessors)
+
+    def block_trees(self, hidden, logits, roots, budget: int, backend: str = "auto") -> DraftTree:
+        """DFlash2: the tree of the selector's scores, each node's children scored after its own token
+        (`ddtree.build_conditional_tree`). On the toy world it accepts far deeper than the marginals'
+        tree of the same drafter (bench/selector_tree.py: replayed tau 7.57 against 4.22 at B=32)."""
+        candidates, first, later = self.candidate_selector.conditional_logprobs(hidden, logits, roots)
+        return build_conditional_tree(first, later, candidates, budget)
 
     @torch.no_grad()
     def draft_chain(self, target, ctx_features, block_ids, cache: DraftCache) -> torch.Tensor:

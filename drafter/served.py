@@ -11,7 +11,8 @@ positions < p); `anchor_acceptance` turns each block into the drafted tokens a v
 accept when the target's tokens are the text's: for `dflash` the leading slots where the drafter's
 path (its argmax; a DFlash2 drafter's selector chain, each slot's predecessor the text's token, which
 is the served chain while every pick is right) is the text's token, for `ddtree@B` the depth reached
-by walking the best-first tree of B nodes (built from the block's marginals) along the text. Then serving is replayed as
+by walking the best-first tree of B nodes (the drafter's `block_trees`: the block's marginals,
+or a DFlash2 drafter's selector scores, as serving builds it) along the text. Then serving is replayed as
 `drafter.decode.generate` runs it, once per response, i.e. per maximal run [s, e) of supervised
 positions (one assistant turn; every turn is a response, as eval/ddtree_accept.py counts turns):
 the prefill yields token s, so the first step's anchor is p = s; a step at p commits
@@ -41,7 +42,7 @@ import torch.distributed as dist
 
 from drafter.benchmarks import load_prompts
 from drafter.chat import prompt_token_ids
-from drafter.ddtree import build_tree, teacher_forced_accept
+from drafter.ddtree import teacher_forced_accept
 from drafter.decode import generate, tree_verify_refusal
 from drafter.objective import build_blocks, chunk_rows_for, drafter_hidden
 from drafter.tensor_parallel import TPGroup
@@ -131,7 +132,8 @@ def anchor_acceptance(drafter, target, features, input_ids, loss_mask, budgets, 
         drafted = drafter.chain_picks(part.hidden, part.logits, part.predecessors)
         accepted["dflash"][where] = (drafted == part.labels).long().cumprod(-1).sum(-1).cpu()
         for method in methods[1:]:
-            tree = build_tree(part.logits, int(method.split("@")[1]), tree_backend)
+            tree = drafter.block_trees(part.hidden, part.logits, part.predecessors[:, 0],
+                                      int(method.split("@")[1]), tree_backend)
             accepted[method][where] = (teacher_forced_accept(tree, part.labels) - 1).cpu()
     return accepted
 

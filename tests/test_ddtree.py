@@ -302,33 +302,42 @@ def test_speculative_sampling_keeps_the_target_distribution():
     torch.testing.assert_close(counts / trials, target_probs[0], rtol=0, atol=0.02)
 
 
-def test_the_selector_tree_accepts_the_label_prefixes_among_the_best_b_by_enumeration():
-    """bench/selector_tree.py's beam search, against every prefix of a first-order tree scored and
-    ranked by hand: a label prefix is accepted while it is among the best B prefixes."""
-    from bench.selector_tree import selector_tree_accept
+def test_the_conditional_tree_is_the_best_b_prefixes_by_enumeration():
+    """build_conditional_tree (a DFlash2 selector's tree), against every prefix of a first-order
+    tree scored and ranked by hand: its nodes are the best B prefixes, each node's parent is its
+    prefix, nodes come in score order, and a walk along labels accepts while the label prefix is in."""
+    from drafter.ddtree import build_conditional_tree
     gen = torch.Generator().manual_seed(3)
-    n, depth, k = 64, 3, 3
+    n, depth, k = 48, 3, 3
     candidates = torch.stack([torch.randperm(10, generator=gen)[:k].repeat(depth, 1) + 10 * torch.arange(depth)[:, None]
                               for _ in range(n)])                     # distinct ids per slot
     first = torch.randn(n, k, generator=gen).log_softmax(-1)
     later = torch.randn(n, depth - 1, k, k, generator=gen).log_softmax(-1)
-    # labels follow a candidate path, or leave the candidates (an id no slot holds) at a random slot
-    path = torch.randint(0, k, (n, depth), generator=gen)
+    path = torch.randint(0, k, (n, depth), generator=gen)             # labels along a candidate path ...
     labels = candidates.gather(2, path[..., None])[..., 0]
     off = torch.randint(0, depth + 1, (n,), generator=gen)
-    labels[torch.arange(depth)[None] >= off[:, None]] = 999
+    labels[torch.arange(depth)[None] >= off[:, None]] = 999           # ... that may leave the candidates
     for budget in (1, 4, 7, 39):
-        got = selector_tree_accept(candidates, first, later, labels, budget)
+        tree = build_conditional_tree(first, later, candidates, budget)
+        accepted = teacher_forced_accept(tree, labels) - 1
         for i in range(n):
             scores = {}
             for d in range(1, depth + 1):
                 for ranks in itertools.product(range(k), repeat=d):
-                    s = first[i, ranks[0]] + sum(later[i, j - 1, ranks[j - 1], ranks[j]] for j in range(1, d))
-                    scores[ranks] = float(s)
-            tree = set(sorted(scores, key=scores.get, reverse=True)[:budget])
-            accepted = 0
-            for d in range(1, depth + 1):
-                if d > int(off[i]) or tuple(path[i, :d].tolist()) not in tree:
+                    scores[ranks] = float(first[i, ranks[0]] + sum(later[i, j - 1, ranks[j - 1], ranks[j]]
+                                                                   for j in range(1, d)))
+            best = sorted(scores, key=scores.get, reverse=True)[:budget]
+            prefixes = []  # each node's token prefix, from its parent chain
+            for token, parent in zip(tree.tokens[i].tolist(), tree.parents[i].tolist()):
+                prefixes.append((prefixes[parent] if parent >= 0 else ()) + (token,))
+            by_tokens = {tuple(int(candidates[i, d, r]) for d, r in enumerate(ranks)): ranks for ranks in best}
+            assert set(prefixes) == set(by_tokens), (budget, i)
+            node_scores = [scores[by_tokens[p]] for p in prefixes]
+            assert node_scores == sorted(node_scores, reverse=True), (budget, i)   # pop order
+            assert tree.depths[i].tolist() == [len(p) for p in prefixes]
+            deepest = 0
+            for d in range(1, int(off[i]) + 1):
+                if tuple(path[i, :d].tolist()) not in best:
                     break
-                accepted = d
-            assert int(got[i]) == accepted + 1, (budget, i)
+                deepest = d
+            assert int(accepted[i]) == deepest, (budget, i)

@@ -67,15 +67,16 @@ def test_served_steps_follow_the_training_path(request, monkeypatch, world, meth
     path says it must: accepted tokens plus the bonus, no more, no less. Also for sliding layers."""
     trained = request.getfixturevalue(world)
     calls = []
-    draft_logits = trained.drafter.draft_logits
+    draft_hidden = trained.drafter.draft_hidden
 
-    def recording(target, ctx_features, block_ids, cache):
-        calls.append((cache.length + ctx_features.shape[1], block_ids.clone()))
-        logits = draft_logits(target, ctx_features, block_ids, cache)
-        calls[-1] += (logits.clone(),)
-        return logits
+    def recording(target, ctx_features, block_ids, cache):  # every method drafts through draft_hidden
+        context_end = cache.length + ctx_features.shape[1]
+        hidden = draft_hidden(target, ctx_features, block_ids, cache)
+        logits = target.get_output_embeddings()(hidden[:, 1:].to(target.dtype)).float()
+        calls.append((context_end, block_ids.clone(), logits))
+        return hidden
 
-    monkeypatch.setattr(trained.drafter, "draft_logits", recording)
+    monkeypatch.setattr(trained.drafter, "draft_hidden", recording)
     num_prompt = trained.prompts.shape[1]
     taus = []
     for i in (0, 5):
