@@ -16,8 +16,8 @@ came before.
 Both are replayed under teacher forcing on the eval set exactly as training's replayed tau is
 (`drafter/served.py`'s `scored_blocks` and `walks_of`: a verify at every response position, then
 serving walked response by response), on the same drafter forward, so the difference is the tree
-alone. Also printed: the
-selector's chain (what `dflash` serves for DFlash2) against the marginals' argmax chain.
+alone. Also printed: the selector's chain (what `dflash` serves for DFlash2) against the marginals'
+argmax chain.
 """
 import argparse
 import sys
