@@ -1,7 +1,7 @@
 """DDTree: a draft tree from one DFlash block, its verification by the target, and the bookkeeping.
 
 Tree build. The drafter gives per-depth distributions q_1..q_L for one block. The tree with budget N
-is the N most probable prefixes under the product of the q's (RESEARCH.md section 4), found by the
+is the N most probable prefixes under the product of the q's (DDTree, arXiv 2604.12989), found by the
 reference's best-first search: a heap of prefixes of top-k ranks (r_1..r_d) keyed by summed
 log-probability; pop the best, push its next sibling and its first child, stop at N. On a score tie
 the lexicographically smaller rank tuple pops first (a prefix before its extensions: Python's tuple

@@ -7,7 +7,7 @@ Data flow (one forward):
     (KV injection); the context never passes through an MLP.
     final norm --> the target's LM head (frozen, not ours) --> logits.
 
-Variants (DESIGN.md contract 11, config `drafter.*`): a layer is `full_attention` or
+Variants (docs/design.md contract 11, config `drafter.*`): a layer is `full_attention` or
 `sliding_attention` (`layer_types`, `sliding_window`), causal inside the block or not (`causal`);
 `LayerAttention` says which keys each layer's block queries see, exactly as `dflash` 0.1.0 reads
 the exported config. `DFlash2DraftModel` (`arch: dflash2`) adds a `DynamicBlockConv` around every

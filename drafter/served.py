@@ -1,6 +1,6 @@
 """Served acceptance length (tau) during training: replayed under teacher forcing, and generated.
 
-tau is the tokens committed per target verify forward, bonus included (RESEARCH.md section 3). The
+tau is the tokens committed per target verify forward, bonus included (docs/design.md, "tau"). The
 random-anchor metrics of `objective.rank_metrics` (`anchor_streak`, ...) are not tau: they average the
 accepted length over uniformly random anchors, while serving lands on one anchor every L(p) tokens,
 so a run of L accepted tokens is one step when served but L anchors, each with a long streak, there.

@@ -10,7 +10,7 @@ Runs, on the same prompts: plain autoregressive decoding (`ar`), DFlash single-p
 (`dflash`) and DDTree at each budget (`ddtree@N`). The target and the chat settings come from the
 drafter's config (`dflash_config.target_path`, `chat_template_kwargs`); `--target` and
 `--enable-thinking` override them. Writes the JSON report, prints a markdown table and saves two
-plots next to --out. Definitions: RESEARCH.md section 3 (tau counts the bonus token; speedup is the
+plots next to --out. Definitions: docs/design.md, "tau" (tau counts the bonus token; speedup is the
 ratio of decode time per output token to `ar`'s, prefill excluded). At temperature 0, `lossless`
 compares every method's tokens with `ar`'s (`drafter/lossless.py`): yes, ties-only (every divergence
 starts where the target's top-2 logits were within --tie-tolerance: a floating-point tie) or no.

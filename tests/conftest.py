@@ -12,7 +12,7 @@ from drafter.target import input_embedding_scale, random_qwen3  # noqa: E402
 
 MASK_ID = 255
 
-# Two-layer drafter variants (DESIGN.md contract 11). The windows are shorter than the test contexts;
+# Two-layer drafter variants (docs/design.md contract 11). The windows are shorter than the test contexts;
 # "window_bidirectional"'s is shorter than the block too, so it cuts later block positions as well.
 VARIANTS = {
     "full": DrafterVariant(),

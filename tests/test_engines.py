@@ -120,7 +120,7 @@ def test_fsdp_sigkill_then_resume_reproduces_the_uninterrupted_losses(reference_
     assert_same_trajectory(train_losses(run), train_losses(fsdp_run[0]), range(1, 25), RESUME_RTOL)
 
 
-# DESIGN.md contract 11: the variant launches below train DFlash2 with a sliding layer.
+# docs/design.md contract 11: the variant launches below train DFlash2 with a sliding layer.
 VARIANT = ["drafter.arch=dflash2", "drafter.layer_types=[sliding_attention]", "drafter.sliding_window=4",
            "drafter.selector_rank=8", "drafter.selector_top_k=8"]
 # objective.* options that only the FSDP launch of tests/test_distill.py ran before (issue 21)

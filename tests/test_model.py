@@ -12,7 +12,7 @@ from drafter.target import context_features, default_target_layer_ids, select_fe
 
 
 def test_default_layer_ids_match_reference_rule():
-    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B, RESEARCH.md section 1
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B (docs/design.md, "The DFlash drafter")
     assert default_target_layer_ids(36, 1) == [18]
     assert default_target_layer_ids(32, 2) == [1, 29]
 
@@ -76,7 +76,7 @@ def test_mask_token_is_added_when_missing():
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_public_dflash_package_loads_our_export_with_equal_logits(target, tmp_path, variant):
-    """DESIGN.md contracts 1 and 11: the z-lab `dflash` package loads the export of every variant
+    """docs/design.md contracts 1 and 11: the z-lab `dflash` package loads the export of every variant
     (DFlash2 in its DFlash2DraftModel), reads each layer's window and causality as ours, and computes
     our logits and, for DFlash2, our selector chain (the context, 21 positions, is longer than every
     window)."""

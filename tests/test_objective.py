@@ -40,7 +40,7 @@ def training_logits(drafter, target, features, blocks, attention):
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("attention", ["dense", "flex"])
 def test_training_logits_equal_inference_logits(target, attention, variant):
-    """DESIGN.md contract 2 on a padded batch of sequences of different lengths, several anchors each,
+    """docs/design.md contract 2 on a padded batch of sequences of different lengths, several anchors each,
     for every drafter variant (contract 11)."""
     drafter = make_drafter(target, variant=VARIANTS[variant])
     ids, loss_mask = padded_batch([29, 40, 17])
