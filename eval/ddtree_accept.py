@@ -323,6 +323,9 @@ def report(records_by_bench: dict, args, evaluator: Evaluator, world: int) -> di
         for summary in methods.values():
             tpot = summary["time_per_output_token"]
             summary["speedup"] = ar_time / tpot if ar_time and tpot else None
+            # the tau at which this method's time per step (draft, tree, verify, commit) equals ar's
+            # time per token: speedup = tau_pooled / break_even_tau
+            summary["break_even_tau"] = tpot * summary["tau_pooled"] / ar_time if ar_time and tpot else None
         margins = [m for r in records["ar"] for m in r["margins"]]
         benchmarks[bench] = {"methods": methods,
                              "near_tie_share": near_tie_share(margins, args.tie_tolerance)
@@ -343,9 +346,9 @@ def markdown_table(results: dict) -> str:
     def fmt(value, spec):
         return "-" if value is None else format(value, spec)
 
-    lines = ["| bench | method | tau | tau pooled | ms/token | speedup | lossless | "
+    lines = ["| bench | method | tau | tau pooled | ms/token | speedup | break-even tau | lossless | "
              + " | ".join(f"{s} ms/step" for s in STAGES) + " |",
-             "|---|---|---:|---:|---:|---:|:---:|" + "---:|" * len(STAGES)]
+             "|---|---|---:|---:|---:|---:|---:|:---:|" + "---:|" * len(STAGES)]
     for bench, entry in results["benchmarks"].items():
         for method, s in entry["methods"].items():
             tpot = s["time_per_output_token"]
@@ -355,7 +358,7 @@ def markdown_table(results: dict) -> str:
             stages = " | ".join(fmt(s["stage_ms_per_step"].get(st), ".2f") for st in STAGES)
             lines.append(f"| {bench} | {method} | {fmt(s['tau'], '.2f')} | {fmt(s['tau_pooled'], '.2f')} "
                          f"| {fmt(tpot and tpot * 1e3, '.2f')} | {fmt(s['speedup'], '.2f')} "
-                         f"| {lossless} | {stages} |")
+                         f"| {fmt(s['break_even_tau'], '.2f')} | {lossless} | {stages} |")
     if results["config"].get("tree_verify_refusal"):
         rows = "dflash and ddtree" if results["config"].get("verify_refusal") else "ddtree"
         lines.append(f"\n{results['config']['tree_verify_refusal']}: the {rows} rows are the exact tau on "

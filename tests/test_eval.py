@@ -69,6 +69,9 @@ def test_report_from_a_run_checkpoint(checkpoint, capsys):
             if len(s["output_ids"]) == 14:  # not stopped: every step's tokens + the prefill's
                 assert sum(s["acceptance_lengths"]) + 1 == 14
     assert methods["ar"]["tau"] == 1 and methods["ar"]["speedup"] == pytest.approx(1)
+    assert methods["ar"]["break_even_tau"] == pytest.approx(1)
+    for summary in methods.values():  # a method breaks even where its tau equals its time per step in ar tokens
+        assert summary["break_even_tau"] * summary["speedup"] == pytest.approx(summary["tau_pooled"])
     margins = [m for s in reference for m in s["margins"]]
     assert len(margins) == sum(len(s["output_ids"]) for s in reference) and min(margins) >= 0
     share = results["benchmarks"]["prompts"]["near_tie_share"]
