@@ -77,26 +77,52 @@ def test_humaneval_is_a_chat_bench_of_164_problems():
     assert chats[0]["group"] == "HumanEval/0" and "def has_close_elements(" in chats[0]["messages"][0]["content"]
 
 
-@pytest.mark.slow
-def test_the_saved_target_gives_the_gguf_models_logits(tmp_path):
-    from transformers import AutoModelForCausalLM
+PROBE = [{"role": "user", "content": "Name three colours."}]
 
-    gguf, _ = smollm2.package_file(*smollm2.TARGET_SOURCE)
-    tokenizer, model = smollm2.load_gguf(gguf)
-    ids = torch.tensor([tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}],
-                                                      add_generation_prompt=True, tokenize=True)["input_ids"]])
-    with torch.no_grad():
-        expected = model(ids).logits
-    smollm2.save_plain(tokenizer, model, tmp_path)
-    config = json.loads((tmp_path / "config.json").read_text())
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """A world directory whose target stage ran (one GGUF load for the module), and the GGUF-loaded
+    model's logits on a chat prompt, taken in the build before the model was saved."""
+    world = tmp_path_factory.mktemp("world")
+    seen = {}
+
+    def load_and_probe(gguf):
+        tokenizer, model = load_gguf(gguf)
+        ids = torch.tensor([tokenizer.apply_chat_template(PROBE, add_generation_prompt=True,
+                                                          tokenize=True)["input_ids"]])
+        with torch.no_grad():
+            seen.update(ids=ids, logits=model(ids).logits)
+        return tokenizer, model
+
+    load_gguf = smollm2.load_gguf
+    smollm2.load_gguf = load_and_probe
+    try:
+        smollm2.step_target(world)
+    finally:
+        smollm2.load_gguf = load_gguf
+    return world, seen
+
+
+@pytest.mark.slow
+def test_the_saved_target_gives_the_gguf_models_logits(converted):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    world, gguf = converted
+    config = json.loads((world / "target" / "config.json").read_text())
     assert "quantization_config" not in config and config["tie_word_embeddings"] is True
-    saved = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(world / "target")
+    ids = tokenizer.apply_chat_template(PROBE, add_generation_prompt=True, tokenize=True)["input_ids"]
+    assert ids == gguf["ids"][0].tolist()
+    saved = AutoModelForCausalLM.from_pretrained(world / "target", dtype=torch.float32).eval()
     with torch.no_grad():
-        assert torch.equal(saved(ids).logits, expected)
+        assert torch.equal(saved(gguf["ids"]).logits, gguf["logits"])
+    source = json.loads((world / "target" / "source.json").read_text())
+    assert source["sha256"] == smollm2.sha256(smollm2.package_file(*smollm2.TARGET_SOURCE)[0])
 
 
 @pytest.mark.slow
-def test_the_real_world_builds_trains_and_evaluates(tmp_path):
+def test_the_real_world_builds_trains_and_evaluates(converted, tmp_path):
     """The whole real-world path at the smallest sizes: the build from the wheels (the real cut ShareGPT
     file, HumanEval, the GGUF target, its greedy answers, prepared), 2 training steps of
     configs/smollm2.yaml with the automatically chosen mask token, and the eval on 2 prompts."""
@@ -105,14 +131,13 @@ def test_the_real_world_builds_trains_and_evaluates(tmp_path):
 
     from runs import REPO, _env, run_to_end
 
-    world = tmp_path / "world"
+    world, _ = converted
     build = smollm2.main(["--out", str(world), "--train-prompts", "8", "--bench-chat", "2", "--bench-code", "2",
-                          "--max-new-tokens", "24", "--batch-size", "8", "--threads", "1"])
+                          "--max-new-tokens", "16", "--batch-size", "8", "--threads", "1"])
     salvage = json.loads((world / "sharegpt.json").read_text())
     assert salvage["complete"] == 17671 and salvage["cut"] == 1
-    assert json.loads((world / "target" / "source.json").read_text())["sha256"] == smollm2.sha256(
-        smollm2.package_file(*smollm2.TARGET_SOURCE)[0])
-    assert set(build["seconds"]) >= {"target", "sharegpt", "regenerate", "train_data", "bench_code_data"}
+    assert build["seconds"]["target"] == 0.0  # the fixture's conversion, reused
+    assert set(build["seconds"]) >= {"sharegpt", "regenerate", "train_data", "bench_code_data"}
 
     run = tmp_path / "run"
     run_to_end(REPO / "configs" / "smollm2.yaml", f"run.out_dir={run}", f"target.path={world / 'target'}",
