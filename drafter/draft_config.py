@@ -37,13 +37,18 @@ def drafter_attention_shape(text_config) -> dict:
     return {"num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim}
 
 
+_ROPE_SETS = ("full_attention", "main")  # per layer type (Gemma 3, GPT-OSS ...); per branch (DeepSeek-V4)
+
+
 def drafter_rope(text_config) -> dict:
-    """The drafter's rotary: the target's full-attention rotary (one entry of a per-layer-type dict),
+    """The drafter's rotary: the target's rotary, or where the target has several rotary sets (per
+    layer type, or DeepSeek-V4's `main` and `compress`) that of its full attention or main branch,
     applied to the whole head (partial-rotary and multimodal sections dropped), of a type
     Qwen3RotaryEmbedding computes; otherwise the default rotary at the target's base."""
     rope = dict(getattr(text_config, "rope_parameters", None) or {})
-    if "full_attention" in rope and isinstance(rope["full_attention"], dict):
-        rope = dict(rope["full_attention"])
+    sets = [key for key, value in rope.items() if isinstance(value, dict)]
+    if sets:
+        rope = dict(next((rope[key] for key in _ROPE_SETS if key in sets), {}))
     theta = rope.get("rope_theta", getattr(text_config, "rope_theta", 10000.0))
     if rope.get("rope_type", "default") not in _ROPE_TYPES:
         return {"rope_type": "default", "rope_theta": theta}
@@ -69,6 +74,45 @@ def drafter_widths(text_config) -> dict:
             "max_position_embeddings": getattr(text_config, "max_position_embeddings", 32768),
             "attention_bias": bool(getattr(text_config, "attention_bias", False)),
             "rope_parameters": drafter_rope(text_config)}
+
+
+def drafter_config_problems(config: Qwen3Config) -> list[str]:
+    """What keeps the drafter's layers from being built from `config`'s own numbers, each naming its
+    field: the projections are heads x head_dim wide, the KV heads are shared by groups of query
+    heads, and the rotary (one flat set of Qwen3's types) turns the whole head."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    widths = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+    problems = [f"{key}={getattr(config, key, None)!r} must be a positive integer" for key in widths
+                if not isinstance(getattr(config, key, None), int) or getattr(config, key) < 1]
+    if problems:
+        return problems
+    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    if heads % kv_heads:
+        problems.append(f"num_key_value_heads={kv_heads} does not divide num_attention_heads={heads}")
+    if head_dim % 2:
+        problems.append(f"head_dim={head_dim} is odd: the rotary turns pairs of dimensions")
+    rope = config.rope_parameters or {}
+    nested = sorted(key for key, value in rope.items() if isinstance(value, dict))
+    if nested:
+        problems.append(f"rope_parameters holds rotary sets {nested}: the drafter has one rotary")
+    if rope.get("rope_type") not in _ROPE_TYPES:
+        problems.append(f"rope_parameters.rope_type={rope.get('rope_type')!r} is not one of {', '.join(_ROPE_TYPES)}")
+    if problems:
+        return problems
+    rotary_width = 2 * Qwen3RotaryEmbedding(config).inv_freq.numel()
+    if rotary_width != head_dim:
+        problems.append(f"rope_parameters give a rotary {rotary_width} wide for head_dim={head_dim} "
+                        "(the drafter turns the whole head)")
+    return problems
+
+
+def check_drafter_config(config: Qwen3Config) -> None:
+    """Raise ValueError naming every field of `config` its layers cannot be built from."""
+    problems = drafter_config_problems(config)
+    if problems:
+        target = (getattr(config, "dflash_config", None) or {}).get("target_model_type")
+        raise ValueError(f"drafter config (target {target}): " + "; ".join(problems))
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -188,7 +232,7 @@ def drafter_config(target_config, *, num_layers: int, block_size: int, mask_toke
     if not 0 <= mask_token_id < text_config.vocab_size:
         raise ValueError(f"mask_token_id {mask_token_id} has no row in the target's embedding "
                          f"(vocab_size {text_config.vocab_size})")
-    return Qwen3Config(
+    config = Qwen3Config(
         **drafter_widths(text_config), num_hidden_layers=num_layers, num_target_layers=num_target_layers,
         block_size=block_size, tie_word_embeddings=False, **variant.config_fields(num_layers),
         architectures=["DFlash2DraftModel" if variant.arch == "dflash2" else "DFlashDraftModel"],
@@ -196,6 +240,8 @@ def drafter_config(target_config, *, num_layers: int, block_size: int, mask_toke
                        "input_embedding_scale": float(input_embedding_scale),
                        "target_model_type": getattr(text_config, "model_type", None),
                        **variant.dflash_config_fields(), **record})
+    check_drafter_config(config)
+    return config
 
 
 def resolve_mask_token_id(tokenizer, target_vocab_size: int) -> int:

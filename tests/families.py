@@ -47,6 +47,9 @@ FAMILIES = {
     "deepseek_v32": dict(_MOE, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
                          v_head_dim=16, num_key_value_heads=4, head_dim=8, index_topk=6, index_head_dim=16,
                          index_n_heads=32),
+    # hyper-connection streams; compressors of 4 (CSA) and 8 (HCA) positions, both emitting entries
+    "deepseek_v4": dict(_MOE, sliding_window=WINDOW, compress_rates={"compressed_sparse_attention": 4,
+                        "heavily_compressed_attention": 8}, attn_implementation="eager"),
     "falcon_h1": dict(mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8, mamba_n_groups=1,
                       mamba_chunk_size=8),
 }
