@@ -79,6 +79,14 @@ def test_a_config_its_layers_cannot_follow_is_refused_at_build_time_naming_the_f
         DFlashDraftModel(cfg)
 
 
+def test_a_target_without_the_widths_the_drafter_takes_is_refused_by_name():
+    """An attention-free family (Mamba) has no heads to take; a drafter config names what is missing."""
+    from transformers import AutoConfig
+    mamba = AutoConfig.for_model("mamba", hidden_size=64, num_hidden_layers=6, vocab_size=256)
+    with pytest.raises(ValueError, match="target mamba: its config's num_attention_heads is None"):
+        drafter_config(mamba, num_layers=1, block_size=8, mask_token_id=MASK_ID)
+
+
 def test_a_target_with_several_rope_sets_gives_the_drafter_one():
     """DeepSeek-V4's `main` (sliding attention) and `compress` (compressors) sets: the drafter takes
     the main one, whole-head; Gemma 3's per-layer-type sets: the full-attention one."""
