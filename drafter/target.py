@@ -10,6 +10,8 @@ Training stops that forward after the last needed layer (an exception raised by 
 layers after it and the LM head never run; distillation (objective.labels=target) runs every layer
 (`features_and_final_hidden`) and computes the target's logits chunk by chunk inside the loss.
 """
+import weakref
+from collections import Counter
 from contextlib import contextmanager
 from unittest import mock
 
@@ -38,8 +40,11 @@ def load_target(path: str, device: torch.device | str, dtype: torch.dtype) -> nn
 
 
 def freeze(target: nn.Module) -> nn.Module:
+    """Eval mode, no grad, and its looped layers probed (`looped_layers`: one one-token forward)
+    before any feature hook is placed on it."""
     target.eval()
     target.requires_grad_(False)
+    looped_layers(target)
     return target
 
 
@@ -129,6 +134,36 @@ def select_features(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int
     return torch.cat([layer_state(hidden_states[i + 1], "target") for i in layer_ids], dim=-1)
 
 
+_LOOPED = weakref.WeakKeyDictionary()  # target -> its looped decoder layers
+
+
+@torch.no_grad()
+def looped_layers(target: nn.Module) -> list[int]:
+    """The decoder layers that run more than once in one forward (a looped section: Dory,
+    Inkling-2-Loop), probed once per target on a one-token forward."""
+    if target not in _LOOPED:
+        calls = Counter()
+        handles = [layer.register_forward_hook(lambda *args, index=index: calls.update([index]))
+                   for index, layer in enumerate(decoder_layers(target))]
+        try:
+            target(input_ids=torch.zeros((1, 1), dtype=torch.long, device=target.device), use_cache=False)
+        finally:
+            for handle in handles:
+                handle.remove()
+        _LOOPED[target] = sorted(index for index, count in calls.items() if count > 1)
+    return _LOOPED[target]
+
+
+def check_unlooped(target: nn.Module, layer_ids: list[int]) -> None:
+    """Raise TargetError naming the family unless every layer of `layer_ids` runs once per forward:
+    a looped layer has one output per pass, and a features-only forward stops at its first."""
+    looped = sorted(set(layer_ids) & set(looped_layers(target)))
+    if looped:
+        raise TargetError(f"target {model_type(target)}: target_layer_ids {looped} run several times per forward "
+                          f"(its looped layers are {looped_layers(target)}), so a layer id names no single output; "
+                          "choose layers outside the loop")
+
+
 class _StopForward(Exception):
     """Raised by the hook on the last needed layer to end a features-only forward there."""
 
@@ -142,6 +177,7 @@ class FeatureTap:
     def __init__(self, target: nn.Module, layer_ids: list[int], stop_after_last: bool = False):
         layers = decoder_layers(target)
         check_feature_layers(layer_ids, len(layers))
+        check_unlooped(target, layer_ids)
         self.layer_ids = [int(i) for i in layer_ids]
         self.family = model_type(target)
         self.captured: dict[int, torch.Tensor] = {}

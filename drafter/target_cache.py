@@ -22,6 +22,7 @@ A cache layer of a kind not listed here stops decoding by name (`TargetError`), 
 whose forward over several new tokens does not continue its cached state (Jamba's Mamba restarts its
 scan there: `probe_decoding` probes it once per target), since every verify is such a forward.
 """
+import inspect
 import weakref
 from dataclasses import dataclass
 
@@ -67,13 +68,16 @@ class TargetCache:
                               "back after a rejected draft")
         self.layer_types = getattr(self.config, "layer_types", None)
         self.length = 0
+        # the forward's name for its cache: `past_key_values`, or `cache` in newer families (Dory)
+        parameters = inspect.signature(target.forward).parameters
+        self.cache_argument = "past_key_values" if "past_key_values" in parameters else "cache"
 
     def forward(self, input_ids: torch.Tensor, **kwargs):
         """The target over `input_ids` [1, n] at positions length.. (unless `position_ids` say
         otherwise), on this cache."""
         kwargs.setdefault("position_ids", torch.arange(self.length, self.length + input_ids.shape[1],
                                                        device=input_ids.device)[None])
-        out = self.target(input_ids, past_key_values=self.cache, use_cache=True, **kwargs)
+        out = self.target(input_ids, **{self.cache_argument: self.cache}, use_cache=True, **kwargs)
         self.length += input_ids.shape[1]
         return out
 
@@ -135,7 +139,8 @@ class TargetCache:
         """One cache layer per attention layer type: {type: layer} keyed by config.layer_types, or
         {"all": layer} when the config has one kind (or no layer_types)."""
         kinds = {}
-        for index, layer in enumerate(self.cache.layers):
+        # a looped family (Dory) appends copies of its looped layers' caches after one per layer
+        for index, layer in enumerate(self.cache.layers[:self.config.num_hidden_layers]):
             if is_attention_layer(layer):
                 kind = self.layer_types[index] if self.layer_types else "all"
                 kinds.setdefault(kind, layer)

@@ -12,11 +12,11 @@ from bench.gpu_check import ReplayDrafter
 from conftest import MASK_ID, make_drafter
 from drafter.decode import TreeVerifyUnsupported, generate
 from drafter.model import DraftCache
-from drafter.target import TargetError, context_features, decoder_layers, select_features
+from drafter.target import TargetError, context_features, decoder_layers, looped_layers, select_features
 from families import FAMILIES, RECURRENT, family_config, random_target
 
 # conv or recurrent mixers; chunked attention; compressors (DeepSeek-V4's own cache layers)
-FLAT_TREE_REFUSED = RECURRENT + ("lfm2", "llama4_text", "deepseek_v4")
+FLAT_TREE_REFUSED = RECURRENT + ("lfm2", "inkling2_loop_text", "llama4_text", "deepseek_v4")
 SLIDING = ("mistral", "gpt_oss", "gemma3_text", "gemma4_text", "olmo3")
 
 
@@ -135,6 +135,16 @@ def test_a_hyper_connection_target_gives_the_mean_of_its_streams():
             context_features(target, ids, [1, 3])
     finally:
         hook.remove()
+
+
+def test_a_looped_layer_is_refused_as_a_feature_layer_by_name():
+    """Dory runs its looped layer (4) twice per forward: it has no single output to read, and a
+    features-only forward would stop after its first pass."""
+    target = random_target("dory")
+    assert looped_layers(target) == [4]
+    ids = torch.zeros((1, 4), dtype=torch.long)
+    with pytest.raises(TargetError, match=r"dory: target_layer_ids \[4\] run several times per forward"):
+        context_features(target, ids, [1, 4])
 
 
 def test_a_target_without_readable_decoder_layers_is_refused_by_name():
