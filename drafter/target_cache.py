@@ -131,8 +131,9 @@ class TargetCache:
                     "flat sequence, while each branch must continue its parent's state")
         own = sorted({type(layer).__name__ for layer in self.cache.layers if is_own_layer(layer)})
         if own:
-            return (f"its own cache layers ({', '.join(own)}: compressors pooling consecutive positions) would "
-                    "run the tree as one flat sequence, while each branch must continue its parent's state")
+            return (f"its own cache layers ({', '.join(own)}: state beyond per-position keys, such as compressors "
+                    "pooling consecutive positions) would run the tree as one flat sequence, while each branch "
+                    "must continue its parent's state")
         return None
 
     def _attention_layers(self) -> dict[str, object]:

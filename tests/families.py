@@ -58,7 +58,8 @@ FAMILIES = {
     "sarvam_mla": dict(_MOE, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
                        v_head_dim=16, num_key_value_heads=4),
     "sarvam_moe": dict(_MOE),
-    "lara_mini": dict(_MOE, **dict(_LINEAR, layer_types=["linear_attention", "sliding_attention", "full_attention"] * 2),
+    "lara_mini": dict(_MOE, **dict(_LINEAR, layer_types=["linear_attention", "sliding_attention",
+                                                         "full_attention"] * 2),
                       sliding_window=WINDOW, shared_expert_intermediate_size=32),
     # looped layers (4, twice per forward; refused as feature layers) after the layers the tests read
     "dory": dict(sliding_window=WINDOW, n_input_layers=4, n_output_layers=1, n_recurrent_loops=2),
