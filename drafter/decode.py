@@ -168,9 +168,10 @@ class _Steps:
         return drafted[:accepted].tolist() + [bonus], features[:, :accepted + 1]
 
     def advance_recurrent(self, recurrent, kept_ids: torch.Tensor, start: int):
-        """A recurrent state has absorbed the rejected drafts and cannot be cut back: put it back as
-        it was before the verify and run the target over the tokens kept. (A stop token or the length
-        limit can keep fewer; generation ends there, so the cache is not used again.)"""
+        """A recurrent state (or a model's own cache layer) has absorbed the rejected drafts and cannot
+        be cut back: put it back as it was before the verify and run the target over the tokens kept.
+        (A stop token or the length limit can keep fewer; generation ends there, so the cache is not
+        used again.)"""
         with self.timer("recompute"):
             self.cache.restore(recurrent)
             self.cache.rollback(start)

@@ -5,6 +5,7 @@ layer type), the drafter variant (`drafter.*`: sliding-window and causal layers,
 this config builds live in `drafter/model.py`."""
 from dataclasses import dataclass
 
+from huggingface_hub.errors import StrictDataclassError
 from transformers import Qwen3Config
 
 from drafter.target import check_feature_layers, default_target_layer_ids
@@ -21,14 +22,24 @@ def _config_value(config, key: str, default=None):
     return default if value is None else value
 
 
+def _width(text_config, key: str) -> int:
+    """A width the drafter must take from the target: one positive integer, or a ValueError naming
+    the family and the field (an attention-free family has no heads; a per-layer list is no width)."""
+    value = _config_value(text_config, key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"target {getattr(text_config, 'model_type', None)}: its config's {key} is {value!r}, "
+                         "not one positive width, and the drafter takes its own from it")
+    return value
+
+
 def drafter_attention_shape(text_config) -> dict:
     """The drafter's heads: the target's (query heads, KV heads, head dim) where its attention is
     ordinary multi-head attention; for MLA targets (DeepSeek-V3, Kimi) head dim = the target's value
     head dim, as many query heads as fill the hidden size, and at most 8 KV heads that divide them.
     A per-layer head dim (Gemma 4's global layers) gives way to the config's head_dim."""
-    hidden, heads = text_config.hidden_size, text_config.num_attention_heads
-    if getattr(text_config, "kv_lora_rank", None):  # multi-head latent attention
-        head_dim = getattr(text_config, "v_head_dim", None) or hidden // heads
+    hidden, heads = _width(text_config, "hidden_size"), _width(text_config, "num_attention_heads")
+    if _config_value(text_config, "kv_lora_rank"):  # multi-head latent attention
+        head_dim = _config_value(text_config, "v_head_dim") or hidden // heads
         heads = max(1, hidden // head_dim)
         kv_heads = max(k for k in range(1, min(8, heads) + 1) if heads % k == 0)
         return {"num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim}
@@ -37,13 +48,18 @@ def drafter_attention_shape(text_config) -> dict:
     return {"num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim}
 
 
+_ROPE_SETS = ("full_attention", "main")  # per layer type (Gemma 3, GPT-OSS ...); per branch (DeepSeek-V4)
+
+
 def drafter_rope(text_config) -> dict:
-    """The drafter's rotary: the target's full-attention rotary (one entry of a per-layer-type dict),
+    """The drafter's rotary: the target's rotary, or where the target has several rotary sets (per
+    layer type, or DeepSeek-V4's `main` and `compress`) that of its full attention or main branch,
     applied to the whole head (partial-rotary and multimodal sections dropped), of a type
     Qwen3RotaryEmbedding computes; otherwise the default rotary at the target's base."""
     rope = dict(getattr(text_config, "rope_parameters", None) or {})
-    if "full_attention" in rope and isinstance(rope["full_attention"], dict):
-        rope = dict(rope["full_attention"])
+    sets = [key for key, value in rope.items() if isinstance(value, dict)]
+    if sets:
+        rope = dict(next((rope[key] for key in _ROPE_SETS if key in sets), {}))
     theta = rope.get("rope_theta", getattr(text_config, "rope_theta", 10000.0))
     if rope.get("rope_type", "default") not in _ROPE_TYPES:
         return {"rope_type": "default", "rope_theta": theta}
@@ -56,19 +72,61 @@ def drafter_widths(text_config) -> dict:
     """Everything of the drafter's Qwen3 config that comes from the target: the hidden size (which
     must match: the drafter reads the target's features and calls its embedding and LM head), the
     vocabulary, and the sizes the drafter takes over where the target has them (MLP width: the
-    target's dense `intermediate_size`, else 3x hidden; activation, norm eps, attention bias)."""
+    target's dense `intermediate_size` where it is one width, else 3x hidden; activation, norm eps,
+    attention bias)."""
     from transformers.activations import ACT2FN
 
     hidden_act = getattr(text_config, "hidden_act", None)
     eps = next((getattr(text_config, k) for k in ("rms_norm_eps", "layer_norm_epsilon", "norm_eps")
                 if getattr(text_config, k, None)), 1e-6)
-    return {"hidden_size": text_config.hidden_size, "vocab_size": text_config.vocab_size,
+    hidden = _width(text_config, "hidden_size")
+    intermediate = _config_value(text_config, "intermediate_size")
+    return {"hidden_size": hidden, "vocab_size": _width(text_config, "vocab_size"),
             **drafter_attention_shape(text_config),
-            "intermediate_size": getattr(text_config, "intermediate_size", None) or 3 * text_config.hidden_size,
+            "intermediate_size": intermediate if isinstance(intermediate, int) and intermediate > 0 else 3 * hidden,
             "hidden_act": hidden_act if hidden_act in ACT2FN else "silu", "rms_norm_eps": float(eps),
             "max_position_embeddings": getattr(text_config, "max_position_embeddings", 32768),
             "attention_bias": bool(getattr(text_config, "attention_bias", False)),
             "rope_parameters": drafter_rope(text_config)}
+
+
+def drafter_config_problems(config: Qwen3Config) -> list[str]:
+    """What keeps the drafter's layers from being built from `config`'s own numbers, each naming its
+    field: the projections are heads x head_dim wide, the KV heads are shared by groups of query
+    heads, and the rotary (one flat set of Qwen3's types) turns the whole head."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    widths = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+    problems = [f"{key}={getattr(config, key, None)!r} must be a positive integer" for key in widths
+                if not isinstance(getattr(config, key, None), int) or getattr(config, key) < 1]
+    if problems:
+        return problems
+    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    if heads % kv_heads:
+        problems.append(f"num_key_value_heads={kv_heads} does not divide num_attention_heads={heads}")
+    if head_dim % 2:
+        problems.append(f"head_dim={head_dim} is odd: the rotary turns pairs of dimensions")
+    rope = config.rope_parameters or {}
+    nested = sorted(key for key, value in rope.items() if isinstance(value, dict))
+    if nested:
+        problems.append(f"rope_parameters holds rotary sets {nested}: the drafter has one rotary")
+    if rope.get("rope_type") not in _ROPE_TYPES:
+        problems.append(f"rope_parameters.rope_type={rope.get('rope_type')!r} is not one of {', '.join(_ROPE_TYPES)}")
+    if problems:
+        return problems
+    rotary_width = 2 * Qwen3RotaryEmbedding(config).inv_freq.numel()
+    if rotary_width != head_dim:
+        problems.append(f"rope_parameters give a rotary {rotary_width} wide for head_dim={head_dim} "
+                        "(the drafter turns the whole head)")
+    return problems
+
+
+def check_drafter_config(config: Qwen3Config) -> None:
+    """Raise ValueError naming every field of `config` its layers cannot be built from."""
+    problems = drafter_config_problems(config)
+    if problems:
+        target = (getattr(config, "dflash_config", None) or {}).get("target_model_type")
+        raise ValueError(f"drafter config (target {target}): " + "; ".join(problems))
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -176,8 +234,9 @@ def drafter_config(target_config, *, num_layers: int, block_size: int, mask_toke
     so that a checkpoint can be evaluated without flags.
     """
     text_config = target_config.get_text_config()
+    widths = drafter_widths(text_config)
     problems = variant.problems(num_layers) + variant.width_problems(
-        text_config.hidden_size, text_config.vocab_size, block_size)
+        widths["hidden_size"], widths["vocab_size"], block_size)
     if problems:
         raise ValueError("; ".join(problems))
     num_target_layers = text_config.num_hidden_layers
@@ -188,14 +247,19 @@ def drafter_config(target_config, *, num_layers: int, block_size: int, mask_toke
     if not 0 <= mask_token_id < text_config.vocab_size:
         raise ValueError(f"mask_token_id {mask_token_id} has no row in the target's embedding "
                          f"(vocab_size {text_config.vocab_size})")
-    return Qwen3Config(
-        **drafter_widths(text_config), num_hidden_layers=num_layers, num_target_layers=num_target_layers,
-        block_size=block_size, tie_word_embeddings=False, **variant.config_fields(num_layers),
-        architectures=["DFlash2DraftModel" if variant.arch == "dflash2" else "DFlashDraftModel"],
-        dflash_config={"target_layer_ids": target_layer_ids, "mask_token_id": int(mask_token_id),
-                       "input_embedding_scale": float(input_embedding_scale),
-                       "target_model_type": getattr(text_config, "model_type", None),
-                       **variant.dflash_config_fields(), **record})
+    model_type = getattr(text_config, "model_type", None)
+    try:  # Qwen3Config validates what it can itself (an odd head dim)
+        config = Qwen3Config(
+            **widths, num_hidden_layers=num_layers, num_target_layers=num_target_layers,
+            block_size=block_size, tie_word_embeddings=False, **variant.config_fields(num_layers),
+            architectures=["DFlash2DraftModel" if variant.arch == "dflash2" else "DFlashDraftModel"],
+            dflash_config={"target_layer_ids": target_layer_ids, "mask_token_id": int(mask_token_id),
+                           "input_embedding_scale": float(input_embedding_scale), "target_model_type": model_type,
+                           **variant.dflash_config_fields(), **record})
+    except StrictDataclassError as error:
+        raise ValueError(f"drafter config (target {model_type}): {error.__cause__ or error}") from error
+    check_drafter_config(config)
+    return config
 
 
 def resolve_mask_token_id(tokenizer, target_vocab_size: int) -> int:

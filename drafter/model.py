@@ -32,6 +32,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3MLP, Qwen3PreTrainedModel, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half)
 
 from drafter.ddtree import DraftTree, build_conditional_tree, build_tree
+from drafter.draft_config import check_drafter_config
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -294,6 +295,7 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
     _no_split_modules = ["DFlashDecoderLayer"]
 
     def __init__(self, config: Qwen3Config):
+        check_drafter_config(config)
         super().__init__(config)
         num_features = len(config.dflash_config["target_layer_ids"])
         self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers))

@@ -1,13 +1,17 @@
 """The frozen target LLM: loading, its decoder layers, and feature capture from the chosen layers.
 
 Layer id `i` means "the output of decoder layer i", which is `hidden_states[i + 1]` of the HF tuple
-(index 0 is the embedding output). Features are read by forward hooks on the chosen layers while the
-target runs its own forward, so every family's masks per layer type, rotary per layer type, embedding
-scaling, attention sinks and recurrent mixers are the target's own; no decoder loop is written here.
+(index 0 is the embedding output); a target whose residual is several hyper-connection streams
+(DeepSeek-V4) gives their mean (`layer_state`). Features are read by forward hooks on the chosen
+layers while the target runs its own forward, so every family's masks per layer type, rotary per
+layer type, embedding scaling, attention sinks and recurrent mixers are the target's own; no decoder
+loop is written here.
 Training stops that forward after the last needed layer (an exception raised by the hook), so the
 layers after it and the LM head never run; distillation (objective.labels=target) runs every layer
 (`features_and_final_hidden`) and computes the target's logits chunk by chunk inside the loss.
 """
+import weakref
+from collections import Counter
 from contextlib import contextmanager
 from unittest import mock
 
@@ -36,8 +40,11 @@ def load_target(path: str, device: torch.device | str, dtype: torch.dtype) -> nn
 
 
 def freeze(target: nn.Module) -> nn.Module:
+    """Eval mode, no grad, and its looped layers probed (`looped_layers`: one one-token forward)
+    before any feature hook is placed on it."""
     target.eval()
     target.requires_grad_(False)
+    looped_layers(target)
     return target
 
 
@@ -106,10 +113,55 @@ def check_feature_layers(layer_ids: list[int], num_layers: int) -> None:
                          f"{num_layers} layers has none past it; use layers 0..{num_layers - 2}")
 
 
+def layer_state(output: torch.Tensor, family: str) -> torch.Tensor:
+    """A decoder layer's output as one state per position, [b, T, H]. A target with manifold-
+    constrained hyper-connections (DeepSeek-V4) carries its residual as streams [b, T, streams, H];
+    their mixing matrices are (Sinkhorn-)doubly stochastic, so the streams' mean is an ordinary
+    residual stream (each layer adds its output to it), and that mean is the state. Any other shape
+    is refused."""
+    if output.dim() == 4:
+        return output.mean(dim=2)
+    if output.dim() != 3:
+        raise TargetError(f"target {family}: a decoder layer's output has shape {tuple(output.shape)}, "
+                          "neither [batch, positions, hidden] nor [batch, positions, streams, hidden]")
+    return output
+
+
 def select_features(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
-    """Concatenate the outputs of `layer_ids` from a full forward's `hidden_states` tuple: [b, T, K*H]."""
+    """Concatenate the states (`layer_state`) of `layer_ids` from a full forward's `hidden_states`
+    tuple: [b, T, K*H]."""
     check_feature_layers(layer_ids, len(hidden_states) - 1)
-    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+    return torch.cat([layer_state(hidden_states[i + 1], "target") for i in layer_ids], dim=-1)
+
+
+_LOOPED = weakref.WeakKeyDictionary()  # target -> its looped decoder layers
+
+
+@torch.no_grad()
+def looped_layers(target: nn.Module) -> list[int]:
+    """The decoder layers that run more than once in one forward (a looped section: Dory,
+    Inkling-2-Loop), probed once per target on a one-token forward."""
+    if target not in _LOOPED:
+        calls = Counter()
+        handles = [layer.register_forward_hook(lambda *args, index=index: calls.update([index]))
+                   for index, layer in enumerate(decoder_layers(target))]
+        try:
+            target(input_ids=torch.zeros((1, 1), dtype=torch.long, device=target.device), use_cache=False)
+        finally:
+            for handle in handles:
+                handle.remove()
+        _LOOPED[target] = sorted(index for index, count in calls.items() if count > 1)
+    return _LOOPED[target]
+
+
+def check_unlooped(target: nn.Module, layer_ids: list[int]) -> None:
+    """Raise TargetError naming the family unless every layer of `layer_ids` runs once per forward:
+    a looped layer has one output per pass, and a features-only forward stops at its first."""
+    looped = sorted(set(layer_ids) & set(looped_layers(target)))
+    if looped:
+        raise TargetError(f"target {model_type(target)}: target_layer_ids {looped} run several times per forward "
+                          f"(its looped layers are {looped_layers(target)}), so a layer id names no single output; "
+                          "choose layers outside the loop")
 
 
 class _StopForward(Exception):
@@ -118,13 +170,16 @@ class _StopForward(Exception):
 
 class FeatureTap:
     """Forward hooks on the chosen decoder layers: after each target forward, `features()` is the
-    concatenation of their outputs [b, n, K*H] for that forward. With `stop_after_last`, the
-    forward is ended by an exception once the last needed layer has run (`run_until_features`)."""
+    concatenation of their states (`layer_state`) [b, n, K*H] for that forward. With
+    `stop_after_last`, the forward is ended by an exception once the last needed layer has run
+    (`run_until_features`)."""
 
     def __init__(self, target: nn.Module, layer_ids: list[int], stop_after_last: bool = False):
         layers = decoder_layers(target)
         check_feature_layers(layer_ids, len(layers))
+        check_unlooped(target, layer_ids)
         self.layer_ids = [int(i) for i in layer_ids]
+        self.family = model_type(target)
         self.captured: dict[int, torch.Tensor] = {}
         last = max(self.layer_ids)
         self.handles = [layers[i].register_forward_hook(self._hook(i, stop_after_last and i == last))
@@ -132,7 +187,8 @@ class FeatureTap:
 
     def _hook(self, layer_id: int, stop: bool):
         def hook(module, args, output):
-            self.captured[layer_id] = output[0] if isinstance(output, (tuple, list)) else output
+            output = output[0] if isinstance(output, (tuple, list)) else output
+            self.captured[layer_id] = layer_state(output, self.family)
             if stop:
                 raise _StopForward
         return hook

@@ -8,17 +8,21 @@ rejected draft needs until the next rollback trims it back to its window. On top
   rollback(length)  every attention and conv layer back to `length` positions;
   recurrent state   (Gated DeltaNet, Mamba) cannot be cut back: `snapshot()` clones it before a
                     verify, and after a partial acceptance `decode.py` restores it and advances
-                    the target over the accepted tokens again (timed as its own stage);
+                    the target over the accepted tokens again (timed as its own stage); so does
+                    a cache layer class the model defines itself (DeepSeek-V4's compressor
+                    caches: a window cut at every forward, pooling buffers, compressed entries),
+                    whose state is kept whole;
   trees             `tree_attention_mask` gives each attention layer type the tree mask over the
                     keys that layer holds (a sliding layer: the last window - 1 positions, each node
                     seeing only positions within its window); `compact` keeps the accepted path's
-                    rows. A tree cannot pass through a conv or recurrent layer as one flat sequence
-                    (each branch must continue its parent's state), so `tree_refusal` names such a
-                    target before any work.
+                    rows. A tree cannot pass through a conv, recurrent or compressor layer as one
+                    flat sequence (each branch must continue its parent's state), so `tree_refusal`
+                    names such a target before any work.
 A cache layer of a kind not listed here stops decoding by name (`TargetError`), and so does a family
 whose forward over several new tokens does not continue its cached state (Jamba's Mamba restarts its
 scan there: `probe_decoding` probes it once per target), since every verify is such a forward.
 """
+import inspect
 import weakref
 from dataclasses import dataclass
 
@@ -34,8 +38,17 @@ def is_state_layer(layer) -> bool:
     return isinstance(layer, LinearAttentionCacheLayerMixin)
 
 
+def is_own_layer(layer) -> bool:
+    """A cache layer class the model defines itself, not one of transformers' `cache_utils` kinds
+    (DeepSeek-V4's compressor caches). Its state is more than per-position keys: it is never cut
+    back, but saved whole before a verify and restored after a rejected draft. Such a class replaces
+    its tensors on update (concatenation) rather than writing into them, so a copy of its attributes
+    (dicts one level deep) is a copy of its state."""
+    return type(layer).__module__ != DynamicLayer.__module__
+
+
 def is_attention_layer(layer) -> bool:
-    return isinstance(layer, DynamicLayer) and not is_state_layer(layer)
+    return isinstance(layer, DynamicLayer) and not is_state_layer(layer) and not is_own_layer(layer)
 
 
 class TargetCache:
@@ -48,29 +61,36 @@ class TargetCache:
         self.cache.activate_past_recording()
         self.config = target.config.get_text_config()
         unknown = {type(layer).__name__ for layer in self.cache.layers
-                   if not (is_state_layer(layer) or is_attention_layer(layer) or isinstance(layer, DummyLayer))}
+                   if not (is_state_layer(layer) or is_attention_layer(layer) or is_own_layer(layer)
+                           or isinstance(layer, DummyLayer))}
         if unknown:
             raise TargetError(f"target {model_type(target)}: cache layers {sorted(unknown)} cannot be rolled "
                               "back after a rejected draft")
         self.layer_types = getattr(self.config, "layer_types", None)
         self.length = 0
+        # the forward's name for its cache: `past_key_values`, or `cache` in newer families (Dory)
+        parameters = inspect.signature(target.forward).parameters
+        self.cache_argument = "past_key_values" if "past_key_values" in parameters else "cache"
 
     def forward(self, input_ids: torch.Tensor, **kwargs):
         """The target over `input_ids` [1, n] at positions length.. (unless `position_ids` say
         otherwise), on this cache."""
         kwargs.setdefault("position_ids", torch.arange(self.length, self.length + input_ids.shape[1],
                                                        device=input_ids.device)[None])
-        out = self.target(input_ids, past_key_values=self.cache, use_cache=True, **kwargs)
+        out = self.target(input_ids, **{self.cache_argument: self.cache}, use_cache=True, **kwargs)
         self.length += input_ids.shape[1]
         return out
 
     def rollback(self, length: int) -> None:
         """Drop every position from `length` on (attention keys, conv history); a sliding or conv
-        layer is trimmed back to what its next forward needs. Recurrent states are not touched."""
+        layer is trimmed back to what its next forward needs. Recurrent states and the model's own
+        cache layers are not touched (`snapshot`)."""
         remove = self.length - length
         if remove < 0:
             raise ValueError(f"cannot roll the cache of {self.length} positions forward to {length}")
         for layer in self.cache.layers:
+            if is_own_layer(layer):
+                continue
             if is_state_layer(layer) and None in layer.conv_kernel_size.values():
                 if remove:  # its conv history cannot be cut (Mamba-2 records no kernel width): refuse
                     raise TargetError(f"target {model_type(self.target)}: a conv state of unknown width "
@@ -79,18 +99,25 @@ class TargetCache:
             layer.crop(-remove)
         self.length = length
 
-    def snapshot(self) -> list[tuple[dict, int, torch.Tensor]] | None:
-        """Copies of every recurrent state, or None when the target has none."""
-        saved = [(layer.recurrent_states, index, state.clone())
-                 for layer in self.cache.layers if is_state_layer(layer)
-                 for index, state in layer.recurrent_states.items()
-                 if layer.is_recurrent_states_initialized[index]]
-        return saved or None
+    def snapshot(self) -> tuple[list, list] | None:
+        """Copies of every recurrent state and of every own cache layer's state (`is_own_layer`), or
+        None when the target has neither."""
+        recurrent = [(layer.recurrent_states, index, state.clone())
+                     for layer in self.cache.layers if is_state_layer(layer)
+                     for index, state in layer.recurrent_states.items()
+                     if layer.is_recurrent_states_initialized[index]]
+        own = [(layer, {name: dict(value) if isinstance(value, dict) else value
+                        for name, value in vars(layer).items()})
+               for layer in self.cache.layers if is_own_layer(layer)]
+        return (recurrent, own) if recurrent or own else None
 
     @staticmethod
     def restore(snapshot) -> None:
-        for states, index, saved in snapshot:
+        recurrent, own = snapshot
+        for states, index, saved in recurrent:
             states[index].copy_(saved)
+        for layer, attributes in own:
+            vars(layer).update(attributes)
 
     # ------------------------------------------------------------------ trees
 
@@ -102,13 +129,19 @@ class TargetCache:
         if any(is_state_layer(layer) for layer in self.cache.layers):
             return ("its conv / recurrent layers (Gated DeltaNet, Mamba, short conv) would run the tree as one "
                     "flat sequence, while each branch must continue its parent's state")
+        own = sorted({type(layer).__name__ for layer in self.cache.layers if is_own_layer(layer)})
+        if own:
+            return (f"its own cache layers ({', '.join(own)}: state beyond per-position keys, such as compressors "
+                    "pooling consecutive positions) would run the tree as one flat sequence, while each branch "
+                    "must continue its parent's state")
         return None
 
     def _attention_layers(self) -> dict[str, object]:
         """One cache layer per attention layer type: {type: layer} keyed by config.layer_types, or
         {"all": layer} when the config has one kind (or no layer_types)."""
         kinds = {}
-        for index, layer in enumerate(self.cache.layers):
+        # a looped family (Dory) appends copies of its looped layers' caches after one per layer
+        for index, layer in enumerate(self.cache.layers[:self.config.num_hidden_layers]):
             if is_attention_layer(layer):
                 kind = self.layer_types[index] if self.layer_types else "all"
                 kinds.setdefault(kind, layer)

@@ -47,13 +47,32 @@ FAMILIES = {
     "deepseek_v32": dict(_MOE, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
                          v_head_dim=16, num_key_value_heads=4, head_dim=8, index_topk=6, index_head_dim=16,
                          index_n_heads=32),
+    # hyper-connection streams; compressors of 4 (CSA) and 8 (HCA) positions, both emitting entries
+    "deepseek_v4": dict(_MOE, sliding_window=WINDOW, compress_rates={"compressed_sparse_attention": 4,
+                        "heavily_compressed_attention": 8}, attn_implementation="eager"),
     "falcon_h1": dict(mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8, mamba_n_groups=1,
                       mamba_chunk_size=8),
+    # added in transformers 5.24
+    "apertus1p5_text": {},
+    "exaone": {},
+    "sarvam_mla": dict(_MOE, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                       v_head_dim=16, num_key_value_heads=4),
+    "sarvam_moe": dict(_MOE),
+    "lara_mini": dict(_MOE, **dict(_LINEAR, layer_types=["linear_attention", "sliding_attention",
+                                                         "full_attention"] * 2),
+                      sliding_window=WINDOW, shared_expert_intermediate_size=32),
+    # looped layers (4, twice per forward; refused as feature layers) after the layers the tests read
+    "dory": dict(sliding_window=WINDOW, n_input_layers=4, n_output_layers=1, n_recurrent_loops=2),
+    "inkling2_loop_text": dict(swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16,
+                               sliding_window_size=WINDOW, d_rel=4, rel_extent=16, n_layers_per_attn_res_block=2,
+                               loop_layer_index_start=4, loop_layer_index_end=6, loop_num_passes=2,
+                               loop_gate_rank=4, n_routed_experts=4, num_experts_per_tok=2,
+                               unpadded_vocab_size=VOCAB, attn_implementation="eager"),
 }
 # Jamba's Mamba restarts its scan on a multi-token forward over a cache: decoding must refuse it
 UNSUPPORTED = {"jamba": dict(attn_layer_offset=1, attn_layer_period=2, expert_layer_offset=1, expert_layer_period=2,
                              num_experts=2, mamba_d_state=8, mamba_expand=2, use_mamba_kernels=False)}
-RECURRENT = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "nemotron_h", "falcon_h1")
+RECURRENT = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "nemotron_h", "falcon_h1", "lara_mini")
 
 
 def family_config(family: str, **extra):
@@ -64,9 +83,15 @@ def family_config(family: str, **extra):
     return config
 
 
-def random_target(family: str, seed: int = 0, scale: float = 0.3, **config) -> torch.nn.Module:
+# nGPT squares its learned scales (Dory): drawn that wide, fp32 rounding alone moves its logits by units
+SCALES = {"dory": 0.1}
+
+
+def random_target(family: str, seed: int = 0, scale: float | None = None, **config) -> torch.nn.Module:
     """A frozen fp32 target of `family` (`config` overrides its tiny sizes) with every weight drawn
-    N(0, scale^2) (norm weights 1 + that), so that its logits are spread far apart."""
+    N(0, scale^2) (norm weights 1 + that; scale 0.3 unless SCALES says otherwise), so that its
+    logits are spread far apart."""
+    scale = SCALES.get(family, 0.3) if scale is None else scale
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         target = AutoModelForCausalLM.from_config(family_config(family, **config))

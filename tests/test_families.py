@@ -12,10 +12,11 @@ from bench.gpu_check import ReplayDrafter
 from conftest import MASK_ID, make_drafter
 from drafter.decode import TreeVerifyUnsupported, generate
 from drafter.model import DraftCache
-from drafter.target import TargetError, context_features, decoder_layers, select_features
+from drafter.target import TargetError, context_features, decoder_layers, looped_layers, select_features
 from families import FAMILIES, RECURRENT, family_config, random_target
 
-FLAT_TREE_REFUSED = RECURRENT + ("lfm2", "llama4_text")  # conv or recurrent mixers; chunked attention
+# conv or recurrent mixers; chunked attention; compressors (DeepSeek-V4's own cache layers)
+FLAT_TREE_REFUSED = RECURRENT + ("lfm2", "inkling2_loop_text", "llama4_text", "deepseek_v4")
 SLIDING = ("mistral", "gpt_oss", "gemma3_text", "gemma4_text", "olmo3")
 
 
@@ -116,6 +117,34 @@ def test_a_family_whose_cached_forward_restarts_its_state_is_refused_by_name():
     for method, budget in (("dflash", None), ("ddtree", 4)):
         with pytest.raises(TargetError, match="jamba: its forward over several new tokens"):
             generate(target, prompt, 12, method=method, drafter=make_drafter(target), budget=budget)
+
+
+def test_a_hyper_connection_target_gives_the_mean_of_its_streams():
+    """DeepSeek-V4's layers output 4 residual streams [b, T, 4, H]; a feature is their mean. A layer
+    output of any other rank is refused naming the family."""
+    target = random_target("deepseek_v4")
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        streams = target(ids, output_hidden_states=True).hidden_states
+    assert streams[2].shape == (1, 12, 4, 64)
+    expected = torch.cat([streams[2].mean(dim=2), streams[4].mean(dim=2)], dim=-1)
+    torch.testing.assert_close(context_features(target, ids, [1, 3]), expected, rtol=0, atol=0)
+    hook = decoder_layers(target)[1].register_forward_hook(lambda module, args, output: output[..., None])
+    try:
+        with pytest.raises(TargetError, match=r"deepseek_v4: a decoder layer's output has shape \(1, 12, 4, 64, 1\)"):
+            context_features(target, ids, [1, 3])
+    finally:
+        hook.remove()
+
+
+def test_a_looped_layer_is_refused_as_a_feature_layer_by_name():
+    """Dory runs its looped layer (4) twice per forward: it has no single output to read, and a
+    features-only forward would stop after its first pass."""
+    target = random_target("dory")
+    assert looped_layers(target) == [4]
+    ids = torch.zeros((1, 4), dtype=torch.long)
+    with pytest.raises(TargetError, match=r"dory: target_layer_ids \[4\] run several times per forward"):
+        context_features(target, ids, [1, 4])
 
 
 def test_a_target_without_readable_decoder_layers_is_refused_by_name():

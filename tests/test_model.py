@@ -59,6 +59,47 @@ def test_bad_layer_ids_and_mask_token_are_rejected(target):
         drafter_config(target.config, num_layers=1, block_size=8, mask_token_id=256)
 
 
+_TWO_ROPE_SETS = {"main": {"rope_type": "default", "rope_theta": 1e4},
+                  "compress": {"rope_type": "default", "rope_theta": 1.6e5}, "rope_type": "default", "rope_theta": 1e4}
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("num_key_value_heads", 3, "num_key_value_heads=3 does not divide num_attention_heads=4"),
+    ("head_dim", 15, "head_dim=15 is odd"),
+    ("head_dim", 0, "head_dim=0 must be a positive integer"),
+    ("rope_parameters", _TWO_ROPE_SETS, r"rope_parameters holds rotary sets \['compress', 'main'\]"),
+    ("rope_parameters", {"rope_type": "proportional", "rope_theta": 1e4}, "rope_type='proportional' is not one of"),
+    ("rope_parameters", {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+     "rotary 8 wide for head_dim=16"),
+])
+def test_a_config_its_layers_cannot_follow_is_refused_at_build_time_naming_the_field(target, field, value, message):
+    cfg = drafter_config(target.config, num_layers=1, block_size=8, mask_token_id=MASK_ID)
+    setattr(cfg, field, value)
+    with pytest.raises(ValueError, match=f"drafter config \\(target qwen3\\): .*{message}"):
+        DFlashDraftModel(cfg)
+
+
+def test_a_target_without_the_widths_the_drafter_takes_is_refused_by_name():
+    """An attention-free family (Mamba) has no heads to take; a drafter config names what is missing."""
+    from transformers import AutoConfig
+    mamba = AutoConfig.for_model("mamba", hidden_size=64, num_hidden_layers=6, vocab_size=256)
+    with pytest.raises(ValueError, match="target mamba: its config's num_attention_heads is None"):
+        drafter_config(mamba, num_layers=1, block_size=8, mask_token_id=MASK_ID)
+
+
+def test_a_target_with_several_rope_sets_gives_the_drafter_one():
+    """DeepSeek-V4's `main` (sliding attention) and `compress` (compressors) sets: the drafter takes
+    the main one, whole-head; Gemma 3's per-layer-type sets: the full-attention one."""
+    from families import family_config
+    v4 = drafter_config(family_config("deepseek_v4"), num_layers=1, block_size=8, mask_token_id=MASK_ID)
+    assert v4.rope_parameters == {"rope_type": "default", "rope_theta": 10000.0}
+    gemma = family_config("gemma3_text")
+    full_theta = gemma.rope_parameters["full_attention"]["rope_theta"]
+    assert full_theta != gemma.rope_parameters["sliding_attention"]["rope_theta"]
+    drafter = drafter_config(gemma, num_layers=1, block_size=8, mask_token_id=MASK_ID)
+    assert drafter.rope_parameters["rope_theta"] == full_theta
+
+
 class _Tok:
     def __init__(self, mask_id, vocab):
         self.mask_token_id, self.vocab = mask_id, vocab
