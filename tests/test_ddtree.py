@@ -207,7 +207,9 @@ def test_tree_forward_matches_causal_forward_and_compaction(family):
     with feature_tap(target, layer_ids) as tap:  # the compacted cache serves the next forward exactly
         after = cache.forward(torch.tensor([[5]])).logits[0, -1]
         target(accepted)
-        torch.testing.assert_close(features.index_select(1, rows), tap.features()[:, start:], rtol=1e-4, atol=1e-4)
+        # fp32 order differs between the tree forward and the causal one: up to 2.1e-4 on one of 256
+        # mistral values on an AVX-512 CPU; a wrong mask or row moves features by tenths
+        torch.testing.assert_close(features.index_select(1, rows), tap.features()[:, start:], rtol=1e-4, atol=5e-4)
     expected = target(torch.cat([accepted, torch.tensor([[5]])], dim=1)).logits[0, -1]
     torch.testing.assert_close(after, expected, rtol=0, atol=1e-4)
 
