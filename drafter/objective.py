@@ -8,7 +8,9 @@ One training forward over a right-padded batch [b, T]:
      strictly before its anchor, its own block bidirectionally, nothing else (a sliding or causal
      layer, `model.LayerAttention`, sees less of both);
   4. loss = sum_k w_k CE_k / sum_k w_k with w_k = exp(-(k-1)/gamma), computed in row chunks so the
-     full anchors x block x vocab logits never exist at once.
+     full anchors x block x vocab logits never exist at once (`shaped_block_loss` and
+     drafter/distill.py: the target's labels, KL and TV, prediction-dependent weights, the
+     first-failure cut, the expected accepted lengths of a chain and of a tree).
 """
 import math
 from dataclasses import dataclass, fields
@@ -46,10 +48,11 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.G
                    anchors_per_batch: int | None = None, candidates: str = "pair"):
     """Up to `num_anchors` distinct anchors per sequence, sorted: (anchors [b, A], valid [b, A]).
 
-    Candidates (`objective.anchor_candidates`) are positions p with loss_mask[p] and loss_mask[p+1]
-    ("pair": slot 1 is supervised), or every p with loss_mask[p] ("supervised", as vLLM's speculators
-    draws them: a span's last position then anchors a block with nothing to train, which costs a
-    drafter block). A = the largest count drawn in the batch; sequences with fewer candidates get `valid=False` filler anchors (position 0).
+    `candidates` (objective.anchor_candidates): "pair", the positions p with loss_mask[p] and
+    loss_mask[p+1] (slot 1 is supervised), or "supervised", every p with loss_mask[p], as vLLM's
+    speculators draws them (a span's last position then anchors a block with nothing to train: a
+    drafter block spent). A = the largest count drawn in the batch; sequences with fewer candidates
+    get `valid=False` filler anchors (position 0).
     `anchors_per_batch` caps A * b, so a batch of many short sequences costs the drafter no more than
     one of a few long ones (the sampler's token budget bounds the target, this bounds the drafter).
     A is read on the host: the one host synchronisation of a training step (the drafter's input
@@ -60,14 +63,13 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.G
     mask = loss_mask.bool()
     if candidates not in ANCHOR_CANDIDATES:
         raise ValueError(f"anchor candidates {candidates!r} not in {ANCHOR_CANDIDATES}")
+    allowed = mask.clone()
     if candidates == "pair":
-        candidates = torch.zeros_like(mask)
-        candidates[:, :-1] = mask[:, :-1] & mask[:, 1:]
-    else:
-        candidates = mask
+        allowed[:, :-1] &= mask[:, 1:]
+        allowed[:, -1] = False
     scores = torch.rand(mask.shape, generator=generator, device=generator.device)
-    scores = scores.to(mask.device, non_blocking=True).masked_fill(~candidates, -1.0)
-    count = min(num_anchors, int(candidates.sum(1).max()))
+    scores = scores.to(mask.device, non_blocking=True).masked_fill(~allowed, -1.0)
+    count = min(num_anchors, int(allowed.sum(1).max()))
     count = max(count, 1)
     top_scores, anchors = scores.topk(count, dim=1)
     valid = top_scores >= 0
@@ -420,7 +422,7 @@ def tree_threshold(hidden, head_weight, budget: int, chunk_rows: int) -> torch.T
     if tree.size <= budget:
         return logprobs.new_full((blocks,), -math.inf)
     at_depth = (tree.depths - 1)[..., None].expand(-1, -1, k)
-    own = (logprobs.gather(1, at_depth) * (ids.gather(1, at_depth) == tree.tokens[..., None])).sum(-1)
+    own = torch.where(ids.gather(1, at_depth) == tree.tokens[..., None], logprobs.gather(1, at_depth), 0.0).sum(-1)
     score = own
     for _ in range(depth - 1):  # a node's score: its own log-prob plus its parent's (parents come first)
         score = own + torch.where(tree.parents >= 0, score.gather(1, tree.parents.clamp(min=0)), 0.0)

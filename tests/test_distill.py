@@ -201,7 +201,8 @@ def test_block_losses_refuse_position_weights_naming_both_keys(loss):
                                                     "objective.position_weights must stay exp (got dpace)")):
         load_config(str(REPO / "configs" / "v3.yaml"),
                     ["data.path=/x", f"objective.loss={loss}", "objective.position_weights=dpace"])
-    load_config(str(REPO / "configs" / "v3.yaml"), ["data.path=/x", f"objective.loss={loss}", "objective.labels=target"])
+    load_config(str(REPO / "configs" / "v3.yaml"),
+                ["data.path=/x", f"objective.loss={loss}", "objective.labels=target"])  # with either labels
 
 
 VARIANTS = {"target-kl": dict(labels="target", loss="kl"), "target-ce": dict(labels="target", loss="ce"),
