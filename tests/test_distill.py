@@ -478,3 +478,18 @@ def test_cut_normaliser_and_block_losses_match_the_full_logits(trained, variant)
     torch.testing.assert_close(step_loss, expected, rtol=1e-5, atol=1e-6)
     for got, want in zip(step_grads, torch.autograd.grad(expected, list(drafter.parameters()))):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_the_objective_section_reaches_the_training_step_whole():
+    """ObjectiveConfig.from_section (train.py, the memory plan) carries every key of the config's
+    objective section but the attention kernel (train.py resolves it per device)."""
+    from dataclasses import fields
+    section = load_config(str(REPO / "configs" / "v3.yaml"), [
+        "data.path=/x", "objective.labels=target", "objective.loss=tv", "objective.tv_ce_weight=0.3",
+        "objective.tree_temperature=0.2", "objective.truncate=first_failure", "objective.normalize=count",
+        "objective.anchor_candidates=supervised", "objective.ddtree_budget=24"]).objective
+    cfg = ObjectiveConfig.from_section(section, block_size=16, mask_token_id=3, logit_softcap=30.0)
+    assert set(section.keys()) - {field.name for field in fields(ObjectiveConfig)} == {"attention"}
+    for key in set(section.keys()) - {"attention"}:
+        assert getattr(cfg, key) == section[key], key
+    assert (cfg.block_size, cfg.mask_token_id, cfg.logit_softcap, cfg.tv_ce_weight) == (16, 3, 30.0, 0.3)
