@@ -383,15 +383,8 @@ def train(cfg, rank, world_size, device) -> int:
                           "no decoding)")
     stops = stop_token_ids(target, tokenizer)
     attention = attention_kernel(cfg.objective.attention, device)
-    objective = ObjectiveConfig(block_size=drafter.block_size, mask_token_id=drafter.mask_token_id,
-                                num_anchors=cfg.objective.num_anchors, gamma=cfg.objective.gamma,
-                                ddtree_budget=cfg.objective.ddtree_budget,
-                                ddtree_blocks=cfg.objective.ddtree_blocks,
-                                anchors_per_batch=cfg.objective.anchors_per_batch,
-                                labels=cfg.objective.labels, loss=cfg.objective.loss,
-                                position_weights=cfg.objective.position_weights,
-                                weight_smoothing=cfg.objective.weight_smoothing, logit_softcap=logit_softcap(target),
-                                selector_alpha=cfg.objective.selector_alpha)
+    objective = ObjectiveConfig.from_section(cfg.objective, drafter.block_size, drafter.mask_token_id,
+                                             logit_softcap(target))
     engine = build_engine(cfg, drafter, device, dtype, ds_config)
     target_features = TargetFeatures(target, tp_group, device, final_hidden=objective.labels == "target")
     run = RunParts(cfg, rank, world_size, device, target, target_features, objective, attention)

@@ -7,8 +7,11 @@
     python bench/variants.py --world micro --jobs 2     # no toy world: a random target's own greedy text
 
 Variants are named overrides of configs/toy.yaml: the objectives of issue 21 (`default`, `target-kl`,
-`target-ce`, `dpace`, `tree`, `muon`) and the drafters of issue 20 (`dflash2`, `sliding`,
-`dflash2-sliding`); `--variants objectives|drafters|all` or a comma list. Every run is train.py in one
+`target-ce`, `dpace`, `tree`, `muon`), the drafters of issue 20 (`dflash2`, `sliding`,
+`dflash2-sliding`), the objectives of issue 27 (`tv`, `first-failure`, `expected-chain`,
+`expected-tree`) and the recipe differences of vLLM's speculators one at a time (`any-anchor`,
+`no-noise`, `lr-to-0`, `count-norm`) and together (`speculators-recipe`);
+`--variants objectives|drafters|objectives27|recipe|all` or a comma list. Every run is train.py in one
 process (world of one) under FSDP2, so that the Muon variant trains on the same engine as the others;
 runs differ only by the variant's overrides and run.seed (drafter initialisation, anchors, feature
 noise; the data order stays fixed). Replayed tau (drafter/served.py: serving replayed under teacher
@@ -48,9 +51,21 @@ VARIANTS = {
     "dflash2": DFLASH2,
     "sliding": SLIDING,  # the toy contexts are ~100-170 tokens: a 32-position window cuts most of them
     "dflash2-sliding": DFLASH2 + SLIDING,
+    "tv": ["objective.labels=target", "objective.loss=tv"],
+    "first-failure": ["objective.truncate=first_failure"],
+    "expected-chain": ["objective.loss=expected_chain"],
+    "expected-tree": ["objective.loss=expected_tree"],
+    "any-anchor": ["objective.anchor_candidates=supervised"],
+    "no-noise": ["noise.end=0"],
+    "lr-to-0": ["optim.min_lr_ratio=0"],
+    "count-norm": ["objective.normalize=count"],
+    "speculators-recipe": ["objective.anchor_candidates=supervised", "noise.end=0", "optim.min_lr_ratio=0",
+                           "objective.normalize=count"],
 }
 GROUPS = {"objectives": ["default", "target-kl", "target-ce", "dpace", "tree", "muon"],
-          "drafters": ["default", "dflash2", "sliding", "dflash2-sliding"]}
+          "drafters": ["default", "dflash2", "sliding", "dflash2-sliding"],
+          "objectives27": ["default", "tv", "first-failure", "expected-chain", "expected-tree"],
+          "recipe": ["default", "any-anchor", "no-noise", "lr-to-0", "count-norm", "speculators-recipe"]}
 GROUPS["all"] = list(VARIANTS)
 TOY_EVAL = ["data.eval_path=artifacts/toy/heldout_data", "train.eval_batches=1000"]
 MICRO_TARGET = {"vocab_size": 320, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
@@ -202,7 +217,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", choices=["toy", "micro"], default="toy")
     parser.add_argument("--cfg", default=None, help="default: configs/toy.yaml (toy), OUT/micro/micro.yaml (micro)")
-    parser.add_argument("--variants", default="objectives", help="objectives | drafters | all | a comma list")
+    parser.add_argument("--variants", default="objectives",
+                        help="objectives | drafters | objectives27 | recipe | all | a comma list")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--eval-every", type=int, default=50)

@@ -58,8 +58,16 @@ class ObjectiveSection:
                                    # (objective.attention_kernel; flex: eager, materialises the scores)
     labels: str = "data"           # data | target: the target's own next-token distribution (distillation)
     loss: str = "ce"               # ce | kl (forward KL to the target's distribution; needs labels=target)
+                                   # | tv (tv_ce_weight x CE + the rest x total variation; labels=target)
+                                   # | expected_chain | expected_tree: minus the expected accepted length
+                                   # (their own slot weighting: position_weights stays exp, gamma unused)
+    tv_ce_weight: float = 0.1      # loss=tv: w of w CE + (1 - w) TV (DSpark's 0.1)
+    tree_temperature: float = 1.0  # loss=expected_tree: surrogate temperature in nats (budget: ddtree_budget)
     position_weights: str = "exp"  # exp: exp(-(k-1)/gamma) | dpace | tree (drafter/distill.py)
     weight_smoothing: float = 0.5  # a of the dpace and tree weights
+    truncate: str = "none"         # none | first_failure: a block's slots after its first argmax miss weigh 0
+    normalize: str = "weights"     # weights: loss / sum of the weights | count: / supervised slots (speculators)
+    anchor_candidates: str = "pair"  # pair: p and p+1 supervised | supervised: any supervised p (speculators)
     selector_alpha: float = 1.0    # dflash2: loss = block loss + alpha x the selector's K-way CE
 
 
@@ -188,8 +196,11 @@ DTYPE_ALIASES = {"auto": "auto", "bf16": "bf16", "bfloat16": "bf16", "fp32": "fp
 CHOICES = {
     "objective.attention": ("auto", "dense", "flex", "flex_compiled"),
     "objective.labels": ("data", "target"),
-    "objective.loss": ("ce", "kl"),
+    "objective.loss": ("ce", "kl", "tv", "expected_chain", "expected_tree"),
     "objective.position_weights": ("exp", "dpace", "tree"),
+    "objective.truncate": ("none", "first_failure"),
+    "objective.normalize": ("weights", "count"),
+    "objective.anchor_candidates": ("pair", "supervised"),
     "train.engine": ("deepspeed", "fsdp"),
     "optim.name": ("adamw", "muon"),
     "wandb.mode": (None, "online", "offline", "disabled"),
@@ -203,7 +214,8 @@ POSITIVE_OR_NULL = ("objective.anchors_per_batch", "objective.gamma", "train.max
                     "train.threads_per_rank")
 NON_NEGATIVE = ("run.seed", "objective.ddtree_blocks", "objective.selector_alpha", "optim.weight_decay", "optim.grad_clip", "train.generate_every",
                 "noise.start", "noise.end", "noise.warmup_steps", "data.num_workers", "data.seed")
-FRACTIONS = ("optim.warmup_ratio", "optim.min_lr_ratio", "objective.weight_smoothing")  # in [0, 1]
+FRACTIONS = ("optim.warmup_ratio", "optim.min_lr_ratio", "objective.weight_smoothing",
+             "objective.tv_ce_weight")  # in [0, 1]
 
 
 def validate(cfg) -> list[str]:
@@ -232,11 +244,18 @@ def validate(cfg) -> list[str]:
             problems.append(f"{key}={get(key)!r} must be in [0, 1]")
     if cfg.objective.loss == "kl" and cfg.objective.labels != "target":
         problems.append("objective.loss=kl needs objective.labels=target (KL to the data's one-hot labels is CE)")
+    if cfg.objective.loss == "tv" and cfg.objective.labels != "target":
+        problems.append("objective.loss=tv needs objective.labels=target (total variation to the target's "
+                        f"distribution; got objective.labels={cfg.objective.labels})")
+    if cfg.objective.loss.startswith("expected_") and cfg.objective.position_weights != "exp":
+        problems.append(f"objective.loss={cfg.objective.loss} weighs the slots by itself: objective.position_weights "
+                        f"must stay exp (got {cfg.objective.position_weights})")
     if not 0 <= cfg.data.eval_fraction < 1:
         problems.append(f"data.eval_fraction={cfg.data.eval_fraction!r} must be in [0, 1)")
     if not 0 <= cfg.optim.muon_momentum < 1:
         problems.append(f"optim.muon_momentum={cfg.optim.muon_momentum!r} must be in [0, 1)")
-    for key in ("optim.lr", "optim.muon_lr", "optim.eps", "train.dist_timeout_minutes", "train.generate_max_seconds"):
+    for key in ("optim.lr", "optim.muon_lr", "optim.eps", "objective.tree_temperature", "train.dist_timeout_minutes",
+                "train.generate_max_seconds"):
         if not get(key) > 0:
             problems.append(f"{key}={get(key)!r} must be > 0")
     betas = list(cfg.optim.betas)
@@ -265,12 +284,13 @@ def validate(cfg) -> list[str]:
 
 def default_run_name(stem: str, cfg) -> str:
     """The config name plus the hyperparameters that distinguish runs: v3-g10-b95, and the objective
-    where it is not the default: v3-g10-b95-target-kl-dpace."""
+    where it is not the default: v3-g10-b95-target-kl-dpace, v3-g10-b95-expected_tree-first_failure."""
     from drafter.objective import resolve_gamma
     gamma = resolve_gamma(cfg.objective.gamma, cfg.drafter.block_size)
     objective = cfg.objective
     variant = "".join(f"-{value}" for value, default in ((objective.labels, "data"), (objective.loss, "ce"),
                                                          (objective.position_weights, "exp"),
+                                                         (objective.truncate, "none"),
                                                          (cfg.optim.name, "adamw")) if value != default)
     return f"{stem}-g{gamma:g}-b{round(cfg.optim.betas[1] * 100)}{variant}"
 

@@ -16,7 +16,9 @@ the plan is for sizing a run and catching one that cannot fit, not for accountin
 Distillation (objective.labels=target) runs every target layer, but without gradient one layer's
 working set is alive at a time, as for features alone; it adds the final hidden states [tokens, H]
 kept for the loss, their rows gathered per block slot [rows, H], and its loss chunks hold both
-sides' logits (objective.loss_chunk_peak_bytes).
+sides' logits (objective.loss_chunk_peak_bytes: total variation, objective.loss=tv, holds as many as
+KL; the block losses, objective.loss=expected_chain and expected_tree, are a pass of CE rows like
+D-PACE's).
 """
 import math
 from dataclasses import dataclass, replace
@@ -213,8 +215,7 @@ def plan_inputs(cfg, model_config, world_size: int, ds_config: dict | None, dtyp
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     target, drafter = on_meta(model_config), on_meta(draft, drafter_class(draft))
     matrices = sum(param.numel() for param in drafter.parameters() if uses_muon(param))
-    objective = ObjectiveConfig(block_size=cfg.drafter.block_size, mask_token_id=0, labels=cfg.objective.labels,
-                                loss=cfg.objective.loss, position_weights=cfg.objective.position_weights)
+    objective = ObjectiveConfig.from_section(cfg.objective, cfg.drafter.block_size, mask_token_id=0)
     return PlanInputs(
         target_params=count_parameters(target),
         target_split_params=sum(param.numel() for param, _ in planned_split(target)[0]),

@@ -8,18 +8,20 @@ One training forward over a right-padded batch [b, T]:
      strictly before its anchor, its own block bidirectionally, nothing else (a sliding or causal
      layer, `model.LayerAttention`, sees less of both);
   4. loss = sum_k w_k CE_k / sum_k w_k with w_k = exp(-(k-1)/gamma), computed in row chunks so the
-     full anchors x block x vocab logits never exist at once.
+     full anchors x block x vocab logits never exist at once (`shaped_block_loss` and
+     drafter/distill.py: the target's labels, KL and TV, prediction-dependent weights, the
+     first-failure cut, the expected accepted lengths of a chain and of a tree).
 """
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import _DEFAULT_SPARSE_BLOCK_SIZE, create_block_mask
 
 from drafter.ddtree import build_tree_from_logprobs, teacher_forced_accept
-from drafter.distill import (ChunkedRowLoss, RowLossSpec, dpace_weights, rows_per_chunk, teacher_rows,
-                             tree_weights)
+from drafter.distill import (BLOCK_LOSSES, ChunkedRowLoss, RowLossSpec, chain_acceptance, dpace_weights,
+                             rows_per_chunk, soft_tree_acceptance, teacher_rows, tree_weights, up_to_first_failure)
 from drafter.model import DFlash2DraftModel, FlexMask, LayerAttention, compile_dynamic
 
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # DFlash paper, by block size
@@ -39,12 +41,18 @@ def position_weights(block_size: int, gamma: float, device: torch.device | str =
     return torch.where(k == 0, 0.0, torch.exp(-(k - 1) / gamma))
 
 
+ANCHOR_CANDIDATES = ("pair", "supervised")
+
+
 def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator,
-                   anchors_per_batch: int | None = None):
+                   anchors_per_batch: int | None = None, candidates: str = "pair"):
     """Up to `num_anchors` distinct anchors per sequence, sorted: (anchors [b, A], valid [b, A]).
 
-    Candidates are positions p with loss_mask[p] and loss_mask[p+1]. A = the largest count drawn in the
-    batch; sequences with fewer candidates get `valid=False` filler anchors (position 0).
+    `candidates` (objective.anchor_candidates): "pair", the positions p with loss_mask[p] and
+    loss_mask[p+1] (slot 1 is supervised), or "supervised", every p with loss_mask[p], as vLLM's
+    speculators draws them (a span's last position then anchors a block with nothing to train: a
+    drafter block spent). A = the largest count drawn in the batch; sequences with fewer candidates
+    get `valid=False` filler anchors (position 0).
     `anchors_per_batch` caps A * b, so a batch of many short sequences costs the drafter no more than
     one of a few long ones (the sampler's token budget bounds the target, this bounds the drafter).
     A is read on the host: the one host synchronisation of a training step (the drafter's input
@@ -53,11 +61,15 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.G
     if anchors_per_batch is not None:
         num_anchors = max(1, min(num_anchors, anchors_per_batch // loss_mask.shape[0]))
     mask = loss_mask.bool()
-    candidates = torch.zeros_like(mask)
-    candidates[:, :-1] = mask[:, :-1] & mask[:, 1:]
+    if candidates not in ANCHOR_CANDIDATES:
+        raise ValueError(f"anchor candidates {candidates!r} not in {ANCHOR_CANDIDATES}")
+    allowed = mask.clone()
+    if candidates == "pair":
+        allowed[:, :-1] &= mask[:, 1:]
+        allowed[:, -1] = False
     scores = torch.rand(mask.shape, generator=generator, device=generator.device)
-    scores = scores.to(mask.device, non_blocking=True).masked_fill(~candidates, -1.0)
-    count = min(num_anchors, int(candidates.sum(1).max()))
+    scores = scores.to(mask.device, non_blocking=True).masked_fill(~allowed, -1.0)
+    count = min(num_anchors, int(allowed.sum(1).max()))
     count = max(count, 1)
     top_scores, anchors = scores.topk(count, dim=1)
     valid = top_scores >= 0
@@ -248,16 +260,37 @@ class ObjectiveConfig:
     anchors_per_batch: int | None = None  # cap on blocks per micro-batch (all sequences together)
     chunk_bytes: int = 256 * 2**20
     labels: str = "data"              # data | target (distil the target's next-token distribution)
-    loss: str = "ce"                  # ce | kl (forward KL to the target; labels=target)
+    loss: str = "ce"                  # ce | kl | tv (labels=target) | expected_chain | expected_tree
+    tv_ce_weight: float = 0.1         # loss=tv: w CE + (1 - w) TV
+    tree_temperature: float = 1.0     # loss=expected_tree: the surrogate's temperature, in nats
     position_weights: str = "exp"     # exp: exp(-(k-1)/gamma) | dpace | tree (see drafter/distill.py)
     weight_smoothing: float = 0.5     # a of dpace and tree weights
+    truncate: str = "none"            # none | first_failure: no loss past a block's first argmax miss
+    normalize: str = "weights"        # weights: / sum of the weights | count: / supervised slots
+    anchor_candidates: str = "pair"   # pair: p and p+1 supervised | supervised: p supervised
     logit_softcap: float | None = None  # the target's final_logit_softcapping, for its logits
     selector_alpha: float = 1.0  # DFlash2: weight of the selector's K-way cross entropy (selector_loss)
 
+    @classmethod
+    def from_section(cls, section, block_size: int, mask_token_id: int, logit_softcap: float | None = None):
+        """From the run config's objective section (drafter.config.ObjectiveSection): every key the
+        two share."""
+        shared = {field.name for field in fields(cls)} & set(section.keys())
+        return cls(block_size=block_size, mask_token_id=mask_token_id, logit_softcap=logit_softcap,
+                   **{name: section[name] for name in shared})
+
 
 def one_pass_loss(cfg: ObjectiveConfig) -> bool:
-    """Data labels under fixed weights: `ChunkedLMHeadLoss`; every other objective: `shaped_block_loss`."""
-    return cfg.labels == "data" and cfg.position_weights == "exp"
+    """Data CE under fixed weights, normalised by them: `ChunkedLMHeadLoss`; every other objective:
+    `shaped_block_loss`."""
+    return (cfg.labels == "data" and cfg.loss == "ce" and cfg.position_weights == "exp"
+            and cfg.truncate == "none" and cfg.normalize == "weights")
+
+
+def row_loss_spec(cfg: ObjectiveConfig, chunk_rows: int) -> RowLossSpec:
+    """The rows of `shaped_block_loss`: the block losses are built on each row's CE of its label."""
+    return RowLossSpec(cfg.labels, "ce" if cfg.loss in BLOCK_LOSSES else cfg.loss, chunk_rows,
+                       cfg.logit_softcap, cfg.tv_ce_weight)
 
 
 RANK_BUFFERS = 2.25  # a chunk's label ranks: a bool mask (1/4 of an fp32 logit buffer), its int64 count (2)
@@ -268,13 +301,15 @@ def loss_chunk_peak_bytes(cfg: ObjectiveConfig, vocab_size: int, rows: int) -> i
     bytes (the memory plan's figure). The peak is at a chunk's label ranks (`label_rank`,
     RANK_BUFFERS): beside them, this chunk's logits and what a previous chunk left alive: nothing in the
     one-pass data CE (it reuses its logits buffer), the drafter's log-probabilities in `ChunkedRowLoss`,
-    and with target labels the target's too (and its probabilities for KL), in chunks of half the rows."""
+    and with target labels the target's too (and one more buffer for KL, its probabilities, or for TV,
+    its gradient), in chunks of half the rows."""
     chunk_rows = chunk_rows_for(vocab_size, cfg.chunk_bytes)
     if one_pass_loss(cfg):
         chunk, left_alive = min(rows, chunk_rows), 0
     else:
         chunk = min(rows, rows_per_chunk(cfg.labels, chunk_rows))
-        left_alive = 0 if rows <= chunk else (2 if cfg.labels == "target" else 1) + (cfg.loss == "kl")
+        left_alive = 0 if rows <= chunk else ((2 if cfg.labels == "target" else 1)
+                                              + (row_loss_spec(cfg, chunk_rows).loss in ("kl", "tv")))
     return math.ceil((left_alive + 1 + RANK_BUFFERS) * chunk * vocab_size * 4)
 
 
@@ -285,7 +320,8 @@ def training_step(drafter, target, features, input_ids, loss_mask, cfg: Objectiv
     of ATTENTION_KERNELS (`attention_kernel` turns the config value into it). `final_hidden` [b, T, H]:
     the target's final-normed last hidden states, needed with cfg.labels == "target"."""
     gamma = resolve_gamma(cfg.gamma, cfg.block_size)
-    anchors, valid = sample_anchors(loss_mask, cfg.num_anchors, generator, cfg.anchors_per_batch)
+    anchors, valid = sample_anchors(loss_mask, cfg.num_anchors, generator, cfg.anchors_per_batch,
+                                    cfg.anchor_candidates)
     blocks = build_blocks(input_ids, loss_mask, anchors, valid, cfg.block_size, cfg.mask_token_id, gamma)
     hidden = drafter_hidden(drafter, target, features, blocks, attention)
 
@@ -322,26 +358,43 @@ def training_step(drafter, target, features, input_ids, loss_mask, cfg: Objectiv
 
 
 def shaped_block_loss(hidden, head, blocks: Blocks, final_hidden, cfg: ObjectiveConfig, chunk_rows: int):
-    """(loss, data-label ranks [rows]) for target labels or prediction-dependent position weights:
-    per-row losses from `ChunkedRowLoss`, then weights without gradient (drafter/distill.py)."""
+    """(loss, data-label ranks [rows]) for every objective but the one-pass data CE: per-row losses
+    from `ChunkedRowLoss`, then, all without gradient, the weights (position weights, or 1 on every
+    supervised slot for the block losses), the first-failure cut and the normaliser
+    (drafter/distill.py). loss = sum_k w_k loss_k / (sum_k w_k, or the number of supervised slots).
+
+    A block loss is minus the block's expected accepted length, spread over its slots as minus the
+    chance that the verify accepts through each one; so it is normalised as the row losses are, and
+    the loss is minus the expected fraction of the supervised slots accepted, in [-1, 0]."""
     b, num_blocks, block_size, width = hidden.shape
     if cfg.labels == "target" and final_hidden is None:
         raise ValueError("objective.labels=target needs the target's final hidden states (final_hidden)")
     teacher = (teacher_rows(final_hidden, blocks.positions).reshape(-1, width).to(hidden.dtype)
                if cfg.labels == "target" else None)
-    spec = RowLossSpec(cfg.labels, cfg.loss, chunk_rows, cfg.logit_softcap)
-    row_loss, ranks, hard_labels, hard_logprob = ChunkedRowLoss.apply(
-        hidden[:, :, 1:].reshape(-1, width), head, blocks.labels[..., 1:].reshape(-1), teacher, spec)
+    row_loss, ranks, hard_labels, hard_logprob, drafter_argmax = ChunkedRowLoss.apply(
+        hidden[:, :, 1:].reshape(-1, width), head, blocks.labels[..., 1:].reshape(-1), teacher,
+        row_loss_spec(cfg, chunk_rows))
     weights = blocks.weights[..., 1:].reshape(-1, block_size - 1)
     supervised = weights > 0
-    if cfg.position_weights == "dpace":
+    slot_loss = row_loss.view_as(weights)
+    if cfg.loss == "expected_chain":
+        slot_loss, weights = -chain_acceptance(-slot_loss, supervised), supervised.float()
+    elif cfg.loss == "expected_tree":
+        threshold = tree_threshold(hidden.detach()[:, :, 1:].reshape(-1, block_size - 1, width), head,
+                                   cfg.ddtree_budget, chunk_rows)
+        slot_loss = -soft_tree_acceptance(-slot_loss, threshold, cfg.tree_temperature, supervised)
+        weights = supervised.float()
+    elif cfg.position_weights == "dpace":
         weights = dpace_weights(hard_logprob.view_as(weights), supervised, cfg.weight_smoothing)
     elif cfg.position_weights == "tree":
         depth = tree_accepted_depth(hidden.detach()[:, :, 1:].reshape(-1, block_size - 1, width), head,
                                     hard_labels.view_as(weights), cfg.ddtree_budget, chunk_rows)
         weights = tree_weights(depth, supervised, cfg.weight_smoothing)
+    if cfg.truncate == "first_failure":
+        weights = weights * up_to_first_failure((drafter_argmax == hard_labels).view_as(weights), supervised)
     weights = weights.reshape(-1)
-    return (row_loss * weights).sum() / weights.sum().clamp_min(1e-12), ranks
+    denominator = weights.sum() if cfg.normalize == "weights" else supervised.sum()
+    return (slot_loss.reshape(-1) * weights).sum() / denominator.clamp_min(1e-12), ranks
 
 
 @torch.no_grad()
@@ -353,6 +406,27 @@ def tree_accepted_depth(hidden, head_weight, labels, budget: int, chunk_rows: in
     logprobs, ids = top_logprobs(hidden.reshape(-1, width), head_weight, k, chunk_rows)
     tree = build_tree_from_logprobs(logprobs.view(blocks, depth, k), ids.view(blocks, depth, k), budget)
     return teacher_forced_accept(tree, labels) - 1
+
+
+@torch.no_grad()
+def tree_threshold(hidden, head_weight, budget: int, chunk_rows: int) -> torch.Tensor:
+    """Per block [N]: the log-probability that separates the prefixes of the best-`budget` DDTree
+    built from the drafter's marginals at `hidden` [N, L, H] from the rest: midway between the
+    budget-th best prefix score and the next one (the tree of budget + 1 nodes is built in pop order,
+    best first); -inf when every prefix fits the budget (`soft_tree_acceptance`)."""
+    blocks, depth, width = hidden.shape
+    k = min(budget + 1, head_weight.shape[0])
+    logprobs, ids = top_logprobs(hidden.reshape(-1, width), head_weight, k, chunk_rows)
+    logprobs, ids = logprobs.view(blocks, depth, k), ids.view(blocks, depth, k)
+    tree = build_tree_from_logprobs(logprobs, ids, budget + 1)
+    if tree.size <= budget:
+        return logprobs.new_full((blocks,), -math.inf)
+    at_depth = (tree.depths - 1)[..., None].expand(-1, -1, k)
+    own = torch.where(ids.gather(1, at_depth) == tree.tokens[..., None], logprobs.gather(1, at_depth), 0.0).sum(-1)
+    score = own
+    for _ in range(depth - 1):  # a node's score: its own log-prob plus its parent's (parents come first)
+        score = own + torch.where(tree.parents >= 0, score.gather(1, tree.parents.clamp(min=0)), 0.0)
+    return (score[:, budget - 1] + score[:, budget]) / 2
 
 
 @dataclass

@@ -139,6 +139,10 @@ def test_anchors_are_supervised_distinct_and_redrawn():
     same, _ = sample_anchors(loss_mask, 4, torch.Generator().manual_seed(0))
     first, _ = sample_anchors(loss_mask, 4, torch.Generator().manual_seed(0))
     assert torch.equal(same, first)  # seeded
+    anchors, valid = sample_anchors(loss_mask, 100, gen, candidates="supervised")
+    for i in range(2):  # objective.anchor_candidates=supervised: every supervised position
+        assert anchors[i][valid[i]].tolist() == [p for p in range(loss_mask.shape[1]) if loss_mask[i, p]]
+    assert 9 in anchors[0].tolist() and 29 in anchors[0].tolist()  # p+1 unsupervised, or past the end
 
 
 def test_block_slots_past_sequence_or_supervised_span_get_zero_weight():
