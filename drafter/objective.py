@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import _DEFAULT_SPARSE_BLOCK_SIZE, create_block_mask
 
+from drafter.config import ConfigError
 from drafter.ddtree import build_tree_from_logprobs, teacher_forced_accept
 from drafter.distill import (ChunkedRowLoss, RowLossSpec, dpace_weights, rows_per_chunk, teacher_rows,
                              tree_weights)
@@ -29,7 +30,8 @@ def resolve_gamma(gamma: float | None, block_size: int) -> float:
     if gamma is not None:
         return float(gamma)
     if block_size not in DEFAULT_GAMMA:
-        raise ValueError(f"no default loss gamma for block size {block_size}; set objective.gamma")
+        raise ConfigError(f"drafter.block_size={block_size} has no default loss gamma (the paper's are for "
+                          f"block sizes {', '.join(map(str, sorted(DEFAULT_GAMMA)))}); set objective.gamma")
     return DEFAULT_GAMMA[block_size]
 
 
