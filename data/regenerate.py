@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from drafter import chat
+from drafter.progress import progress_bar
 
 EXAMPLES_PER_REASON = 5
 MAX_BACKOFF = 60.0  # seconds, before jitter
@@ -388,13 +389,15 @@ def completed_ids(path: Path) -> set[str]:
 
 
 class Recorder:
-    """Appends finished rows (flushed each) and failures, and keeps the accounting."""
+    """Appends finished rows (flushed each) and failures, keeps the accounting and shows the
+    progress of this run's `todo` conversations (stderr)."""
 
-    def __init__(self, out: Path):
+    def __init__(self, out: Path, todo: int):
         self.rows = open(out, "a", encoding="utf-8")
         self.errors = open(side_file(out, "errors.jsonl"), "w", encoding="utf-8")
         self.counts = Counter()
         self.failures = Counter()
+        self.progress = progress_bar(total=todo, desc="conversations", unit="conv")
 
     def ok(self, job: Job, rewrite: Rewrite) -> None:
         row = {"id": job.id, "source": job.source, "group": job.group, "messages": rewrite.history,
@@ -403,6 +406,7 @@ class Recorder:
         self.rows.flush()
         self.counts["ok"] += 1
         self.counts["truncated"] += rewrite.truncated
+        self.progress.update()
 
     def record(self, job: Job, outcome: "Rewrite | RowFailed") -> None:
         self.ok(job, outcome) if isinstance(outcome, Rewrite) else self.failed(job, outcome)
@@ -413,8 +417,11 @@ class Recorder:
         self.errors.flush()
         self.counts["failed"] += 1
         self.failures[failure.reason] += 1
+        self.progress.set_postfix(failed=self.counts["failed"], refresh=False)
+        self.progress.update()
 
     def close(self) -> None:
+        self.progress.close()
         self.rows.close()
         self.errors.close()
 
@@ -550,7 +557,7 @@ def main(argv=None) -> dict:
     check_settings(out, settings)
     todo = [job for job in jobs.todo if job.id not in done]
     this_run = todo[: args.max_rows] if args.max_rows is not None else todo
-    recorder = Recorder(out)
+    recorder = Recorder(out, len(this_run))
     try:
         with StopOnSignal() as stop:
             if args.backend == "server":

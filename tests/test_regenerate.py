@@ -2,6 +2,7 @@
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -186,7 +187,7 @@ def check_rewritten(row: dict, original: dict):
         assert after[i]["content"] == canned_answer(after[:i])
 
 
-def test_server_backend_rewrites_every_turn_with_retries_and_accounting(stub, tmp_path):
+def test_server_backend_rewrites_every_turn_with_retries_and_accounting(stub, tmp_path, capsys):
     duplicate = json.dumps(GOOD_ROWS[0])
     input_path = write_input(tmp_path / "in.jsonl", [duplicate, "{not json"])
     out = tmp_path / "regen.jsonl"
@@ -225,6 +226,8 @@ def test_server_backend_rewrites_every_turn_with_retries_and_accounting(stub, tm
                and r["chat_template_kwargs"] == {"enable_thinking": False} for r in stub.requests)
     assert stub.max_in_flight >= 2
     assert json.loads((tmp_path / "regen.summary.json").read_text()) == summary
+    progress = capsys.readouterr().err.split("\r")[-1]  # the bar's last state, on stderr
+    assert re.match(rf"conversations: 100%.* {summary['total']}/{summary['total']} \[.*conv/s, failed=3\]", progress)
 
 
 def test_resume_after_interruption_loses_and_duplicates_nothing(stub, tmp_path):
@@ -370,8 +373,8 @@ def test_a_stop_ends_local_generation_at_the_next_token(tmp_path):
     args = regenerate.parse_args(["--input", "in.jsonl", "--out", str(out), "--backend", "local",
                                   "--target", str(target_dir), "--max-tokens", "20000"])
     stop = threading.Event()
-    recorder = regenerate.Recorder(out)
     jobs = [regenerate.Job(str(i), f"in:{i}", "g", [user(f"Question {i}?")]) for i in range(4)]
+    recorder = regenerate.Recorder(out, len(jobs))
     threading.Timer(0.5, stop.set).start()  # the signal, while the first batch generates
     started = time.monotonic()
     regenerate.run_local(regenerate.LocalBackend(args, stop), jobs, recorder, batch_size=2, stop=stop)
@@ -500,7 +503,7 @@ def test_answers_that_arrive_while_stopping_are_written_and_the_queue_is_dropped
 
     jobs = [regenerate.Job(q, f"in:{i}", "g", [user(q)]) for i, q in enumerate(["first", "second", "third"])]
     out = tmp_path / "regen.jsonl"
-    recorder = SlowRecorder(out)
+    recorder = SlowRecorder(out, len(jobs))
     regenerate.run_server(Backend(), jobs, recorder, concurrency=1, stop=stop)
     recorder.close()
     time.sleep(0.2)  # a worker that went on would ask the third question now
