@@ -488,34 +488,36 @@ def run_server(backend: ServerBackend, todo: list[Job], recorder: Recorder, conc
 
 def run_local(backend: LocalBackend, todo: list[Job], recorder: Recorder, batch_size: int,
               stop: threading.Event) -> None:
-    """Batches of conversations advanced turn by turn: one generate call per turn index. Once
-    `stop` is set the generate call in progress ends (its answers are cut: not written) and no
-    new one starts."""
-    for start in range(0, len(todo), batch_size):
-        active = {job.id: (job, Rewrite(job.prompt)) for job in todo[start:start + batch_size]}
-        while active:
-            if stop.is_set():
-                return
-            prompts = {}
-            for job_id, (job, rewrite) in list(active.items()):
-                try:
-                    prompts[job_id] = backend.prompt(rewrite.history)
-                except RowFailed as failure:
-                    recorder.failed(job, failure)
-                    del active[job_id]
-            answers = backend.generate(list(prompts.values())) if prompts else []
-            if stop.is_set():
-                return
-            for job_id, (answer, truncated) in zip(prompts, answers):
-                job, rewrite = active[job_id]
-                if not answer.strip():
-                    recorder.failed(job, RowFailed("empty_answer", "the target ended its turn at once"))
-                    del active[job_id]
-                    continue
-                rewrite.accept(answer, truncated)
-                if rewrite.done:
-                    recorder.ok(job, rewrite)
-                    del active[job_id]
+    """Up to `batch_size` conversations at a time, each generate call answering the next turn of
+    every one of them; a conversation that is done (or failed) gives its place to the next queued
+    one at once, so that the batch stays full whatever the number of turns. Once `stop` is set the
+    generate call in progress ends (its answers are cut: not written) and no new one starts."""
+    queued, active = iter(todo), {}
+    while True:
+        for job in itertools.islice(queued, batch_size - len(active)):
+            active[job.id] = (job, Rewrite(job.prompt))
+        if not active or stop.is_set():
+            return
+        prompts = {}
+        for job_id, (job, rewrite) in list(active.items()):
+            try:
+                prompts[job_id] = backend.prompt(rewrite.history)
+            except RowFailed as failure:
+                recorder.failed(job, failure)
+                del active[job_id]
+        answers = backend.generate(list(prompts.values())) if prompts else []
+        if stop.is_set():
+            return
+        for job_id, (answer, truncated) in zip(prompts, answers):
+            job, rewrite = active[job_id]
+            if not answer.strip():
+                recorder.failed(job, RowFailed("empty_answer", "the target ended its turn at once"))
+                del active[job_id]
+                continue
+            rewrite.accept(answer, truncated)
+            if rewrite.done:
+                recorder.ok(job, rewrite)
+                del active[job_id]
 
 
 class StopOnSignal:

@@ -383,6 +383,31 @@ def test_a_stop_ends_local_generation_at_the_next_token(tmp_path):
     assert out.read_text() == "" and recorder.counts == {}  # cut answers are not written
 
 
+def test_local_batches_stay_full_whatever_the_number_of_turns(tmp_path):
+    """A conversation that is done gives its place in the batch to the next one at once: one of
+    three turns and four of one take 4 generate calls of 2, 2, 2, 1 (not 2, 1, 1, 2, 1)."""
+    calls = []
+
+    class Backend:
+        def prompt(self, history):
+            return json.dumps(history)
+
+        def generate(self, prompts):
+            calls.append(len(prompts))
+            return [(f"re: {json.loads(p)[-1]['content']}", False) for p in prompts]
+
+    long = regenerate.Job("long", "in:0", "g", [user("a"), assistant(""), user("b"), assistant(""), user("c")])
+    jobs = [long] + [regenerate.Job(str(i), f"in:{i}", "g", [user(f"q{i}")]) for i in range(1, 5)]
+    out = tmp_path / "regen.jsonl"
+    recorder = regenerate.Recorder(out, len(jobs))
+    regenerate.run_local(Backend(), jobs, recorder, batch_size=2, stop=threading.Event())
+    recorder.close()
+    assert calls == [2, 2, 2, 1]
+    rows = {row["id"]: row["messages"] for row in read_rows(out)}
+    assert [m["content"] for m in rows["long"]] == ["a", "re: a", "b", "re: b", "c", "re: c"]
+    assert all(rows[str(i)] == [user(f"q{i}"), assistant(f"re: q{i}")] for i in range(1, 5))
+
+
 # --- issue 9: odd rows, a misbehaving server, signals ---------------------------------------------
 
 def write_rows(path, rows) -> str:
