@@ -21,6 +21,7 @@ import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -31,11 +32,12 @@ from drafter.checkpoint import (ResumeError, agree_on_checkpoint, check_resumabl
                                 remove_partial_saves, run_identity, save_checkpoint, set_aside_previous_run)
 from drafter.config import ConfigError, load_config, lr_factor, noise_std
 from drafter.data import DataError, load_datasets
-from drafter.engine import DeepSpeedEngine, EngineConfigError, FSDPEngine, deepspeed_config
+from drafter.engine import DeepSpeedEngine, FSDPEngine, deepspeed_config
 from drafter.decode import stop_token_ids
 from drafter.launch import LaunchError, init_distributed, remove_cpu_allreduce_buffer
 from drafter.memory_plan import MemoryPlanError, check_fits, plan_inputs, plan_memory, target_model_config
-from drafter.draft_config import drafter_config, drafter_variant, resolve_mask_token_id
+from drafter.draft_config import drafter_config, drafter_variant
+from drafter.mask_token import choose_mask_token
 from drafter.model import drafter_class, drafter_from_state_dict, load_drafter
 from drafter.objective import ObjectiveConfig, attention_kernel, finalize_metrics, training_step
 from drafter.run_lock import RunDirectoryBusy, hold_run_directory
@@ -48,8 +50,10 @@ from drafter.tensor_parallel import (TargetFeatures, TensorParallelError, check_
                                      load_tp_target, shard_target)
 from drafter.tracking import RunLogger, console_line, eval_line
 
-USER_ERRORS = (ConfigError, DataError, EngineConfigError, ResumeError, LaunchError, TargetError, RunDirectoryBusy,
-               MemoryPlanError, TensorParallelError)
+# What a user's choice of config, data or launch causes: reported as one line, without a traceback
+# (EngineConfigError is a ConfigError).
+USER_ERRORS = (ConfigError, DataError, ResumeError, LaunchError, TargetError, RunDirectoryBusy, MemoryPlanError,
+               TensorParallelError)
 
 
 # ----------------------------------------------------------------------------- setup
@@ -78,15 +82,22 @@ def build_target_and_tokenizer(cfg, device, dtype, tp_group):
     return load_tp_target(cfg.target.path, tp_group, device, dtype), tokenizer
 
 
-def build_drafter(cfg, target, tokenizer):
-    """fp32 weights (the engines keep fp32 masters and compute in the training dtype)."""
+def build_drafter(cfg, target, tokenizer, data, rank):
+    """fp32 weights (the engines keep fp32 masters and compute in the training dtype). Without
+    drafter.mask_token_id the mask token is chosen from the tokenizer and the training `data`
+    (drafter/mask_token.py) and recorded in the export's dflash_config."""
     if cfg.drafter.init_from:
+        if not (Path(cfg.drafter.init_from) / "config.json").is_file():
+            raise ConfigError(f"drafter.init_from={cfg.drafter.init_from}: no exported drafter there (no config.json)")
         return load_drafter(cfg.drafter.init_from, dtype=torch.float32)
     mask_token_id = cfg.drafter.mask_token_id
     if mask_token_id is None:
         if tokenizer is None:
             raise ConfigError("drafter.mask_token_id is required for a random target")
-        mask_token_id = resolve_mask_token_id(tokenizer, target.config.vocab_size)
+        mask = choose_mask_token(tokenizer, target.config.vocab_size, data)
+        if rank == 0:
+            print(mask.line(), flush=True)
+        mask_token_id = mask.id
     config = drafter_config(target.config, num_layers=cfg.drafter.num_layers,
                             block_size=cfg.drafter.block_size, mask_token_id=mask_token_id,
                             target_layer_ids=cfg.drafter.target_layer_ids,
@@ -374,7 +385,7 @@ def train(cfg, rank, world_size, device) -> int:
     check_memory_plan(cfg, model_config, world_size, device, dtype, ds_config, rank)
     tp_group = form_tp_group(cfg.target.tp_size)
     target, tokenizer = build_target_and_tokenizer(cfg, device, dtype, tp_group)
-    drafter = build_drafter(cfg, target, tokenizer)
+    drafter = build_drafter(cfg, target, tokenizer, (train_set, eval_set), rank)
     generate_prompts = generation_prompts(cfg, tokenizer, eval_set)
     # every rank probes (the same forwards: under tp each is a collective over the group)
     probe = probe_decoding(target) if generate_prompts else None
@@ -501,7 +512,10 @@ def generation_prompts(cfg, tokenizer, eval_set) -> list[list[int]] | None:
         raise ConfigError("train.generate_prompts needs the target's tokenizer (set target.path), "
                           "or null for the held-out prompts")
     thinking = bool(cfg.target.chat_template_kwargs.get("enable_thinking", False))
-    return bench_prompts(cfg.train.generate_prompts, tokenizer, thinking, cfg.train.generate_max_prompts)
+    try:
+        return bench_prompts(cfg.train.generate_prompts, tokenizer, thinking, cfg.train.generate_max_prompts)
+    except ValueError as error:  # a missing or malformed prompt file, named with the row
+        raise ConfigError(f"train.generate_prompts={cfg.train.generate_prompts}: {error}") from None
 
 
 def run_generation(run: RunParts, drafter, prompts, stops, step, log):

@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 from omegaconf import OmegaConf
 
-from drafter.config import Config
-from drafter.engine import EngineConfigError, deepspeed_config
+from drafter.config import Config, ConfigError
+from drafter.engine import deepspeed_config
 from drafter.memory_plan import GiB, fitting_changes, plan_inputs, plan_memory, target_model_config
 from drafter.sampler import BucketSampler, bucket_table, plan_notes, sampler_from_config, split_holdout
 
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.gpu_memory:
         try:
             text, memory = memory_report(cfg, args.world_size, args.gpu_memory, args.gpus_per_node)
-        except EngineConfigError as error:  # what train.py refuses before anything loads
+        except ConfigError as error:  # what train.py refuses before anything loads
             parser.error(str(error))
         print(text)
         if args.memory_only:

@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from drafter import chat
+from drafter.progress import progress_bar
 
 EXAMPLES_PER_REASON = 5
 MAX_BACKOFF = 60.0  # seconds, before jitter
@@ -388,13 +389,15 @@ def completed_ids(path: Path) -> set[str]:
 
 
 class Recorder:
-    """Appends finished rows (flushed each) and failures, and keeps the accounting."""
+    """Appends finished rows (flushed each) and failures, keeps the accounting and shows the
+    progress of this run's `todo` conversations (stderr)."""
 
-    def __init__(self, out: Path):
+    def __init__(self, out: Path, todo: int):
         self.rows = open(out, "a", encoding="utf-8")
         self.errors = open(side_file(out, "errors.jsonl"), "w", encoding="utf-8")
         self.counts = Counter()
         self.failures = Counter()
+        self.progress = progress_bar(total=todo, desc="conversations", unit="conv")
 
     def ok(self, job: Job, rewrite: Rewrite) -> None:
         row = {"id": job.id, "source": job.source, "group": job.group, "messages": rewrite.history,
@@ -403,6 +406,7 @@ class Recorder:
         self.rows.flush()
         self.counts["ok"] += 1
         self.counts["truncated"] += rewrite.truncated
+        self.progress.update()
 
     def record(self, job: Job, outcome: "Rewrite | RowFailed") -> None:
         self.ok(job, outcome) if isinstance(outcome, Rewrite) else self.failed(job, outcome)
@@ -413,8 +417,11 @@ class Recorder:
         self.errors.flush()
         self.counts["failed"] += 1
         self.failures[failure.reason] += 1
+        self.progress.set_postfix(failed=self.counts["failed"], refresh=False)
+        self.progress.update()
 
     def close(self) -> None:
+        self.progress.close()
         self.rows.close()
         self.errors.close()
 
@@ -481,34 +488,36 @@ def run_server(backend: ServerBackend, todo: list[Job], recorder: Recorder, conc
 
 def run_local(backend: LocalBackend, todo: list[Job], recorder: Recorder, batch_size: int,
               stop: threading.Event) -> None:
-    """Batches of conversations advanced turn by turn: one generate call per turn index. Once
-    `stop` is set the generate call in progress ends (its answers are cut: not written) and no
-    new one starts."""
-    for start in range(0, len(todo), batch_size):
-        active = {job.id: (job, Rewrite(job.prompt)) for job in todo[start:start + batch_size]}
-        while active:
-            if stop.is_set():
-                return
-            prompts = {}
-            for job_id, (job, rewrite) in list(active.items()):
-                try:
-                    prompts[job_id] = backend.prompt(rewrite.history)
-                except RowFailed as failure:
-                    recorder.failed(job, failure)
-                    del active[job_id]
-            answers = backend.generate(list(prompts.values())) if prompts else []
-            if stop.is_set():
-                return
-            for job_id, (answer, truncated) in zip(prompts, answers):
-                job, rewrite = active[job_id]
-                if not answer.strip():
-                    recorder.failed(job, RowFailed("empty_answer", "the target ended its turn at once"))
-                    del active[job_id]
-                    continue
-                rewrite.accept(answer, truncated)
-                if rewrite.done:
-                    recorder.ok(job, rewrite)
-                    del active[job_id]
+    """Up to `batch_size` conversations at a time, each generate call answering the next turn of
+    every one of them; a conversation that is done (or failed) gives its place to the next queued
+    one at once, so that the batch stays full whatever the number of turns. Once `stop` is set the
+    generate call in progress ends (its answers are cut: not written) and no new one starts."""
+    queued, active = iter(todo), {}
+    while True:
+        for job in itertools.islice(queued, batch_size - len(active)):
+            active[job.id] = (job, Rewrite(job.prompt))
+        if not active or stop.is_set():
+            return
+        prompts = {}
+        for job_id, (job, rewrite) in list(active.items()):
+            try:
+                prompts[job_id] = backend.prompt(rewrite.history)
+            except RowFailed as failure:
+                recorder.failed(job, failure)
+                del active[job_id]
+        answers = backend.generate(list(prompts.values())) if prompts else []
+        if stop.is_set():
+            return
+        for job_id, (answer, truncated) in zip(prompts, answers):
+            job, rewrite = active[job_id]
+            if not answer.strip():
+                recorder.failed(job, RowFailed("empty_answer", "the target ended its turn at once"))
+                del active[job_id]
+                continue
+            rewrite.accept(answer, truncated)
+            if rewrite.done:
+                recorder.ok(job, rewrite)
+                del active[job_id]
 
 
 class StopOnSignal:
@@ -550,7 +559,7 @@ def main(argv=None) -> dict:
     check_settings(out, settings)
     todo = [job for job in jobs.todo if job.id not in done]
     this_run = todo[: args.max_rows] if args.max_rows is not None else todo
-    recorder = Recorder(out)
+    recorder = Recorder(out, len(this_run))
     try:
         with StopOnSignal() as stop:
             if args.backend == "server":

@@ -34,7 +34,7 @@ class DrafterConfig:
     num_layers: int = 5
     block_size: int = 16
     target_layer_ids: Optional[list[int]] = None  # null: evenly spaced from 1 to L-3
-    mask_token_id: Optional[int] = None           # null: the tokenizer's mask token (added if absent)
+    mask_token_id: Optional[int] = None           # null: chosen from the tokenizer and the data (drafter/mask_token.py)
     init_from: Optional[str] = None               # an exported drafter/ dir to start from
     # Variants (README "Drafter variants"; written to the export as dflash 0.1.0 reads them):
     layer_types: Optional[list[str]] = None       # one per layer: full_attention | sliding_attention; null: all full

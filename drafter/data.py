@@ -41,6 +41,16 @@ def load_prepared(path: str, vocab_size: int) -> datasets.Dataset:
     return dataset
 
 
+def token_ids_in(prepared: list[datasets.Dataset], vocab_size: int) -> np.ndarray:
+    """bool [vocab_size]: which token ids occur in the `input_ids` of the datasets, every row of the
+    tables under them counted (a held-out split's rows included)."""
+    seen = np.zeros(vocab_size, dtype=bool)
+    for dataset in prepared:
+        for chunk in dataset.data.table.column("input_ids").chunks:
+            seen[np.unique(pc.list_flatten(chunk).to_numpy(zero_copy_only=False))] = True
+    return seen
+
+
 def check_prepared_thinking(path: str, chat_template_kwargs) -> None:
     """Raise DataError when the dataset at `path` was prepared with another enable_thinking than the
     training config's `target.chat_template_kwargs` (the drafter would learn text the target does

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from huggingface_hub.errors import StrictDataclassError
 from transformers import Qwen3Config
 
-from drafter.target import check_feature_layers, default_target_layer_ids
+from drafter.config import ConfigError
+from drafter.target import default_target_layer_ids, feature_layer_problem
 
 _ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")  # Qwen3RotaryEmbedding's own
 
@@ -122,11 +123,11 @@ def drafter_config_problems(config: Qwen3Config) -> list[str]:
 
 
 def check_drafter_config(config: Qwen3Config) -> None:
-    """Raise ValueError naming every field of `config` its layers cannot be built from."""
+    """Raise ConfigError naming every field of `config` its layers cannot be built from."""
     problems = drafter_config_problems(config)
     if problems:
         target = (getattr(config, "dflash_config", None) or {}).get("target_model_type")
-        raise ValueError(f"drafter config (target {target}): " + "; ".join(problems))
+        raise ConfigError(f"drafter config (target {target}): " + "; ".join(problems))
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -231,22 +232,25 @@ def drafter_config(target_config, *, num_layers: int, block_size: int, mask_toke
     drafter's logits are the target's LM head on its states, without the target's final soft-capping
     (tanh keeps the order, so argmax and the tree's top-k are the same; the drafter is trained on
     the uncapped logits). `record` lands in `dflash_config` (e.g. target_path, chat_template_kwargs)
-    so that a checkpoint can be evaluated without flags.
+    so that a checkpoint can be evaluated without flags. Settings the target cannot take raise a
+    ConfigError that names their `drafter.*` keys.
     """
     text_config = target_config.get_text_config()
-    widths = drafter_widths(text_config)
-    problems = variant.problems(num_layers) + variant.width_problems(
-        widths["hidden_size"], widths["vocab_size"], block_size)
-    if problems:
-        raise ValueError("; ".join(problems))
     num_target_layers = text_config.num_hidden_layers
     if target_layer_ids is None:
         target_layer_ids = default_target_layer_ids(num_target_layers, num_layers)
     target_layer_ids = [int(i) for i in target_layer_ids]
-    check_feature_layers(target_layer_ids, num_target_layers)
+    widths = drafter_widths(text_config)
+    problems = variant.problems(num_layers) + variant.width_problems(
+        widths["hidden_size"], widths["vocab_size"], block_size)
+    layer_problem = feature_layer_problem(target_layer_ids, num_target_layers)
+    if layer_problem:
+        problems.append(layer_problem)
     if not 0 <= mask_token_id < text_config.vocab_size:
-        raise ValueError(f"mask_token_id {mask_token_id} has no row in the target's embedding "
-                         f"(vocab_size {text_config.vocab_size})")
+        problems.append(f"mask_token_id={mask_token_id} has no row in the target's embedding "
+                        f"(vocab_size {text_config.vocab_size})")
+    if problems:
+        raise ConfigError("; ".join(f"drafter.{problem}" for problem in problems))
     model_type = getattr(text_config, "model_type", None)
     try:  # Qwen3Config validates what it can itself (an odd head dim)
         config = Qwen3Config(
@@ -257,16 +261,6 @@ def drafter_config(target_config, *, num_layers: int, block_size: int, mask_toke
                            "input_embedding_scale": float(input_embedding_scale), "target_model_type": model_type,
                            **variant.dflash_config_fields(), **record})
     except StrictDataclassError as error:
-        raise ValueError(f"drafter config (target {model_type}): {error.__cause__ or error}") from error
+        raise ConfigError(f"drafter config (target {model_type}): {error.__cause__ or error}") from error
     check_drafter_config(config)
     return config
-
-
-def resolve_mask_token_id(tokenizer, target_vocab_size: int) -> int:
-    """The tokenizer's mask token; if it has none, add `<|MASK|>` (it must fit the target's vocab rows)."""
-    if tokenizer.mask_token_id is None:
-        tokenizer.add_special_tokens({"mask_token": "<|MASK|>"})
-    if tokenizer.mask_token_id >= target_vocab_size:
-        raise ValueError(f"mask token id {tokenizer.mask_token_id} >= target vocab size "
-                         f"{target_vocab_size}: the frozen target has no embedding row for it")
-    return tokenizer.mask_token_id

@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from drafter.config import ConfigError
+
 ZERO_STAGES = (1, 2, 3)
 
 
@@ -36,8 +38,9 @@ class StepResult:
     grad_norm: float   # global norm before clipping (inf or nan when skipped)
 
 
-class EngineConfigError(ValueError):
-    pass
+class EngineConfigError(ConfigError):
+    """A train.ds_config / engine setting this trainer refuses (a ConfigError: train.py and
+    data/plan.py report it as such)."""
 
 
 def _trainable(module: nn.Module) -> list[nn.Parameter]:

@@ -194,7 +194,12 @@ def target_model_config(path: str | None, random: dict | None):
         from drafter.target import target_config
         return target_config(None, random)
     from transformers import AutoConfig
-    return AutoConfig.from_pretrained(path)
+
+    from drafter.config import ConfigError
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as error:  # no such directory or hub id; a model type transformers lacks
+        raise ConfigError(f"target.path={path}: {error}") from None
 
 
 def plan_inputs(cfg, model_config, world_size: int, ds_config: dict | None, dtype_bytes: int) -> PlanInputs:

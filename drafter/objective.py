@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import _DEFAULT_SPARSE_BLOCK_SIZE, create_block_mask
 
+from drafter.config import ConfigError
 from drafter.ddtree import build_tree_from_logprobs, teacher_forced_accept
 from drafter.distill import (BLOCK_LOSSES, ChunkedRowLoss, RowLossSpec, chain_acceptance, dpace_weights,
                              rows_per_chunk, soft_tree_acceptance, teacher_rows, tree_weights, up_to_first_failure)
@@ -31,7 +32,8 @@ def resolve_gamma(gamma: float | None, block_size: int) -> float:
     if gamma is not None:
         return float(gamma)
     if block_size not in DEFAULT_GAMMA:
-        raise ValueError(f"no default loss gamma for block size {block_size}; set objective.gamma")
+        raise ConfigError(f"drafter.block_size={block_size} has no default loss gamma (the paper's are for "
+                          f"block sizes {', '.join(map(str, sorted(DEFAULT_GAMMA)))}); set objective.gamma")
     return DEFAULT_GAMMA[block_size]
 
 

@@ -101,16 +101,25 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
 
 
+def feature_layer_problem(layer_ids: list[int], num_layers: int) -> str | None:
+    """What is wrong with reading features from `layer_ids` (None: nothing): every id must be one of
+    the target's layers but the last. HF's hidden_states[L] is the last layer's output after the
+    final norm, which is what serving loops read; training reads the raw output, and serving stacks
+    differ on which one they capture, so that layer is refused rather than trained on features the
+    drafter will not be served. Checked when a drafter is configured and wherever features are read
+    (checkpoints made elsewhere)."""
+    if all(0 <= i < num_layers - 1 for i in layer_ids):
+        return None
+    return (f"target_layer_ids {list(layer_ids)}: serving stacks read the target's last layer "
+            f"({num_layers - 1}) after the final norm and training before it, and a target of "
+            f"{num_layers} layers has none past it; use layers 0..{num_layers - 2}")
+
+
 def check_feature_layers(layer_ids: list[int], num_layers: int) -> None:
-    """Raise ValueError unless every layer id is one of the target's layers but the last. HF's
-    hidden_states[L] is the last layer's output after the final norm, which is what serving loops
-    read; training reads the raw output, and serving stacks differ on which one they capture, so
-    that layer is refused rather than trained on features the drafter will not be served. Checked
-    when a drafter is configured and wherever features are read (checkpoints made elsewhere)."""
-    if not all(0 <= i < num_layers - 1 for i in layer_ids):
-        raise ValueError(f"target_layer_ids {list(layer_ids)}: serving stacks read the target's last layer "
-                         f"({num_layers - 1}) after the final norm and training before it, and a target of "
-                         f"{num_layers} layers has none past it; use layers 0..{num_layers - 2}")
+    """Raise ValueError where `feature_layer_problem` finds one."""
+    problem = feature_layer_problem(layer_ids, num_layers)
+    if problem:
+        raise ValueError(problem)
 
 
 def layer_state(output: torch.Tensor, family: str) -> torch.Tensor:

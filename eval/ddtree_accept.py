@@ -37,7 +37,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 from transformers import AutoConfig, AutoTokenizer
 
 from drafter.benchmarks import load_prompts
@@ -45,6 +44,7 @@ from drafter.chat import prompt_token_ids
 from drafter.decode import SAMPLING, STAGES, generate, stop_token_ids, tree_verify_refusal
 from drafter.lossless import BF16_TIE_TOLERANCE, first_divergence, lossless_verdict, near_tie_share
 from drafter.model import load_drafter
+from drafter.progress import progress_bar
 from drafter.served import PromptShare, replay_steps
 from drafter.target import TargetError, context_features
 from drafter.target_cache import probe_decoding
@@ -216,19 +216,25 @@ class Evaluator:
                 self.generate(method, ids, min(16, self.args.max_new_tokens))
 
 
-def run_benchmark(evaluator: Evaluator, prompts, share: PromptShare) -> dict[str, list[dict]]:
-    """Records per method for this rank's group's share of the prompts (a group: --tp ranks, or one)."""
+def run_benchmark(evaluator: Evaluator, name: str, prompts, share: PromptShare) -> dict[str, list[dict]]:
+    """Records per method for this rank's group's share of the prompts (a group: --tp ranks, or one).
+    Rank 0 shows its progress, prompt by prompt and method by method."""
     shard = prompts[share.index::share.count]
     records = {method: [] for method in evaluator.methods}
     if shard:
         evaluator.warm_up(shard[0])
-    for prompt in tqdm(shard, desc="prompts", disable=share.index != 0, dynamic_ncols=True):
+    progress = progress_bar(total=len(shard) * len(evaluator.methods), desc=name, unit="run",
+                            enabled=share.index == 0 and share.reports)  # rank 0
+    for prompt in shard:
         for method in evaluator.methods:
+            progress.set_postfix(method=method, refresh=False)
             if evaluator.replays(method):
                 turns = [r for r in records["ar"] if r["source"] == prompt.source]
                 records[method] += [evaluator.replayed_record(r, method) for r in turns]
             else:
                 records[method] += evaluator.run_prompt(prompt, method)
+            progress.update()
+    progress.close()
     return records
 
 
@@ -437,7 +443,7 @@ def main(argv=None) -> dict | None:
     for name, prompts in prompt_sets.items():
         if rank == 0:
             print(f"{name}: {len(prompts)} prompts, methods {', '.join(evaluator.methods)}", flush=True)
-        ran = run_benchmark(evaluator, prompts, share)
+        ran = run_benchmark(evaluator, name, prompts, share)
         records[name] = ran if share.reports else {method: [] for method in ran}  # one report per group
     if world > 1:
         records = gather_records(records, world)

@@ -1,6 +1,7 @@
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 from datetime import timedelta
@@ -78,8 +79,10 @@ def test_report_from_a_run_checkpoint(checkpoint, capsys):
     assert share == sum(m < results["config"]["tie_tolerance"] for m in margins) / len(margins)
     assert methods["ddtree@8"]["stage_ms_per_step"]["tree_build"] > 0
 
-    printed = capsys.readouterr().out
-    assert "| prompts | ddtree@8 |" in printed
+    captured = capsys.readouterr()
+    assert "| prompts | ddtree@8 |" in captured.out
+    progress = captured.err.split("\r")[-1]  # the bar's last state: 3 prompts x 4 methods
+    assert re.match(r"prompts: 100%.* 12/12 \[.*run/s, method=ddtree@8\]", progress), progress
     assert (out.parent / "results_tau_hist.png").stat().st_size > 0
     assert (out.parent / "results_budget.png").stat().st_size > 0
 
@@ -228,9 +231,10 @@ def test_two_ranks_gather_the_same_report_and_so_does_a_tp2_target(checkpoint, t
     single = ddtree_accept.main(common + ["--out", str(tmp_path / "single.json")])
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
     for tp in (1, 2):
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                        "eval/ddtree_accept.py", *common, "--tp", str(tp), "--out", str(tmp_path / f"tp{tp}.json")],
-                       check=True, env=env, capture_output=True)
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                               "eval/ddtree_accept.py", *common, "--tp", str(tp), "--out",
+                               str(tmp_path / f"tp{tp}.json")], check=True, env=env, capture_output=True, text=True)
+        assert len(re.findall(r"prompts: 100%", proc.stderr)) == 1  # rank 0's progress alone
         two = json.loads((tmp_path / f"tp{tp}.json").read_text())
         assert two["config"]["world_size"] == 2 and two["config"]["tp_size"] == tp
         for method, summary in single["benchmarks"]["prompts"]["methods"].items():

@@ -5,7 +5,8 @@ import torch
 from safetensors import safe_open
 
 from conftest import MASK_ID, VARIANTS, make_drafter
-from drafter.draft_config import DrafterVariant, drafter_config, resolve_mask_token_id
+from drafter.config import ConfigError
+from drafter.draft_config import DrafterVariant, drafter_config
 from drafter.model import (DFlash2DraftModel, DFlashDraftModel, DraftCache, LayerAttention, layer_attention,
                            load_drafter)
 from drafter.target import context_features, default_target_layer_ids, select_features
@@ -52,11 +53,13 @@ def test_config_records_everything_eval_needs(target, tmp_path):
     assert "layers.2.self_attn.k_norm.weight" in names and "layers.0.mlp.gate_proj.weight" in names
 
 
-def test_bad_layer_ids_and_mask_token_are_rejected(target):
-    with pytest.raises(ValueError, match="target_layer_ids"):
+def test_bad_layer_ids_and_mask_token_are_rejected_naming_the_keys(target):
+    with pytest.raises(ConfigError, match=r"^drafter.target_layer_ids \[6\]: .* use layers 0..4$"):
         drafter_config(target.config, num_layers=1, block_size=8, mask_token_id=1, target_layer_ids=[6])
-    with pytest.raises(ValueError, match="mask_token_id"):
-        drafter_config(target.config, num_layers=1, block_size=8, mask_token_id=256)
+    with pytest.raises(ConfigError, match=r"^drafter.conv_group_size=7 does not divide .*; "
+                                          r"drafter.mask_token_id=256 has no row "):
+        drafter_config(target.config, num_layers=1, block_size=8, mask_token_id=256,
+                       variant=DrafterVariant(arch="dflash2", conv_group_size=7))
 
 
 _TWO_ROPE_SETS = {"main": {"rope_type": "default", "rope_theta": 1e4},
@@ -98,22 +101,6 @@ def test_a_target_with_several_rope_sets_gives_the_drafter_one():
     assert full_theta != gemma.rope_parameters["sliding_attention"]["rope_theta"]
     drafter = drafter_config(gemma, num_layers=1, block_size=8, mask_token_id=MASK_ID)
     assert drafter.rope_parameters["rope_theta"] == full_theta
-
-
-class _Tok:
-    def __init__(self, mask_id, vocab):
-        self.mask_token_id, self.vocab = mask_id, vocab
-
-    def add_special_tokens(self, tokens):
-        self.mask_token_id = self.vocab
-
-
-def test_mask_token_is_added_when_missing():
-    assert resolve_mask_token_id(_Tok(7, 100), 200) == 7
-    assert resolve_mask_token_id(_Tok(None, 100), 200) == 100
-    with pytest.raises(ValueError, match="no embedding row"):
-        resolve_mask_token_id(_Tok(None, 200), 200)
-
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_public_dflash_package_loads_our_export_with_equal_logits(target, tmp_path, variant):

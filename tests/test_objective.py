@@ -6,6 +6,7 @@ import torch
 
 from conftest import MASK_ID, VARIANTS, fit_drafter, make_drafter
 from drafter import ddtree, model, objective
+from drafter.config import ConfigError
 from drafter.ddtree import build_tree, teacher_forced_accept
 from drafter.host_sync import HostSyncCounter
 from drafter.draft_config import drafter_config
@@ -228,7 +229,7 @@ def test_training_step_metrics_are_those_of_its_logits(target, variant):
 def test_default_gamma_by_block_size():
     assert [resolve_gamma(None, b) for b in (16, 10, 8)] == [7.0, 5.0, 4.0]
     assert resolve_gamma(10, 16) == 10.0
-    with pytest.raises(ValueError, match="gamma"):
+    with pytest.raises(ConfigError, match=r"drafter.block_size=12 has no default .* 8, 10, 16\); set objective.gamma"):
         resolve_gamma(None, 12)
 
 

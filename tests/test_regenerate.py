@@ -2,6 +2,7 @@
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -186,7 +187,7 @@ def check_rewritten(row: dict, original: dict):
         assert after[i]["content"] == canned_answer(after[:i])
 
 
-def test_server_backend_rewrites_every_turn_with_retries_and_accounting(stub, tmp_path):
+def test_server_backend_rewrites_every_turn_with_retries_and_accounting(stub, tmp_path, capsys):
     duplicate = json.dumps(GOOD_ROWS[0])
     input_path = write_input(tmp_path / "in.jsonl", [duplicate, "{not json"])
     out = tmp_path / "regen.jsonl"
@@ -225,6 +226,8 @@ def test_server_backend_rewrites_every_turn_with_retries_and_accounting(stub, tm
                and r["chat_template_kwargs"] == {"enable_thinking": False} for r in stub.requests)
     assert stub.max_in_flight >= 2
     assert json.loads((tmp_path / "regen.summary.json").read_text()) == summary
+    progress = capsys.readouterr().err.split("\r")[-1]  # the bar's last state, on stderr
+    assert re.match(rf"conversations: 100%.* {summary['total']}/{summary['total']} \[.*conv/s, failed=3\]", progress)
 
 
 def test_resume_after_interruption_loses_and_duplicates_nothing(stub, tmp_path):
@@ -370,14 +373,39 @@ def test_a_stop_ends_local_generation_at_the_next_token(tmp_path):
     args = regenerate.parse_args(["--input", "in.jsonl", "--out", str(out), "--backend", "local",
                                   "--target", str(target_dir), "--max-tokens", "20000"])
     stop = threading.Event()
-    recorder = regenerate.Recorder(out)
     jobs = [regenerate.Job(str(i), f"in:{i}", "g", [user(f"Question {i}?")]) for i in range(4)]
+    recorder = regenerate.Recorder(out, len(jobs))
     threading.Timer(0.5, stop.set).start()  # the signal, while the first batch generates
     started = time.monotonic()
     regenerate.run_local(regenerate.LocalBackend(args, stop), jobs, recorder, batch_size=2, stop=stop)
     recorder.close()
     assert time.monotonic() - started < 5  # 20000 tokens take a minute
     assert out.read_text() == "" and recorder.counts == {}  # cut answers are not written
+
+
+def test_local_batches_stay_full_whatever_the_number_of_turns(tmp_path):
+    """A conversation that is done gives its place in the batch to the next one at once: one of
+    three turns and four of one take 4 generate calls of 2, 2, 2, 1 (not 2, 1, 1, 2, 1)."""
+    calls = []
+
+    class Backend:
+        def prompt(self, history):
+            return json.dumps(history)
+
+        def generate(self, prompts):
+            calls.append(len(prompts))
+            return [(f"re: {json.loads(p)[-1]['content']}", False) for p in prompts]
+
+    long = regenerate.Job("long", "in:0", "g", [user("a"), assistant(""), user("b"), assistant(""), user("c")])
+    jobs = [long] + [regenerate.Job(str(i), f"in:{i}", "g", [user(f"q{i}")]) for i in range(1, 5)]
+    out = tmp_path / "regen.jsonl"
+    recorder = regenerate.Recorder(out, len(jobs))
+    regenerate.run_local(Backend(), jobs, recorder, batch_size=2, stop=threading.Event())
+    recorder.close()
+    assert calls == [2, 2, 2, 1]
+    rows = {row["id"]: row["messages"] for row in read_rows(out)}
+    assert [m["content"] for m in rows["long"]] == ["a", "re: a", "b", "re: b", "c", "re: c"]
+    assert all(rows[str(i)] == [user(f"q{i}"), assistant(f"re: q{i}")] for i in range(1, 5))
 
 
 # --- issue 9: odd rows, a misbehaving server, signals ---------------------------------------------
@@ -500,7 +528,7 @@ def test_answers_that_arrive_while_stopping_are_written_and_the_queue_is_dropped
 
     jobs = [regenerate.Job(q, f"in:{i}", "g", [user(q)]) for i, q in enumerate(["first", "second", "third"])]
     out = tmp_path / "regen.jsonl"
-    recorder = SlowRecorder(out)
+    recorder = SlowRecorder(out, len(jobs))
     regenerate.run_server(Backend(), jobs, recorder, concurrency=1, stop=stop)
     recorder.close()
     time.sleep(0.2)  # a worker that went on would ask the third question now

@@ -247,6 +247,18 @@ def test_a_json_contradiction_or_muon_stops_train_py_before_any_model_loads(tmp_
     assert "Traceback" not in proc.stderr and "params" not in proc.stdout  # no model was built
 
 
+@pytest.mark.parametrize("override, returncode, message", [
+    ("drafter.block_size=12", 1, "config error: drafter.block_size=12 has no default loss gamma"),  # load_config
+    ("drafter.mask_token_id=300", 2, "error: drafter.mask_token_id=300 has no row in the target's embedding"),
+])
+def test_a_setting_the_target_cannot_take_stops_train_py_in_one_line(tmp_path, override, returncode, message):
+    cfg = write_run(tmp_path)
+    proc = subprocess.run([sys.executable, "train.py", "--cfg", str(cfg), "train.engine=fsdp", override], cwd=REPO,
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == returncode and message in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
 def test_the_start_up_table_names_every_sample_left_out():
     from drafter.sampler import BucketSampler, plan_notes
     from train import bucket_summary
