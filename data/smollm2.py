@@ -263,11 +263,8 @@ def regenerate(out: Path, prompts: str, answers: str) -> None:
     world.regenerate(out, prompts, answers, sizes["max_new_tokens"], sizes["batch_size"])
 
 
-def step_regenerate(out: Path) -> None:
-    regenerate(out, "prompts.jsonl", "regenerated.jsonl")
-
-
 def step_train_data(out: Path) -> None:
+    regenerate(out, "prompts.jsonl", "regenerated.jsonl")
     world.prepare(out, "regenerated.jsonl", "train_data", "--drop-loops")
 
 
@@ -327,7 +324,6 @@ def main(argv=None) -> dict:
         (step_target, "target"),
         (step_sharegpt, "sharegpt.json"),  # written after prompts.jsonl and bench_chat.jsonl
         (step_bench_code, "bench_code.jsonl"),
-        (step_regenerate, "regenerated.summary.json"),  # written last, after every row
         (step_train_data, "train_data"),
         (step_bench_chat_data, "bench_chat_data"),
         (step_bench_code_data, "bench_code_data"),

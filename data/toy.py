@@ -417,11 +417,8 @@ def regenerate(out: Path, prompts: str, answers: str) -> None:
     world.regenerate(out, prompts, answers, MAX_NEW_TOKENS, REGENERATE_BATCH_SIZE)
 
 
-def step_regenerate(out: Path) -> None:
+def step_train_data(out: Path) -> None:
     regenerate(out, "prompts.jsonl", "regenerated.jsonl")
-
-
-def step_prepare(out: Path) -> None:
     world.prepare(out, "regenerated.jsonl", "train_data", "--drop-loops")
 
 
@@ -485,8 +482,7 @@ def main(argv=None) -> dict:
         (step_target, "target"),
         (step_prompts, "prompts.jsonl"),
         (step_bench, "bench.jsonl"),
-        (step_regenerate, "regenerated.summary.json"),  # written last, after every row
-        (step_prepare, "train_data"),
+        (step_train_data, "train_data"),
         (step_bench_data, "bench_data"),
         (step_heldout, "heldout.jsonl"),
         (step_heldout_data, "heldout_data"),

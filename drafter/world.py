@@ -1,7 +1,9 @@
 """Building a world (a target and the data a drafter needs) in cached, resumable stages.
 
 A world build is a list of stages, each marked done by the output it writes last: a rerun skips the
-stages whose marker exists, so a build killed half-way resumes where it stopped. The data stages run
+stages whose marker exists, so a build killed half-way resumes where it stopped. A regeneration is
+never a stage of its own (its summary is written even when it is interrupted): it runs inside the
+stage that prepares its answers, whose dataset is the marker. The data stages run
 the repo's own CLIs (`data/regenerate.py`, `data/prepare.py`) as a user would, so a world is made by the
 same code a user's data is. Used by `data/toy.py` and `data/smollm2.py`.
 """
@@ -51,14 +53,17 @@ def run_cli(script: str, args: list[str]) -> None:
 
 
 def regenerate(out: Path, prompts: str, answers: str, max_tokens: int, batch_size: int) -> None:
-    """The target's greedy answers to out/prompts, written to out/answers (data/regenerate.py)."""
+    """The target's greedy answers to out/prompts, written to out/answers (data/regenerate.py). An
+    interrupted or empty regeneration stops the build: the stage that called it has no output yet, so
+    a rerun resumes the regeneration (regenerate skips the answers already written)."""
     run_cli("regenerate.py", ["--backend", "local", "--target", str(out / "target"),
                               "--input", str(out / prompts), "--out", str(out / answers), "--no-thinking",
                               "--max-tokens", str(max_tokens), "--batch-size", str(batch_size)])
-    summary_path = out / answers.replace(".jsonl", ".summary.json")
-    summary = json.loads(summary_path.read_text())
+    summary = json.loads((out / answers.replace(".jsonl", ".summary.json")).read_text())
+    if summary["interrupted"] or summary["remaining"]:
+        raise SystemExit(f"{out / answers}: regeneration stopped with {summary['remaining']} of "
+                         f"{summary['total']} prompts left; rerun the build to resume it")
     if summary["ok"] == 0:
-        summary_path.unlink()  # not done: a rerun tries again
         raise SystemExit(f"{out / answers}: the target answered none of the {summary['total']} prompts "
                          f"(failures: {summary['failures']}); is it trained? (--force rebuilds it)")
 
