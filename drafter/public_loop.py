@@ -180,8 +180,8 @@ def compare(ours: LoopSteps, theirs: LoopSteps, tolerance: float) -> PublicAgree
         same = tokens == public_tokens
         score_gap = max(score_gap, float(((scores - public_scores).abs() * same).max()))
         if ours.acceptance_lengths[step] != theirs.acceptance_lengths[step]:
-            rows = ours.target_top[step][1][:, 0] != theirs.target_top[step][1][:, 0]
-            row = int(rows.nonzero()[0, 0]) if rows.any() else 0
+            # the row after the shorter acceptance: one loop's target took the drafted token there
+            row = min(ours.acceptance_lengths[step], theirs.acceptance_lengths[step]) - 1
             difference = _difference(step, "target", row, (ours.target_top[step], row),
                                      (theirs.target_top[step], row), tolerance)
             break
