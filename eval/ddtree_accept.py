@@ -383,7 +383,7 @@ def report(records_by_bench: dict, args, evaluator: Evaluator, world: int,
               "enable_thinking": evaluator.enable_thinking, "dtype": str(evaluator.dtype),
               "device": str(evaluator.target.device), "world_size": world, "tp_size": args.tp,
               "block_size": evaluator.drafter.block_size, "tree_verify_refusal": evaluator.tree_refusal,
-              "verify_refusal": evaluator.verify_refusal,
+              "verify_refusal": evaluator.verify_refusal, "check_public": args.check_public,
               "stage_times_synchronized":
               args.sync_stages or evaluator.target.device.type != "cuda"}
     return {"config": config, "benchmarks": benchmarks}

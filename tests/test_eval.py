@@ -90,6 +90,7 @@ def test_check_public_reports_the_public_loop_step_by_step(checkpoint, tmp_path,
         "--ckpt", str(checkpoint / "ckpt"), "--bench", str(checkpoint / "prompts.jsonl"), "--budgets", "2",
         "--max-new-tokens", "14", "--out", str(tmp_path / "results.json"), "--check-public", "2"])
     check = results["benchmarks"]["prompts"]["public_check"]
+    assert results["config"]["check_public"] == 2
     assert (check["prompts"], check["identical"], check["verdict"]) == (2, 2, "yes")
     prompts = checkpoint / "prompts.jsonl"
     assert [row["source"] for row in check["per_prompt"]] == [f"{prompts}:1", f"{prompts}:2"]
