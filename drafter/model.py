@@ -88,9 +88,9 @@ class LayerAttention:
 
     def cached_context(self, length: int) -> int:
         """How many of the last `length` context positions a draft cache keeps for this layer once a
-        block is drafted: all of them, or for a sliding layer the window - 1 before the next block's
-        first slot (that slot is the newest position it sees). The serving caches keep the same:
-        dflash 0.1.0's DynamicSlidingWindowLayer with past recording, cropped after each block."""
+        block is drafted: all of them, or for a sliding layer the last window - 1 (the most a later
+        query sees before its own position), as the serving caches keep them: dflash 0.1.0's
+        DynamicSlidingWindowLayer with past recording, cropped back after each block."""
         return length if self.window is None else min(length, self.window - 1)
 
     def visible_keys(self, anchors: torch.Tensor, seq_len: int, block_size: int) -> VisibleKeys:
