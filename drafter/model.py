@@ -407,6 +407,11 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         `chain_picks` takes the argmax of (DFlash: the logits), best first."""
         return logits.topk(k, dim=-1)
 
+    @property
+    def chain_candidates(self) -> int | None:
+        """How many of a slot's most likely tokens the drafted path chooses among: None (all) for DFlash."""
+        return None
+
     def block_trees(self, hidden, logits, roots, budget: int, backend: str = "auto") -> DraftTree:
         """The best-`budget` DDTree of each block [n] from its slots' states [n, B-1, H] and logits
         [n, B-1, V] after the anchor tokens `roots` [n]: for DFlash, from the slots' marginals."""
@@ -493,6 +498,11 @@ class DFlash2DraftModel(DFlashDraftModel):
         scores, candidates = self.candidate_selector.scores(hidden, logits, predecessors)
         top, index = scores.topk(k, dim=-1)
         return top, candidates.gather(-1, index)
+
+    @property
+    def chain_candidates(self) -> int | None:
+        """DFlash2: the selector's top-K."""
+        return self.candidate_selector.top_k
 
     def block_trees(self, hidden, logits, roots, budget: int, backend: str = "auto") -> DraftTree:
         """DFlash2: the tree of the selector's scores, each node's children scored after its own token

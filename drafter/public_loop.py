@@ -9,14 +9,19 @@ with method "dflash". Both record each step through forward hooks: the block the
 predecessor, `chain_top`), and the target's two best tokens at every verify row.
 
 `compare` walks both records: identical when every step drafted the same tokens and committed as
-many. Otherwise the first step that differs is classified. "draft": the drafted tokens differ at a
-slot. "target": the same drafts, but the target's argmax differs at a verify row. "length": one
-loop stopped first with everything before equal. A "draft" or "target" difference is a tie when
-both loops rank the same two tokens on top there, each within `tolerance` of the other, and the
-two loops' scores of them also agree within `tolerance`: rounding swapped a near-tie. Anything else
-is semantic: the loops compute different things there (a different context, window or chain).
-`score_gap`, the largest difference of the recorded scores over the steps that drafted alike, says
-how far apart the two implementations are where they agree (rounding: about 1e-5 in fp32).
+many. Otherwise the first step that differs is classified, as a tie (rounding flipped a decision
+that was within `tolerance`) or semantic (the loops compute different things there: a different
+context, window or chain rule):
+  "draft": the drafted tokens differ at a slot. A tie when each loop's token is the best by the
+    chain rule on its own states, the loops' logits there agree within `tolerance` on every token
+    both rank high, and the decision was that close: the two tokens' chain scores (a near-tie at
+    the top), or, where one loop's token is missing from the other's DFlash2 candidates, that
+    loop's K-th and (K+1)-th logits (a near-tie at the candidates' edge).
+  "target": the same drafts, but the target's argmax differs at a verify row. A tie when both loops
+    rank the same two tokens on top there, within `tolerance` of each other and of each other's.
+  "length": one loop stopped first with everything before equal (never a tie).
+`score_gap`, the largest difference of the recorded chain scores over the steps that drafted alike,
+says how far apart the two implementations are where they agree (rounding: about 1e-5 in fp32).
 """
 import json
 import time
@@ -33,20 +38,23 @@ from drafter.decode import generate
 @dataclass
 class LoopSteps:
     """One loop's decode of one prompt: per step the verified block, the drafted path's top-2
-    (scores [slots, 2], tokens [slots, 2]) and the target's top-2 (logits [rows, 2], tokens)."""
+    (scores [slots, 2], tokens [slots, 2]), the drafter's top logits ([slots, k], tokens: k = 2, or
+    a DFlash2 selector's K + 1) and the target's top-2 (logits [rows, 2], tokens)."""
     acceptance_lengths: list[int]
     output_ids: list[int]
     blocks: list[list[int]]
     draft_top: list[tuple[torch.Tensor, torch.Tensor]]
+    draft_logits: list[tuple[torch.Tensor, torch.Tensor]]
     target_top: list[tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
 class StepDifference:
     """Where two loops first part: the step, its kind ("draft", "target" or "length"), the block
-    slot (draft: 1 = the first drafted token) or verify row (target) and each loop's two best
-    (token, score) there, our top-1 minus top-2 margin, the largest difference of the two loops'
-    scores of those tokens (None when they rank different tokens on top), and tie."""
+    slot (draft: 1 = the first drafted token) or verify row (target), each loop's two best
+    (token, score) there, the margin of the decision that flipped (module docstring), the largest
+    difference of the two loops' logits (draft) or scores (target) on the tokens both rank high
+    (None when they share none), and tie."""
     step: int
     kind: str
     position: int | None
@@ -93,7 +101,8 @@ class _StepRecorder:
 
     def __init__(self, drafter, logits_of):
         self.drafter, self.logits_of = drafter, logits_of
-        self.blocks, self.draft_top, self.target_top = [], [], []
+        self.logit_ranks = 2 if drafter.chain_candidates is None else drafter.chain_candidates + 1
+        self.blocks, self.draft_top, self.draft_logits, self.target_top = [], [], [], []
         self.pending = None
 
     def on_draft(self, module, args, output):
@@ -107,6 +116,7 @@ class _StepRecorder:
         block = args[0][0]
         self.blocks.append(block.tolist())
         self.draft_top.append(self.drafter.chain_top(hidden, logits, block[:-1]))
+        self.draft_logits.append(logits.topk(self.logit_ranks, dim=-1))
         self.target_top.append(output.logits[0].float().topk(2, dim=-1))
         self.pending = None
 
@@ -122,7 +132,7 @@ class _StepRecorder:
 
     def steps(self, acceptance_lengths, output_ids) -> LoopSteps:
         return LoopSteps(list(acceptance_lengths), list(output_ids), self.blocks, self.draft_top,
-                         self.target_top)
+                         self.draft_logits, self.target_top)
 
 
 def our_steps(target, drafter, prompt_ids, max_new_tokens: int, stop_token_ids=()) -> LoopSteps:
@@ -148,33 +158,70 @@ def public_steps(target, public, drafter, prompt_ids, max_new_tokens: int, stop_
     return recorder.steps(result.acceptance_lengths, result.output_ids[0, prompt_ids.shape[1]:].tolist())
 
 
-def _top_two(top, index: int) -> list[tuple[int, float]]:
+def _ranked(top, index: int) -> list[tuple[int, float]]:
+    """(token, score) pairs of one row of a recorded top-k, best first."""
     scores, tokens = top
     return [(int(t), float(s)) for t, s in zip(tokens[index], scores[index])]
 
 
-def _difference(step: int, kind: str, position: int, ours, theirs, tolerance: float) -> StepDifference:
-    """A draft or target difference at one slot or row, from each loop's top-2 there."""
-    ours, theirs = _top_two(*ours), _top_two(*theirs)
-    margin = ours[0][1] - ours[1][1]
-    same_pair = {t for t, _ in ours} == {t for t, _ in theirs}
-    gap = max(abs(score - dict(theirs)[token]) for token, score in ours) if same_pair else None
-    tie = gap is not None and max(margin, theirs[0][1] - theirs[1][1], gap) < tolerance
-    return StepDifference(step, kind, position, ours, theirs, margin, gap, tie)
+def _shared_gap(ours, theirs) -> float | None:
+    """The largest difference of two (token, score) lists on the tokens both hold (None: no such token)."""
+    theirs = dict(theirs)
+    gaps = [abs(score - theirs[token]) for token, score in ours if token in theirs]
+    return max(gaps) if gaps else None
+
+
+def _target_difference(step: int, row: int, ours: LoopSteps, theirs: LoopSteps, tolerance: float):
+    ours_top, theirs_top = _ranked(ours.target_top[step], row), _ranked(theirs.target_top[step], row)
+    margin = ours_top[0][1] - ours_top[1][1]
+    same_pair = {t for t, _ in ours_top} == {t for t, _ in theirs_top}
+    gap = _shared_gap(ours_top, theirs_top) if same_pair else None
+    tie = gap is not None and max(margin, theirs_top[0][1] - theirs_top[1][1], gap) < tolerance
+    return StepDifference(step, "target", row, ours_top, theirs_top, margin, gap, tie)
+
+
+def _decision_margin(token: int, top: list[tuple[int, float]], logits: list[tuple[int, float]],
+                     candidates: int | None) -> float:
+    """How close one loop came to drafting `token` (the other loop's) instead of its own best
+    `top[0]`: the gap of their chain scores when `token` is among its best two; its K-th minus
+    (K+1)-th logit when `token` is missing from its DFlash2 candidates (`logits`: its best K + 1);
+    else at least its top-1 minus top-2."""
+    scores = dict(top)
+    if token in scores:
+        return top[0][1] - scores[token]
+    if candidates is not None and token not in dict(logits[:candidates]):
+        return logits[candidates - 1][1] - logits[candidates][1]
+    return top[0][1] - top[1][1]
+
+
+def _draft_difference(step: int, slot: int, ours: LoopSteps, theirs: LoopSteps, tolerance: float,
+                      candidates: int | None) -> StepDifference:
+    """The drafted tokens differ at block `slot` (module docstring)."""
+    i = slot - 1
+    ours_top, theirs_top = _ranked(ours.draft_top[step], i), _ranked(theirs.draft_top[step], i)
+    ours_logits, theirs_logits = _ranked(ours.draft_logits[step], i), _ranked(theirs.draft_logits[step], i)
+    ours_token, theirs_token = ours.blocks[step][slot], theirs.blocks[step][slot]
+    rules_hold = ours_top[0][0] == ours_token and theirs_top[0][0] == theirs_token
+    margin = min(_decision_margin(theirs_token, ours_top, ours_logits, candidates),
+                 _decision_margin(ours_token, theirs_top, theirs_logits, candidates))
+    gap = _shared_gap(ours_logits, theirs_logits)
+    tie = rules_hold and gap is not None and max(gap, margin) < tolerance
+    return StepDifference(step, "draft", slot, ours_top, theirs_top, margin, gap, tie)
 
 
 def _mean_tau(lengths: list[int]) -> float:
     return sum(lengths) / len(lengths) if lengths else 0.0
 
 
-def compare(ours: LoopSteps, theirs: LoopSteps, tolerance: float) -> PublicAgreement:
-    """Step by step (module docstring): identical, or the first difference, classified."""
+def compare(ours: LoopSteps, theirs: LoopSteps, tolerance: float,
+            candidates: int | None = None) -> PublicAgreement:
+    """Step by step (module docstring): identical, or the first difference, classified; `candidates`
+    is the drafter's `chain_candidates`."""
     score_gap, difference = 0.0, None
     for step, (block, public_block) in enumerate(zip(ours.blocks, theirs.blocks)):
         if block != public_block:
             slot = next(i for i, (a, b) in enumerate(zip(block, public_block)) if a != b)
-            difference = _difference(step, "draft", slot, (ours.draft_top[step], slot - 1),
-                                     (theirs.draft_top[step], slot - 1), tolerance)
+            difference = _draft_difference(step, slot, ours, theirs, tolerance, candidates)
             break
         (scores, tokens), (public_scores, public_tokens) = ours.draft_top[step], theirs.draft_top[step]
         same = tokens == public_tokens
@@ -182,8 +229,7 @@ def compare(ours: LoopSteps, theirs: LoopSteps, tolerance: float) -> PublicAgree
         if ours.acceptance_lengths[step] != theirs.acceptance_lengths[step]:
             # the row after the shorter acceptance: one loop's target took the drafted token there
             row = min(ours.acceptance_lengths[step], theirs.acceptance_lengths[step]) - 1
-            difference = _difference(step, "target", row, (ours.target_top[step], row),
-                                     (theirs.target_top[step], row), tolerance)
+            difference = _target_difference(step, row, ours, theirs, tolerance)
             break
     else:
         if ours.acceptance_lengths != theirs.acceptance_lengths or ours.output_ids != theirs.output_ids:
@@ -198,4 +244,4 @@ def check_public(target, drafter, public, prompt_ids, max_new_tokens: int, stop_
     """Decode `prompt_ids` with both loops and compare them (`compare`)."""
     ours = our_steps(target, drafter, prompt_ids, max_new_tokens, stop_token_ids)
     theirs = public_steps(target, public, drafter, prompt_ids, max_new_tokens, stop_token_ids)
-    return compare(ours, theirs, tolerance)
+    return compare(ours, theirs, tolerance, drafter.chain_candidates)

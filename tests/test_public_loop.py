@@ -66,32 +66,57 @@ def test_public_loop_accepts_as_ours_step_by_step(spread_target, tmp_path, varia
     assert any(1 < length < BLOCK for length in committed)  # partial acceptance, not all-or-nothing
 
 
-def steps(blocks, lengths, draft_top, target_top, output_ids=(1, 2, 3)) -> LoopSteps:
+def steps(blocks, lengths, draft_top, target_top, draft_logits=None, output_ids=(1, 2, 3)) -> LoopSteps:
+    """A recorded decode by hand: per step, per slot or row, (token, score) pairs best first."""
     def top(rows):
         return (torch.tensor([[s for _, s in row] for row in rows]),
                 torch.tensor([[t for t, _ in row] for row in rows]))
-    return LoopSteps(lengths, list(output_ids), blocks, [top(r) for r in draft_top], [top(r) for r in target_top])
+    return LoopSteps(lengths, list(output_ids), blocks, [top(r) for r in draft_top],
+                     [top(r) for r in (draft_logits or draft_top)], [top(r) for r in target_top])
+
+
+ROWS = [[(4, 5.0), (1, 1.0)], [(6, 5.0), (1, 1.0)], [(3, 5.0), (1, 1.0)]]
 
 
 def test_compare_tells_ties_from_semantic_differences():
-    """By hand: identical; a swapped near-tie (tie, with its margin); a swap where the loops' scores
-    differ by more than the tolerance (semantic); same drafts with a different verify argmax (target);
-    equal steps but one loop ran on (length)."""
-    sure = [[(4, 3.0), (5, 1.0)], [(6, 2.0), (2, 0.5)]]
+    """By hand: identical; a swapped near-tie (tie, with its margin); a swap where the loops' logits
+    differ by more than the tolerance (semantic); a drafted token that is not the best by the chain
+    rule on its own states (semantic); same drafts with a different verify argmax (target); equal
+    steps but one loop ran on (length)."""
     near = [[(4, 3.0), (5, 1.0)], [(6, 2.0004), (2, 2.0)]]
     swapped = [[(4, 3.0), (5, 1.0)], [(2, 2.0002), (6, 2.0001)]]
     far = [[(4, 3.0), (5, 1.0)], [(2, 2.5), (6, 2.0)]]
-    rows = [[(4, 5.0), (1, 1.0)], [(6, 5.0), (1, 1.0)], [(3, 5.0), (1, 1.0)]]
-    ours = steps([[0, 4, 6]], [3], [near], [rows])
-    assert compare(ours, steps([[0, 4, 6]], [3], [near], [rows]), 1e-3).identical
-    tie = compare(ours, steps([[0, 4, 2]], [2], [swapped], [rows]), 1e-3).difference
+    ours = steps([[0, 4, 6]], [3], [near], [ROWS])
+    same = compare(ours, steps([[0, 4, 6]], [3], [near], [ROWS]), 1e-3)
+    assert same.identical and same.score_gap == 0 and same.ours_tau == same.public_tau == 3
+    tie = compare(ours, steps([[0, 4, 2]], [2], [swapped], [ROWS]), 1e-3).difference
     assert (tie.step, tie.kind, tie.position, tie.tie) == (0, "draft", 2, True)
-    assert tie.margin == pytest.approx(4e-4, abs=1e-5) and tie.gap == pytest.approx(3e-4, abs=1e-5)
-    semantic = compare(ours, steps([[0, 4, 2]], [2], [far], [rows]), 1e-3).difference
+    assert tie.margin == pytest.approx(1e-4, abs=1e-5) and tie.gap == pytest.approx(3e-4, abs=1e-5)
+    semantic = compare(ours, steps([[0, 4, 2]], [2], [far], [ROWS]), 1e-3).difference
     assert (semantic.kind, semantic.tie, semantic.gap) == ("draft", False, pytest.approx(0.5))
-    sure_ours = steps([[0, 4, 6]], [3], [sure], [rows])
-    other_row = [rows[0], [(1, 5.0), (6, 4.9)], rows[2]]
+    off_rule = compare(steps([[0, 4, 2]], [3], [near], [ROWS]), steps([[0, 4, 6]], [3], [near], [ROWS]), 1e-3)
+    assert off_rule.difference.gap == 0 and not off_rule.difference.tie
+
+    sure = [[(4, 3.0), (5, 1.0)], [(6, 2.0), (2, 0.5)]]
+    sure_ours = steps([[0, 4, 6]], [3], [sure], [ROWS])
+    other_row = [ROWS[0], [(1, 5.0), (6, 4.9)], ROWS[2]]
     target = compare(sure_ours, steps([[0, 4, 6]], [2], [sure], [other_row]), 1e-3).difference
     assert (target.kind, target.position, target.tie) == ("target", 1, False)
-    longer = compare(sure_ours, steps([[0, 4, 6]], [3], [sure], [rows], output_ids=(1, 2, 3, 4)), 1e-3)
+    longer = compare(sure_ours, steps([[0, 4, 6]], [3], [sure], [ROWS], output_ids=(1, 2, 3, 4)), 1e-3)
     assert not longer.identical and (longer.difference.kind, longer.difference.tie) == ("length", False)
+
+
+def test_compare_tells_a_dflash2_candidate_edge_tie():
+    """DFlash2, 2 candidates: our selector drafts 7, our 2nd most likely token; the public loop's
+    candidates miss 7, whose logit there is a hair below its 2nd (a tie at the candidates' edge,
+    margin 3e-5), unless the loops' logits differ by more than the tolerance (semantic)."""
+    ours = steps([[0, 7]], [1], [[[(7, 5.0), (3, 4.0)]]], [ROWS[:2]],
+                 draft_logits=[[[(3, 1.0), (7, 0.9), (5, 0.89995)]]])
+    edge = steps([[0, 3]], [2], [[[(3, 4.0), (5, 2.0)]]], [ROWS[:2]],
+                 draft_logits=[[[(3, 1.0), (5, 0.90003), (7, 0.9)]]])
+    tie = compare(ours, edge, 1e-3, candidates=2).difference
+    assert (tie.kind, tie.position, tie.tie) == ("draft", 1, True)
+    assert tie.margin == pytest.approx(3e-5, abs=1e-6) and tie.gap == pytest.approx(8e-5, abs=1e-6)
+    wide = steps([[0, 3]], [2], [[[(3, 4.0), (5, 2.0)]]], [ROWS[:2]],
+                 draft_logits=[[[(3, 1.0), (5, 0.95), (7, 0.9)]]])
+    assert not compare(ours, wide, 1e-3, candidates=2).difference.tie
