@@ -15,8 +15,8 @@ context, window or chain rule):
   "draft": the drafted tokens differ at a slot. A tie when each loop's token is the best by the
     chain rule on its own states, the loops' logits there agree within `tolerance` on every token
     both rank high, and the decision was that close: the two tokens' chain scores (a near-tie at
-    the top), or, where one loop's token is missing from the other's DFlash2 candidates, that
-    loop's K-th and (K+1)-th logits (a near-tie at the candidates' edge).
+    the top), or, where one loop's token is at the edge of the other's DFlash2 candidates, that
+    loop's K-th logit and the token's (a near-tie, or an exact one that topk broke differently).
   "target": the same drafts, but the target's argmax differs at a verify row. A tie when both loops
     rank the same two tokens on top there, within `tolerance` of each other and of each other's.
   "length": one loop stopped first with everything before equal (never a tie).
@@ -183,14 +183,18 @@ def _target_difference(step: int, row: int, ours: LoopSteps, theirs: LoopSteps, 
 def _decision_margin(token: int, top: list[tuple[int, float]], logits: list[tuple[int, float]],
                      candidates: int | None) -> float:
     """How close one loop came to drafting `token` (the other loop's) instead of its own best
-    `top[0]`: the gap of their chain scores when `token` is among its best two; its K-th minus
-    (K+1)-th logit when `token` is missing from its DFlash2 candidates (`logits`: its best K + 1);
-    else at least its top-1 minus top-2."""
+    `top[0]`: the gap of their chain scores when `token` is among its best two; when `token`'s logit
+    is not above its K-th (`logits`: its best K + 1), so that its DFlash2 candidates could miss
+    `token`, the K-th logit minus `token`'s (0 for an exact tie, which topk breaks as it likes);
+    else at least its top-1 minus top-2 chain score."""
     scores = dict(top)
     if token in scores:
         return top[0][1] - scores[token]
-    if candidates is not None and token not in dict(logits[:candidates]):
-        return logits[candidates - 1][1] - logits[candidates][1]
+    if candidates is not None:
+        edge = logits[candidates - 1][1]
+        value = dict(logits).get(token, logits[-1][1])  # not listed: at most the (K+1)-th
+        if value <= edge:
+            return edge - value
     return top[0][1] - top[1][1]
 
 
