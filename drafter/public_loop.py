@@ -6,7 +6,8 @@ export's `architectures`; `load_public`) on our export; `our_steps` runs `drafte
 with method "dflash". Both record each step through forward hooks: the block the target verified
 (root and drafted tokens), the two best tokens of the drafted path at every slot with their scores
 (what the path takes the argmax of: the logits, or a DFlash2 selector's scores after the slot's
-predecessor, `chain_top`), and the target's two best tokens at every verify row.
+predecessor, `chain_top`), the drafter's most likely tokens there, and the target's two best tokens
+at every verify row.
 
 `compare` walks both records: identical when every step drafted the same tokens and committed as
 many. Otherwise the first step that differs is classified, as a tie (rounding flipped a decision
@@ -172,6 +173,7 @@ def _shared_gap(ours, theirs) -> float | None:
 
 
 def _target_difference(step: int, row: int, ours: LoopSteps, theirs: LoopSteps, tolerance: float):
+    """The same drafts, but the target's argmax differs at verify `row` (module docstring)."""
     ours_top, theirs_top = _ranked(ours.target_top[step], row), _ranked(theirs.target_top[step], row)
     margin = ours_top[0][1] - ours_top[1][1]
     same_pair = {t for t, _ in ours_top} == {t for t, _ in theirs_top}
