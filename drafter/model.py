@@ -15,8 +15,8 @@ sublayer and a `CandidateSelector` whose chain (`draft_chain`) is the single pat
 
 The same `forward` serves training (all anchors' blocks of a sequence at once, ctx = the whole
 sequence, a block mask) and inference (one block, ctx = new context positions appended to a
-`DraftCache`, no mask). Weight names and config follow the public `dflash` format, so
-`save_pretrained` output loads in `dflash.model.DFlashDraftModel`, SGLang and vLLM.
+`DraftCache`; a mask only for sliding and causal layers). Weight names and config follow the public
+`dflash` format, so `save_pretrained` output loads in `dflash.model.DFlashDraftModel`, SGLang and vLLM.
 """
 import functools
 from dataclasses import dataclass
@@ -87,6 +87,13 @@ class LayerAttention:
     def restricts(self) -> bool:
         return self.causal or self.window is not None
 
+    def cached_context(self, length: int) -> int:
+        """How many of the last `length` context positions a draft cache keeps for this layer once a
+        block is drafted: all of them, or for a sliding layer the last window - 1 (the most a later
+        query sees before its own position), as the serving caches keep them: dflash 0.1.0's
+        DynamicSlidingWindowLayer with past recording, cropped back after each block."""
+        return length if self.window is None else min(length, self.window - 1)
+
     def visible_keys(self, anchors: torch.Tensor, seq_len: int, block_size: int) -> VisibleKeys:
         """For blocks at `anchors` [b, A] over a context of `seq_len` positions (keys [context ||
         A blocks of block_size])."""
@@ -129,19 +136,18 @@ def layer_attention(config: Qwen3Config) -> list[LayerAttention]:
 
 
 class DraftCache:
-    """Per-layer K/V of the context only: block entries are never stored, so no crop is needed.
-    Sliding layers keep their whole context too (their masks drop what lies outside the window)."""
+    """Per-layer K/V of the context only: block entries are never stored. After each block `crop`
+    keeps what the next block can see (`LayerAttention.cached_context`): a full layer its whole
+    context, a sliding layer its last window - 1 positions. `length` counts every context position
+    seen, so positions stay absolute while a sliding layer's keys are a suffix of them."""
 
     def __init__(self):
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-
-    @property
-    def length(self) -> int:
-        return self.keys[0].shape[2] if self.keys else 0
+        self.length = 0
 
     def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        """Append new context K/V for `layer`; return all context K/V of that layer so far."""
+        """Append new context K/V for `layer`; return that layer's kept context K/V and the new."""
         if layer == len(self.keys):
             self.keys.append(k)
             self.values.append(v)
@@ -149,6 +155,13 @@ class DraftCache:
             self.keys[layer] = torch.cat([self.keys[layer], k], dim=2)
             self.values[layer] = torch.cat([self.values[layer], v], dim=2)
         return self.keys[layer], self.values[layer]
+
+    def crop(self, length: int, layer_attention: list[LayerAttention]):
+        """The context now ends at `length`: keep each layer's `cached_context` of it."""
+        self.length = length
+        for i, attention in enumerate(layer_attention):
+            drop = self.keys[i].shape[2] - attention.cached_context(length)
+            self.keys[i], self.values[i] = self.keys[i][:, :, drop:], self.values[i][:, :, drop:]
 
 
 @dataclass(frozen=True)
@@ -359,9 +372,13 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         positions = torch.arange(start, start + n + block_len, device=block_ids.device)[None]
         positions = positions.expand(block_ids.shape[0], -1)
         block_embeds = self.embed_block(target, block_ids)
-        masks = {a: a.inference_mask(start + n, block_len, block_ids.device) for a in set(self.layer_attention)}
+        # each layer's keys: its cached context (a suffix of the positions before `start`), the new
+        # context and the block; the mask depends on distances only, so it is built over those keys
+        masks = {a: a.inference_mask(a.cached_context(start) + n, block_len, block_ids.device)
+                 for a in set(self.layer_attention)}
         hidden = self(block_embeds[:, None], positions[:, None, n:], ctx_features.to(self.dtype),
                       positions[:, :n], masks, cache)
+        cache.crop(start + n, self.layer_attention)
         return hidden[:, 0]
 
     @torch.no_grad()
@@ -386,6 +403,16 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         """The token the drafted path takes at each slot [...] given the token before it
         (`predecessors` [...]; unused by DFlash) from the slot's state and logits [..., V]."""
         return logits.argmax(-1)
+
+    def chain_top(self, hidden, logits, predecessors, k: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scores, tokens) [..., k]: the k best tokens of the drafted path at each slot by the score
+        `chain_picks` takes the argmax of (DFlash: the logits), best first."""
+        return logits.topk(k, dim=-1)
+
+    @property
+    def chain_candidates(self) -> int | None:
+        """How many of a slot's most likely tokens the drafted path chooses among: None (all) for DFlash."""
+        return None
 
     def block_trees(self, hidden, logits, roots, budget: int, backend: str = "auto") -> DraftTree:
         """The best-`budget` DDTree of each block [n] from its slots' states [n, B-1, H] and logits
@@ -421,10 +448,14 @@ class CandidateSelector(nn.Module):
         """(logits, token ids) [..., K] of the top-K tokens, most likely first."""
         return logits.topk(self.top_k, dim=-1)
 
+    def scores(self, hidden, logits, predecessors) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scores, candidates) [..., K] of every slot given its predecessor: logit + pair score."""
+        unary, candidates = self.candidates(logits)
+        return unary + self(hidden, predecessors, candidates).to(unary.dtype), candidates
+
     def pick(self, hidden, logits, predecessors) -> torch.Tensor:
         """The best-scored candidate [...] of every slot given its predecessor."""
-        unary, candidates = self.candidates(logits)
-        scores = unary + self(hidden, predecessors, candidates).to(unary.dtype)
+        scores, candidates = self.scores(hidden, logits, predecessors)
         return candidates.gather(-1, scores.argmax(-1, keepdim=True))[..., 0]
 
     def conditional_logprobs(self, hidden, logits, roots):
@@ -463,6 +494,17 @@ class DFlash2DraftModel(DFlashDraftModel):
 
     def chain_picks(self, hidden, logits, predecessors) -> torch.Tensor:
         return self.candidate_selector.pick(hidden, logits, predecessors)
+
+    def chain_top(self, hidden, logits, predecessors, k: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+        """DFlash2: by the selector's scores after each slot's predecessor."""
+        scores, candidates = self.candidate_selector.scores(hidden, logits, predecessors)
+        top, index = scores.topk(k, dim=-1)
+        return top, candidates.gather(-1, index)
+
+    @property
+    def chain_candidates(self) -> int | None:
+        """DFlash2: the selector's top-K."""
+        return self.candidate_selector.top_k
 
     def block_trees(self, hidden, logits, roots, budget: int, backend: str = "auto") -> DraftTree:
         """DFlash2: the tree of the selector's scores, each node's children scored after its own token

@@ -2,7 +2,8 @@
 
     python eval/ddtree_accept.py --ckpt runs/v3/checkpoints/latest \\
         [--bench gsm8k,math500=/data/math500,prompts.jsonl] [--budgets 16,32,64,128,256,512] \\
-        [--temperature 0] [--max-new-tokens 2048] [--max-samples N] [--out results.json] [--save-samples]
+        [--temperature 0] [--max-new-tokens 2048] [--max-samples N] [--out results.json] [--save-samples] \\
+        [--check-public N]
     torchrun --nproc_per_node 8 eval/ddtree_accept.py ...        # prompts split over the ranks
     torchrun --nproc_per_node 8 eval/ddtree_accept.py --tp 4 ... # a target sharded over 4 ranks: 2 copies
 
@@ -22,6 +23,14 @@ tree of N nodes built from the drafter's block at each step's anchor, walked alo
 labelled `replayed`, with no timing; above temperature 0 those rows are left out. A target whose cached
 multi-token forward does not continue its state (Jamba; `drafter.target_cache.probe_decoding`) gets
 its `dflash` row replayed the same way.
+
+--check-public N runs the public `dflash` 0.1.0 loop (`dflash_generate`, with the package's own
+DFlashDraftModel or DFlash2DraftModel loading the checkpoint's export) and ours on the first turn of the
+first N prompts of each benchmark and compares them step by step (`drafter.public_loop`): how many
+decode identically (same drafts, same acceptance at every step), each loop's tau, and each other
+prompt's first difference, classified as a tie (both loops rank the same two tokens within
+--tie-tolerance of each other) or semantic. Its verdict reads like `lossless`: yes, ties-only or no.
+It runs on the first rank only, at temperature 0 and --tp 1.
 
 With --tp G, consecutive groups of G ranks each hold one copy of the target sharded by tensor
 parallelism (drafter/tensor_parallel.py); a group's members decode the same prompts in lockstep (the
@@ -45,6 +54,7 @@ from drafter.decode import SAMPLING, STAGES, generate, stop_token_ids, tree_veri
 from drafter.lossless import BF16_TIE_TOLERANCE, first_divergence, lossless_verdict, near_tie_share
 from drafter.model import load_drafter
 from drafter.progress import progress_bar
+from drafter.public_loop import PublicAgreement, check_public, load_public
 from drafter.served import PromptShare, replay_steps
 from drafter.target import TargetError, context_features
 from drafter.target_cache import probe_decoding
@@ -83,6 +93,9 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tp", type=int, default=1, help="ranks that share one tensor-parallel copy of the "
                         "target (torchrun; it must divide the ranks of a node)")
+    parser.add_argument("--check-public", type=int, default=0, metavar="N",
+                        help="also decode the first N prompts of each benchmark with the public dflash 0.1.0 "
+                             "loop and compare it with ours step by step (module docstring)")
     args = parser.parse_args(argv)
     args.budgets = [int(b) for b in args.budgets.split(",") if b]
     if any(b < 1 for b in args.budgets):
@@ -91,6 +104,11 @@ def parse_args(argv=None):
         parser.error("--max-samples must be >= 1")
     if args.tp < 1:
         parser.error("--tp must be >= 1")
+    if args.check_public < 0:
+        parser.error("--check-public must be >= 0")
+    if args.check_public and (args.temperature > 0 or args.tp > 1):
+        parser.error("--check-public compares greedy decodes on one whole target: it needs --temperature 0 "
+                     "and --tp 1")
     return args
 
 
@@ -163,6 +181,10 @@ class Evaluator:
         self.args, self.dtype = args, dtype
         methods = ["dflash"] + [f"ddtree@{b}" for b in args.budgets]
         self.methods = ["ar"] + [m for m in methods if args.temperature <= 0 or not self.replays(m)]
+        if args.check_public and self.verify_refusal:
+            raise TargetError(f"--check-public: the public loop verifies by one cached multi-token forward, "
+                              f"which this target cannot continue ({self.verify_refusal})")
+        self.public = load_public(directory, dtype, device) if args.check_public else None
 
     def replays(self, method: str) -> bool:
         """Whether `method` is replayed on `ar`'s text instead of generated (module docstring)."""
@@ -207,6 +229,16 @@ class Evaluator:
             answer = self.tokenizer.decode(result.output_ids, skip_special_tokens=True)
             messages.append({"role": "assistant", "content": answer})
         return records
+
+    def check_public(self, prompts) -> list[tuple[str, PublicAgreement]]:
+        """(source, comparison) of our dflash and the public loop on each prompt's first turn."""
+        checked = []
+        for prompt in prompts:
+            ids = self.prompt_ids(list(prompt.history) + [{"role": "user", "content": prompt.turns[0]}])
+            checked.append((prompt.source, check_public(self.target, self.drafter, self.public, ids,
+                                                        self.args.max_new_tokens, self.stop_token_ids,
+                                                        self.args.tie_tolerance)))
+        return checked
 
     def warm_up(self, prompt):
         """First calls pay for allocation and kernel selection: keep them out of the timings."""
@@ -319,7 +351,23 @@ def summarize(records: list[dict], reference: list[dict], greedy: bool, save_sam
     return summary
 
 
-def report(records_by_bench: dict, args, evaluator: Evaluator, world: int) -> dict:
+def summarize_public(checked: list[tuple[str, PublicAgreement]]) -> dict:
+    """The public loop against ours on one benchmark's checked prompts (--check-public): how many decode
+    identically step for step, each loop's tau (mean over the prompts), the verdict (yes: all identical;
+    ties-only: every first difference a tie; no), the largest score gap where they drafted alike, and
+    every prompt's comparison."""
+    agreements = [a for _, a in checked]
+    differences = [a.difference for a in agreements]
+    return {"prompts": len(agreements), "identical": sum(a.identical for a in agreements),
+            "tau": sum(a.ours_tau for a in agreements) / len(agreements),
+            "public_tau": sum(a.public_tau for a in agreements) / len(agreements),
+            "verdict": lossless_verdict(differences),
+            "score_gap": max(a.score_gap for a in agreements),
+            "per_prompt": [{"source": source, **asdict(a)} for source, a in checked]}
+
+
+def report(records_by_bench: dict, args, evaluator: Evaluator, world: int,
+           public_checks: dict[str, list[tuple[str, PublicAgreement]]]) -> dict:
     benchmarks = {}
     for bench, records in records_by_bench.items():
         methods = {m: summarize(rs, records["ar"], args.temperature <= 0, args.save_samples,
@@ -336,13 +384,15 @@ def report(records_by_bench: dict, args, evaluator: Evaluator, world: int) -> di
         benchmarks[bench] = {"methods": methods,
                              "near_tie_share": near_tie_share(margins, args.tie_tolerance)
                              if args.temperature <= 0 else None}
+        if public_checks.get(bench):
+            benchmarks[bench]["public_check"] = summarize_public(public_checks[bench])
     config = {"ckpt": args.ckpt, "target": evaluator.target_path, "budgets": args.budgets,
               "temperature": args.temperature, "sampling": args.sampling,
               "tie_tolerance": args.tie_tolerance, "max_new_tokens": args.max_new_tokens,
               "enable_thinking": evaluator.enable_thinking, "dtype": str(evaluator.dtype),
               "device": str(evaluator.target.device), "world_size": world, "tp_size": args.tp,
               "block_size": evaluator.drafter.block_size, "tree_verify_refusal": evaluator.tree_refusal,
-              "verify_refusal": evaluator.verify_refusal,
+              "verify_refusal": evaluator.verify_refusal, "check_public": args.check_public,
               "stage_times_synchronized":
               args.sync_stages or evaluator.target.device.type != "cuda"}
     return {"config": config, "benchmarks": benchmarks}
@@ -374,7 +424,24 @@ def markdown_table(results: dict) -> str:
             lines.append(f"\n{bench}: {entry['near_tie_share']:.1%} of ar's steps have a top-2 logit margin "
                          f"below the tie tolerance ({results['config']['tie_tolerance']}): the chance "
                          "that a bug's divergence passes for a tie")
+        if "public_check" in entry:
+            lines.append(public_check_line(bench, entry["public_check"]))
     return "\n".join(lines)
+
+
+def public_check_line(bench: str, check: dict) -> str:
+    """--check-public in words: agreement, both taus, verdict and each first difference."""
+    line = (f"\n{bench}: the public dflash 0.1.0 loop on {check['prompts']} prompts: {check['identical']} "
+            f"identical step for step, tau {check['tau']:.2f} ours vs {check['public_tau']:.2f} public, "
+            f"verdict {check['verdict']}")
+    for row in check["per_prompt"]:
+        d = row["difference"]
+        if d is not None:
+            margin = "-" if d["margin"] is None else f"{d['margin']:.3g}"
+            line += (f"\n  {row['source']} step {d['step']}: {d['kind']} at {d['position']}, "
+                     f"{'tie' if d['tie'] else 'semantic'} (margin {margin}; "
+                     f"ours {d['ours']}, public {d['theirs']})")
+    return line
 
 
 def save_plots(results: dict, out: Path) -> list[Path]:
@@ -451,7 +518,9 @@ def main(argv=None) -> dict | None:
     if rank != 0:
         return None
     records = {name: in_prompt_order(records[name], prompts) for name, prompts in prompt_sets.items()}
-    results = report(records, args, evaluator, world)
+    public_checks = {name: evaluator.check_public(prompts[:args.check_public])
+                     for name, prompts in prompt_sets.items()} if args.check_public else {}
+    results = report(records, args, evaluator, world, public_checks)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))

@@ -87,6 +87,30 @@ def test_report_from_a_run_checkpoint(checkpoint, capsys):
     assert (out.parent / "results_budget.png").stat().st_size > 0
 
 
+def test_check_public_reports_the_public_loop_step_by_step(checkpoint, tmp_path, capsys):
+    """--check-public N: the public dflash 0.1.0 loop on the first N prompts' first turns decodes as
+    ours at every step, and the report says so, with each loop's tau; it is refused where it cannot
+    compare greedy decodes on one whole target."""
+    pytest.importorskip("dflash.model")
+    results = ddtree_accept.main([
+        "--ckpt", str(checkpoint / "ckpt"), "--bench", str(checkpoint / "prompts.jsonl"), "--budgets", "2",
+        "--max-new-tokens", "14", "--out", str(tmp_path / "results.json"), "--check-public", "2"])
+    check = results["benchmarks"]["prompts"]["public_check"]
+    assert results["config"]["check_public"] == 2
+    assert (check["prompts"], check["identical"], check["verdict"]) == (2, 2, "yes")
+    prompts = checkpoint / "prompts.jsonl"
+    assert [row["source"] for row in check["per_prompt"]] == [f"{prompts}:1", f"{prompts}:2"]
+    first_turns = results["benchmarks"]["prompts"]["methods"]["dflash"]
+    assert check["tau"] == check["public_tau"] and check["score_gap"] < 1e-4
+    assert all(row["steps"] >= 1 and row["difference"] is None for row in check["per_prompt"])
+    assert first_turns["responses"] == 4  # the check reruns only first turns, outside the method rows
+    assert "the public dflash 0.1.0 loop on 2 prompts: 2 identical step for step" in capsys.readouterr().out
+    for flags in (["--check-public", "1", "--temperature", "0.7"], ["--check-public", "1", "--tp", "2"],
+                  ["--check-public", "-1"]):
+        with pytest.raises(SystemExit):
+            ddtree_accept.parse_args(["--ckpt", "x"] + flags)
+
+
 def test_target_flag_overrides_the_recorded_target(checkpoint, tmp_path):
     target = random_qwen3(vocab_size=384, seed=3)
     drafter = make_drafter(target, block_size=4, target_path="no/such/target")

@@ -148,7 +148,8 @@ def test_public_dflash_package_loads_our_export_with_equal_logits(target, tmp_pa
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_cache_keeps_context_only_and_matches_one_shot(target, variant):
-    """Drafting with context added in pieces through the cache equals drafting with it all at once."""
+    """Drafting with context added in pieces through the cache equals drafting with it all at once,
+    though a sliding layer's cache keeps only what the next block can see."""
     drafter = make_drafter(target, variant=VARIANTS[variant])
     ids = torch.randint(0, 250, (1, 24))
     features = context_features(target, ids, drafter.target_layer_ids)
@@ -160,6 +161,8 @@ def test_cache_keeps_context_only_and_matches_one_shot(target, variant):
     pieces = drafter.draft_logits(target, features[:, 9:20], block, cache)
     assert cache.length == 20
     torch.testing.assert_close(pieces, one_shot, rtol=1e-5, atol=1e-5)
+    kept = [keys.shape[2] for keys in cache.keys]  # a sliding layer: the window - 1 before the next block
+    assert kept == [20 if a.window is None else a.window - 1 for a in drafter.layer_attention]
 
 
 def test_last_target_layer_is_refused_with_the_reason(target):

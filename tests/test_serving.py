@@ -4,8 +4,6 @@ random drafter every step accepts about nothing, and a loop that feeds the wrong
 passes a losslessness check."""
 import copy
 import math
-import tempfile
-import time
 from collections import Counter
 
 import pytest
@@ -17,8 +15,9 @@ from drafter.ddtree import build_tree, teacher_forced_accept
 from drafter.decode import generate
 from drafter.lossless import BF16_TIE_TOLERANCE, first_divergence, lossless_verdict, near_tie_share
 from drafter.draft_config import drafter_config
-from drafter.model import DFlash2DraftModel, DFlashDraftModel
+from drafter.model import DFlashDraftModel
 from drafter.objective import build_blocks, drafter_hidden
+from drafter.public_loop import check_public, load_public
 from drafter.target import context_features, random_qwen3
 
 SPECULATIVE = [("dflash", None), ("ddtree", 4), ("ddtree", 32)]
@@ -101,30 +100,22 @@ def test_served_steps_follow_the_training_path(request, monkeypatch, world, meth
 
 
 @pytest.mark.parametrize("world", ["trained", "trained_sliding", "trained_dflash2"])
-def test_dflash_matches_public_dflash_generate(request, monkeypatch, world):
+def test_dflash_matches_public_dflash_generate(request, tmp_path, world):
     """Token for token and step for step the public package's loop on the same trained drafter, for
-    full and for sliding layers (the public loop keeps a sliding layer's last window of context),
-    and for DFlash2 (both walk its selector chain)."""
+    full and for sliding layers and for DFlash2 (both walk its selector chain), stop token included
+    (tests/test_public_loop.py holds every variant to it with spread random drafters)."""
+    pytest.importorskip("dflash.model")
     trained = request.getfixturevalue(world)
-    dflash_model = pytest.importorskip("dflash.model")
-    monkeypatch.setattr(dflash_model, "_cuda_time", time.perf_counter)  # its timer syncs CUDA
-    public_class = (dflash_model.DFlash2DraftModel if isinstance(trained.drafter, DFlash2DraftModel)
-                    else dflash_model.DFlashDraftModel)
-    with tempfile.TemporaryDirectory() as directory:
-        trained.drafter.save_pretrained(directory)
-        public = public_class.from_pretrained(directory).eval()
+    trained.drafter.save_pretrained(tmp_path)
+    public = load_public(tmp_path, torch.float32, "cpu")
     num_prompt = trained.prompts.shape[1]
     taus = []
     for i, max_new, stop_at in [(1, 40, None), (2, 33, 25)]:
         prompt = trained.prompts[i:i + 1]
-        stops = [int(trained.sequences[i, num_prompt + stop_at])] if stop_at else None
-        theirs = dflash_model.dflash_generate(public, trained.target, prompt, max_new, stops,
-                                              return_stats=True)
-        ours = generate(trained.target, prompt, max_new, stops or (), method="dflash",
-                        drafter=trained.drafter)
-        assert ours.acceptance_lengths == theirs.acceptance_lengths
-        assert ours.output_ids == theirs.output_ids[0, num_prompt:].tolist()
-        taus.append(sum(ours.acceptance_lengths) / len(ours.acceptance_lengths))
+        stops = [int(trained.sequences[i, num_prompt + stop_at])] if stop_at else ()
+        agreement = check_public(trained.target, trained.drafter, public, prompt, max_new, stops)
+        assert agreement.identical, agreement.difference
+        taus.append(agreement.ours_tau)
     assert min(taus) > {"trained": 3.0, "trained_sliding": 2.5, "trained_dflash2": 2.0}[world], taus  # random: 1
 
 
