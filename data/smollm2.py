@@ -258,24 +258,24 @@ def step_bench_code(out: Path) -> None:
 # The target's answers, prepared
 # ---------------------------------------------------------------------------------------------
 
-def regenerate(out: Path, prompts: str, answers: str) -> None:
+def generation(out: Path) -> world.Generation:
     sizes = json.loads((out / "sizes.json").read_text())
-    world.regenerate(out, prompts, answers, sizes["max_new_tokens"], sizes["batch_size"])
+    return world.Generation(sizes["max_new_tokens"], sizes["batch_size"])
 
 
 def step_train_data(out: Path) -> None:
-    regenerate(out, "prompts.jsonl", "regenerated.jsonl")
-    world.prepare(out, "regenerated.jsonl", "train_data", "--drop-loops")
+    world.answered_dataset(out, "prompts.jsonl", "regenerated.jsonl", "train_data", generation(out),
+                           "--drop-loops")
 
 
 def step_bench_chat_data(out: Path) -> None:
-    regenerate(out, "bench_chat.jsonl", "bench_chat_answers.jsonl")
-    world.prepare(out, "bench_chat_answers.jsonl", "bench_chat_data")
+    world.answered_dataset(out, "bench_chat.jsonl", "bench_chat_answers.jsonl", "bench_chat_data",
+                           generation(out))
 
 
 def step_bench_code_data(out: Path) -> None:
-    regenerate(out, "bench_code.jsonl", "bench_code_answers.jsonl")
-    world.prepare(out, "bench_code_answers.jsonl", "bench_code_data")
+    world.answered_dataset(out, "bench_code.jsonl", "bench_code_answers.jsonl", "bench_code_data",
+                           generation(out))
 
 
 def record_sizes(out: Path, sizes: dict) -> None:

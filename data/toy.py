@@ -316,6 +316,7 @@ HELDOUT_ROWS = 64
 NUM_PROMPTS = 2000
 MAX_NEW_TOKENS = 64
 REGENERATE_BATCH_SIZE = 64
+GENERATION = world.Generation(MAX_NEW_TOKENS, REGENERATE_BATCH_SIZE)
 NUM_BENCH = 32
 NUM_HELDOUT = 512
 
@@ -413,23 +414,17 @@ def step_heldout(out: Path) -> None:
     world.write_jsonl(out / "heldout.jsonl", chat_prompts(out, "bench", NUM_HELDOUT, seed=SEED + 1))
 
 
-def regenerate(out: Path, prompts: str, answers: str) -> None:
-    world.regenerate(out, prompts, answers, MAX_NEW_TOKENS, REGENERATE_BATCH_SIZE)
-
-
 def step_train_data(out: Path) -> None:
-    regenerate(out, "prompts.jsonl", "regenerated.jsonl")
-    world.prepare(out, "regenerated.jsonl", "train_data", "--drop-loops")
+    world.answered_dataset(out, "prompts.jsonl", "regenerated.jsonl", "train_data", GENERATION,
+                           "--drop-loops")
 
 
 def step_bench_data(out: Path) -> None:
-    regenerate(out, "bench.jsonl", "bench_answers.jsonl")
-    world.prepare(out, "bench_answers.jsonl", "bench_data")
+    world.answered_dataset(out, "bench.jsonl", "bench_answers.jsonl", "bench_data", GENERATION)
 
 
 def step_heldout_data(out: Path) -> None:
-    regenerate(out, "heldout.jsonl", "heldout_answers.jsonl")
-    world.prepare(out, "heldout_answers.jsonl", "heldout_data")
+    world.answered_dataset(out, "heldout.jsonl", "heldout_answers.jsonl", "heldout_data", GENERATION)
 
 
 def step_report(out: Path) -> dict:

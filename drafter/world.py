@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -52,13 +53,29 @@ def run_cli(script: str, args: list[str]) -> None:
     subprocess.run([sys.executable, str(REPO_ROOT / "data" / script), *args], check=True, env=env)
 
 
-def regenerate(out: Path, prompts: str, answers: str, max_tokens: int, batch_size: int) -> None:
+@dataclass(frozen=True)
+class Generation:
+    """How a world's target writes its answers (data/regenerate.py --backend local, greedy)."""
+    max_tokens: int
+    batch_size: int
+
+
+def answered_dataset(out: Path, prompts: str, answers: str, dataset: str, generation: Generation,
+                     *prepare_flags: str) -> None:
+    """The target's greedy answers to out/prompts, in out/answers, tokenised into out/dataset: one
+    stage, whose marker is the dataset."""
+    regenerate(out, prompts, answers, generation)
+    prepare(out, answers, dataset, *prepare_flags)
+
+
+def regenerate(out: Path, prompts: str, answers: str, generation: Generation) -> None:
     """The target's greedy answers to out/prompts, written to out/answers (data/regenerate.py). An
     interrupted or empty regeneration stops the build: the stage that called it has no output yet, so
     a rerun resumes the regeneration (regenerate skips the answers already written)."""
     run_cli("regenerate.py", ["--backend", "local", "--target", str(out / "target"),
                               "--input", str(out / prompts), "--out", str(out / answers), "--no-thinking",
-                              "--max-tokens", str(max_tokens), "--batch-size", str(batch_size)])
+                              "--max-tokens", str(generation.max_tokens),
+                              "--batch-size", str(generation.batch_size)])
     summary = json.loads((out / answers.replace(".jsonl", ".summary.json")).read_text())
     if summary["interrupted"] or summary["remaining"]:
         raise SystemExit(f"{out / answers}: regeneration stopped with {summary['remaining']} of "
