@@ -126,6 +126,11 @@ def step_target(out: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 
 WHITESPACE = re.compile(r"\s*")
+# What the decoder leaves unread when the text ends inside a token (it stops at the token's start,
+# or after a number's digits, or at the 'u' of an escape)
+PARTIAL_TOKEN = re.compile(r"t(r(u)?)?|f(a(l(s)?)?)?|n(u(l)?)?|-|[.eE][+-]?")
+PARTIAL_ESCAPE = re.compile(r"u[0-9a-fA-F]{0,3}")
+NUMBER_TAIL = re.compile(r"([.eE][+-]?)?")
 
 
 class CorruptJson(SystemExit):
@@ -139,7 +144,7 @@ def salvage_json_list(path: Path) -> tuple[list, dict]:
     file interrupts is counted as cut and decoding stops. A record broken anywhere else is corruption,
     not a cut: it stops the build with the file, the record number and the line.
     """
-    text = path.read_text(encoding="utf-8")
+    text = read_utf8(path)
     decoder = json.JSONDecoder()
     at = WHITESPACE.match(text, 0).end()
     if text[at:at + 1] != "[":
@@ -156,6 +161,9 @@ def salvage_json_list(path: Path) -> tuple[list, dict]:
                                   f"{error.colno}): {error.msg}") from None
             cut = 1
             break
+        if type(record) in (int, float) and NUMBER_TAIL.fullmatch(text, at):
+            cut = 1  # the file ends in this number (or its '.' / exponent): more digits may have followed
+            break
         records.append(record)
         at = WHITESPACE.match(text, at).end()
         separator = text[at:at + 1]
@@ -167,12 +175,32 @@ def salvage_json_list(path: Path) -> tuple[list, dict]:
             line = text.count("\n", 0, at) + 1
             raise CorruptJson(f"{path}: after record {len(records) - 1} (line {line}): expected ',' or ']', "
                               f"found {separator!r}")
-    return records, {"complete": len(records), "cut": cut, "closed": closed, "bytes": len(text.encode())}
+    after = WHITESPACE.match(text, at + 1).end() if closed else len(text)
+    if after < len(text):
+        line = text.count("\n", 0, after) + 1
+        raise CorruptJson(f"{path}: text after the list's closing ']' (line {line})")
+    return records, {"complete": len(records), "cut": cut, "closed": closed, "bytes": path.stat().st_size}
+
+
+def read_utf8(path: Path) -> str:
+    """The file's text (a byte order mark dropped); a character whose bytes the end cuts is left out."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        if error.reason == "unexpected end of data":
+            return data[:error.start].decode("utf-8-sig")
+        raise CorruptJson(f"{path}: not UTF-8 (byte {error.start}: {error.reason})") from None
 
 
 def cut_by_end(error: json.JSONDecodeError, text: str) -> bool:
-    """Whether a decode error means the text ended inside the record (a cut), not a malformed record."""
-    return error.msg.startswith("Unterminated string") or not text[error.pos:].strip()
+    """Whether a decode error means the text ended inside the record (a cut), not a malformed record:
+    the error is at the end, or inside a string, a literal, a number or a \\u escape that the end cuts."""
+    tail = text[error.pos:]
+    if error.msg.startswith("Unterminated string") or not tail.strip():
+        return True
+    partial = PARTIAL_ESCAPE if error.msg.startswith("Invalid \\uXXXX") else PARTIAL_TOKEN
+    return partial.fullmatch(tail) is not None
 
 
 def conversation_group(record_id: str) -> str:

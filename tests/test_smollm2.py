@@ -45,6 +45,36 @@ def test_salvage_of_a_whole_file_and_of_corruption(tmp_path):
         smollm2.salvage_json_list(write(tmp_path, json.dumps(rows[0])))
 
 
+@pytest.mark.parametrize("tail", ["tr", "fals", "nul", "-", "1.", "1.5e+", '"\\u12', '"caf\u00e9'])
+@pytest.mark.parametrize("nested", [True, False])
+def test_a_cut_inside_a_token_is_a_cut_not_corruption(tmp_path, tail, nested):
+    """The file may end anywhere: inside a literal, a number, an escape or a character's UTF-8 bytes."""
+    text = '[{"a": 1}, ' + ('{"b": [' + tail if nested else tail)
+    path = tmp_path / "list.json"
+    path.write_bytes(text.encode("utf-8")[:-1] if tail.endswith("\u00e9") else text.encode("utf-8"))
+    kept, info = smollm2.salvage_json_list(path)
+    assert kept == [{"a": 1}] and info["cut"] == 1 and info["closed"] is False
+
+
+def test_a_number_the_file_ends_in_may_be_cut(tmp_path):
+    kept, info = smollm2.salvage_json_list(write(tmp_path, "[1, 2, 12"))
+    assert kept == [1, 2] and info["cut"] == 1
+    kept, info = smollm2.salvage_json_list(write(tmp_path, "[1, 2, 12 "))  # the space ends it
+    assert kept == [1, 2, 12] and info["cut"] == 0
+
+
+def test_encodings_and_text_after_the_list(tmp_path):
+    rows = records(2)
+    path = tmp_path / "list.json"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(rows).encode())  # a UTF-8 byte order mark
+    assert smollm2.salvage_json_list(path)[0] == rows
+    path.write_bytes(json.dumps(rows).encode("utf-16"))
+    with pytest.raises(smollm2.CorruptJson, match=r"list.json: not UTF-8 \(byte 0"):
+        smollm2.salvage_json_list(path)
+    with pytest.raises(smollm2.CorruptJson, match=r"list.json: text after the list's closing '\]' \(line 3\)"):
+        smollm2.salvage_json_list(write(tmp_path, json.dumps(rows) + "\n\n]"))
+
+
 def test_prompts_split_by_conversation_and_dropped_by_reason(monkeypatch):
     monkeypatch.setattr(smollm2, "in_bench", lambda group: group.startswith("b"))
     rows = [
