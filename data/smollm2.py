@@ -336,7 +336,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=value)
     parser.add_argument("--force", action="store_true", help="rebuild every stage from scratch")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for name in [*SIZES, "threads"]:
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
+    if Path(args.out).is_file():
+        parser.error(f"--out {args.out} is a file, not a directory")
+    return args
 
 
 def main(argv=None) -> dict:

@@ -100,6 +100,24 @@ def test_a_missing_package_names_its_pip_line():
         smollm2.package_file("no-such-wheel", "1.0", "x/y.bin")
 
 
+@pytest.mark.parametrize("flag", ["--train-prompts", "--bench-chat", "--bench-code", "--max-new-tokens",
+                                  "--batch-size", "--threads"])
+def test_a_size_below_one_is_refused_before_the_build(flag, capsys):
+    for value in ("0", "-3"):
+        with pytest.raises(SystemExit):
+            smollm2.parse_args([flag, value])
+        assert f"{flag} must be >= 1 (got {value})" in capsys.readouterr().err
+
+
+def test_an_out_that_is_a_file_is_refused(tmp_path, capsys):
+    (tmp_path / "out").write_text("mine")
+    for force in ([], ["--force"]):
+        with pytest.raises(SystemExit):
+            smollm2.main(["--out", str(tmp_path / "out"), *force])
+        assert "out is a file, not a directory" in capsys.readouterr().err
+    assert (tmp_path / "out").read_text() == "mine"
+
+
 def test_humaneval_is_a_chat_bench_of_164_problems():
     path, _ = smollm2.package_file(*smollm2.HUMANEVAL_SOURCE)
     chats = smollm2.humaneval_chats(path)
