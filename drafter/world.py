@@ -48,9 +48,12 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 
 
 def run_cli(script: str, args: list[str]) -> None:
-    """Run one of the repo's data CLIs as a user would, with the build's thread count."""
+    """Run one of the repo's data CLIs as a user would, with the build's thread count. A CLI that
+    fails has printed its own error: the build stops with one line after it."""
     env = os.environ | {"OMP_NUM_THREADS": str(torch.get_num_threads())}
-    subprocess.run([sys.executable, str(REPO_ROOT / "data" / script), *args], check=True, env=env)
+    done = subprocess.run([sys.executable, str(REPO_ROOT / "data" / script), *args], env=env)
+    if done.returncode:
+        raise SystemExit(f"data/{script} stopped (exit {done.returncode}): its error is above")
 
 
 @dataclass(frozen=True)
