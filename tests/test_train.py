@@ -307,6 +307,7 @@ def test_data_prepared_with_other_thinking_stops_train_py_naming_both(tmp_path):
                           "distribution; got objective.labels=data)"),
     ("objective.tv_ce_weight=1.2", "objective.tv_ce_weight=1.2 must be in [0, 1]"),
     ("objective.tree_temperature=0", "objective.tree_temperature=0.0 must be > 0"),
+    ("objective.tree_temperature=inf", "objective.tree_temperature=inf must be finite"),
     ("objective.truncate=last", "objective.truncate='last' is not one of none, first_failure"),
     ("objective.normalize=tokens", "objective.normalize='tokens' is not one of weights, count"),
     ("objective.anchor_candidates=all", "objective.anchor_candidates='all' is not one of pair, supervised"),
