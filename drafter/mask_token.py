@@ -14,6 +14,8 @@ training data never contains. Unless `drafter.mask_token_id` names one, it is ch
    3, <repo_name>, a marker of its pretraining corpus);
 5. none: a ConfigError that asks for drafter.mask_token_id.
 
+An id given by hand is refused when the training data contains it.
+
 The candidates of 3 and 4 must be absent from the data that is given; 4 is only taken with data.
 """
 import re
@@ -62,6 +64,16 @@ def choose_mask_token(tokenizer, vocab_size: int, data=()) -> MaskToken:
         f"target's {vocab_size} embedding rows, and no added token is a reserved placeholder or a special token that the "
         f"chat template {'and the data leave' if data else 'leaves'} unused; set drafter.mask_token_id to the id "
         "of a token that never occurs in the training data")
+
+
+def check_given_mask_token(mask_token_id: int, vocab_size: int, data) -> None:
+    """drafter.mask_token_id set by hand: refused when the training data contains it (its embedding
+    would stand both for a masked slot and for that token). An id past the embedding is left to the
+    drafter config's own check."""
+    if mask_token_id < vocab_size and token_ids_in(data, vocab_size)[mask_token_id]:
+        raise ConfigError(f"drafter.mask_token_id={mask_token_id} occurs in the training data: the drafter could "
+                          "not tell a masked slot from that token; give the id of a token that never occurs "
+                          "(or null to have one chosen)")
 
 
 def unused_added_tokens(tokenizer, vocab_size: int, data) -> list[tuple[int, str, bool]]:

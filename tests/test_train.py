@@ -250,6 +250,7 @@ def test_a_json_contradiction_or_muon_stops_train_py_before_any_model_loads(tmp_
 @pytest.mark.parametrize("override, returncode, message", [
     ("drafter.block_size=12", 1, "config error: drafter.block_size=12 has no default loss gamma"),  # load_config
     ("drafter.mask_token_id=300", 2, "error: drafter.mask_token_id=300 has no row in the target's embedding"),
+    ("drafter.mask_token_id=5", 2, "error: drafter.mask_token_id=5 occurs in the training data"),  # ids 0..31
 ])
 def test_a_setting_the_target_cannot_take_stops_train_py_in_one_line(tmp_path, override, returncode, message):
     cfg = write_run(tmp_path)
