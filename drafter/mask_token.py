@@ -4,7 +4,7 @@ The drafter embeds its block through the frozen target's embedding, so the mask 
 target's embedding rows, and it must be one that no real context ever puts there: a token the
 training data never contains. Unless `drafter.mask_token_id` names one, it is chosen in this order:
 
-1. the tokenizer's own mask token;
+1. the tokenizer's own mask token, unless the training data contains it;
 2. `<|MASK|>`, added at the first embedding row past the tokenizer's tokens (Qwen3: 151669, the
    public Qwen3 drafters' mask);
 3. the first reserved placeholder among the added tokens (Llama 3 / 3.1: 128002,
@@ -43,14 +43,16 @@ def choose_mask_token(tokenizer, vocab_size: int, data=()) -> MaskToken:
     """The mask token for a target of `vocab_size` embedding rows (rules in the module docstring).
     `data`: the training datasets (input_ids columns) whose tokens the mask must avoid. Rule 2 adds
     the token to `tokenizer`."""
-    if tokenizer.mask_token_id is not None and tokenizer.mask_token_id < vocab_size:
+    in_data = token_ids_in(data, vocab_size) if data else None
+    own = tokenizer.mask_token_id
+    if own is not None and own < vocab_size and (in_data is None or not in_data[own]):
         return MaskToken(tokenizer.mask_token_id, tokenizer.mask_token, "the tokenizer's mask token")
     if len(tokenizer) < vocab_size:
         tokenizer.add_special_tokens({"mask_token": ADDED_MASK})
         return MaskToken(tokenizer.mask_token_id, ADDED_MASK,
                          f"added at the first of the target's {vocab_size - tokenizer.mask_token_id} embedding "
                          "rows past the tokenizer")
-    unused = unused_added_tokens(tokenizer, vocab_size, data)
+    unused = unused_added_tokens(tokenizer, vocab_size, in_data)
     reserved = [(i, text) for i, text, _ in unused if RESERVED_NAME.search(text)]
     if reserved:
         checked = ", absent from the data" if data else ""
@@ -76,13 +78,13 @@ def check_given_mask_token(mask_token_id: int, vocab_size: int, data) -> None:
                           "(or null to have one chosen)")
 
 
-def unused_added_tokens(tokenizer, vocab_size: int, data) -> list[tuple[int, str, bool]]:
+def unused_added_tokens(tokenizer, vocab_size: int, in_data) -> list[tuple[int, str, bool]]:
     """(id, text, special) of the tokenizer's added tokens, by id, that have an embedding row and
-    that neither its named tokens, its chat template nor `data` use."""
+    that neither its named tokens, its chat template nor the data (`in_data`: `token_ids_in`, or None
+    without data) use."""
     named = {getattr(tokenizer, name, None) for name in NAMED_TOKENS}
     template = tokenizer.chat_template or ""
     templates = "\n".join(template.values()) if isinstance(template, dict) else template
-    in_data = token_ids_in(data, vocab_size) if data else None
     return [(i, token.content, token.special) for i, token in sorted(tokenizer.added_tokens_decoder.items())
             if i < vocab_size and i not in named and token.content not in templates
             and (in_data is None or not in_data[i])]
