@@ -130,7 +130,7 @@ WHITESPACE = re.compile(r"\s*")
 # What the decoder leaves unread when the text ends inside a token (it stops at the token's start,
 # or after a number's digits, or at the 'u' of an escape)
 PARTIAL_TOKEN = re.compile(r"t(r(u)?)?|f(a(l(s)?)?)?|n(u(l)?)?|-|[.eE][+-]?")
-PARTIAL_ESCAPE = re.compile(r"u[0-9a-fA-F]{0,3}")
+PARTIAL_ESCAPE = re.compile(r"u[0-9a-fA-F]{0,4}")  # 4: the decoder refuses even a whole escape at the end
 NUMBER_TAIL = re.compile(r"([.eE][+-]?)?")
 
 

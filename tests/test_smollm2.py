@@ -45,7 +45,7 @@ def test_salvage_of_a_whole_file_and_of_corruption(tmp_path):
         smollm2.salvage_json_list(write(tmp_path, json.dumps(rows[0])))
 
 
-@pytest.mark.parametrize("tail", ["tr", "fals", "nul", "-", "1.", "1.5e+", '"\\u12', '"caf\u00e9'])
+@pytest.mark.parametrize("tail", ["tr", "fals", "nul", "-", "1.", "1.5e+", '"\\u12', '"\\ud83d', '"caf\u00e9'])
 @pytest.mark.parametrize("nested", [True, False])
 def test_a_cut_inside_a_token_is_a_cut_not_corruption(tmp_path, tail, nested):
     """The file may end anywhere: inside a literal, a number, an escape or a character's UTF-8 bytes."""
