@@ -54,12 +54,11 @@ CODE_INSTRUCTION = ("Complete the following Python function. Answer with the who
 # Sized to `make demo-real` on a 2-core CPU: a batch of 32 answers takes ~1.5 s per new token on one
 # busy core, so the answers, not the target's conversion or the data, set the build's time.
 SIZES = {"train_prompts": 256, "bench_chat": 16, "bench_code": 16, "max_new_tokens": 160, "batch_size": 32}
-ANSWER_FILES = ["regenerated", "bench_chat_answers", "bench_code_answers"]
 OUTPUTS = (["target", "target.tmp", "sizes.json", "sharegpt.json", "prompts.jsonl", "bench_chat.jsonl",
             "bench_code.jsonl", "train_data", "bench_chat_data", "bench_code_data", "datasets_cache",
             "build.json"]
-           + [name + suffix for name in ANSWER_FILES
-              for suffix in (".jsonl", ".summary.json", ".errors.jsonl", ".settings.json")])
+           + [name for answers in ("regenerated", "bench_chat_answers", "bench_code_answers")
+              for name in world.answer_outputs(answers)])
 
 
 class MissingPackage(SystemExit):
@@ -324,16 +323,6 @@ def record_sizes(out: Path, sizes: dict) -> None:
         path.write_text(json.dumps(sizes, indent=1) + "\n")
 
 
-def remove_outputs(out: Path) -> None:
-    """--force: remove what this tool writes, and nothing else a user may keep beside it."""
-    for name in OUTPUTS:
-        path = out / name
-        if path.is_dir():
-            shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="artifacts/smollm2", help="output directory")
@@ -354,7 +343,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     out = Path(args.out)
     if args.force:
-        remove_outputs(out)
+        world.remove_outputs(out, OUTPUTS)
     out.mkdir(parents=True, exist_ok=True)
     record_sizes(out, {name: getattr(args, name) for name in SIZES})
     torch.set_num_threads(args.threads)

@@ -9,6 +9,7 @@ same code a user's data is. Used by `data/toy.py` and `data/smollm2.py`.
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -38,6 +39,21 @@ def run_stages(out: Path, stages: list[Stage]) -> dict[str, float]:
         seconds[name] = round(time.perf_counter() - start, 1)
         print(f"[{name}] done in {seconds[name]:.1f} s", flush=True)
     return seconds
+
+
+def answer_outputs(answers: str) -> list[str]:
+    """The files a regeneration to out/<answers>.jsonl writes (data/regenerate.py)."""
+    return [answers + suffix for suffix in (".jsonl", ".summary.json", ".errors.jsonl", ".settings.json")]
+
+
+def remove_outputs(out: Path, names: list[str]) -> None:
+    """--force: remove a build's outputs (`names` in out), and nothing else a user may keep beside them."""
+    for name in names:
+        path = out / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:

@@ -137,6 +137,17 @@ def test_an_out_that_is_a_file_is_refused(tmp_path, capsys):
     assert (tmp_path / "out").read_text() == "mine"
 
 
+def test_force_removes_the_builds_outputs_and_nothing_else(tmp_path, monkeypatch):
+    monkeypatch.setattr(smollm2.world, "run_stages", lambda out, stages: {})
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "sizes.json").write_text(json.dumps({"train_prompts": 1}))  # another build's sizes
+    (tmp_path / "train_data").mkdir()
+    (tmp_path / "bench_code_answers.errors.jsonl").write_text("")
+    build = smollm2.main(["--out", str(tmp_path), "--force", "--train-prompts", "8"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["build.json", "notes.txt", "sizes.json"]
+    assert build["sizes"]["train_prompts"] == 8
+
+
 def test_humaneval_is_a_chat_bench_of_164_problems():
     path = smollm2.package_file(*smollm2.HUMANEVAL_SOURCE)
     chats = smollm2.humaneval_chats(path)
