@@ -100,7 +100,7 @@ def build_drafter(cfg, target, tokenizer, data, rank):
             print(mask.line(), flush=True)
         mask_token_id = mask.id
     else:
-        check_given_mask_token(mask_token_id, target.config.vocab_size, data)
+        check_given_mask_token(mask_token_id, data)
     config = drafter_config(target.config, num_layers=cfg.drafter.num_layers,
                             block_size=cfg.drafter.block_size, mask_token_id=mask_token_id,
                             target_layer_ids=cfg.drafter.target_layer_ids,

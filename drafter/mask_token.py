@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass
 
 from drafter.config import ConfigError
-from drafter.data import token_ids_in
+from drafter.data import token_ids_in, token_occurs
 
 ADDED_MASK = "<|MASK|>"
 RESERVED_NAME = re.compile(r"reserved|unused|place.?holder", re.IGNORECASE)
@@ -43,16 +43,15 @@ def choose_mask_token(tokenizer, vocab_size: int, data=()) -> MaskToken:
     """The mask token for a target of `vocab_size` embedding rows (rules in the module docstring).
     `data`: the training datasets (input_ids columns) whose tokens the mask must avoid. Rule 2 adds
     the token to `tokenizer`."""
-    in_data = token_ids_in(data, vocab_size) if data else None
     own = tokenizer.mask_token_id
-    if own is not None and own < vocab_size and (in_data is None or not in_data[own]):
+    if own is not None and own < vocab_size and not (data and token_occurs(data, own)):
         return MaskToken(tokenizer.mask_token_id, tokenizer.mask_token, "the tokenizer's mask token")
     if len(tokenizer) < vocab_size:
         tokenizer.add_special_tokens({"mask_token": ADDED_MASK})
         return MaskToken(tokenizer.mask_token_id, ADDED_MASK,
                          f"added at the first of the target's {vocab_size - tokenizer.mask_token_id} embedding "
                          "rows past the tokenizer")
-    unused = unused_added_tokens(tokenizer, vocab_size, in_data)
+    unused = unused_added_tokens(tokenizer, vocab_size, data)
     reserved = [(i, text) for i, text, _ in unused if RESERVED_NAME.search(text)]
     if reserved:
         checked = ", absent from the data" if data else ""
@@ -68,23 +67,22 @@ def choose_mask_token(tokenizer, vocab_size: int, data=()) -> MaskToken:
         "of a token that never occurs in the training data")
 
 
-def check_given_mask_token(mask_token_id: int, vocab_size: int, data) -> None:
+def check_given_mask_token(mask_token_id: int, data) -> None:
     """drafter.mask_token_id set by hand: refused when the training data contains it (its embedding
-    would stand both for a masked slot and for that token). An id past the embedding is left to the
-    drafter config's own check."""
-    if mask_token_id < vocab_size and token_ids_in(data, vocab_size)[mask_token_id]:
+    would stand both for a masked slot and for that token)."""
+    if token_occurs(data, mask_token_id):
         raise ConfigError(f"drafter.mask_token_id={mask_token_id} occurs in the training data: the drafter could "
                           "not tell a masked slot from that token; give the id of a token that never occurs "
                           "(or null to have one chosen)")
 
 
-def unused_added_tokens(tokenizer, vocab_size: int, in_data) -> list[tuple[int, str, bool]]:
+def unused_added_tokens(tokenizer, vocab_size: int, data) -> list[tuple[int, str, bool]]:
     """(id, text, special) of the tokenizer's added tokens, by id, that have an embedding row and
-    that neither its named tokens, its chat template nor the data (`in_data`: `token_ids_in`, or None
-    without data) use."""
+    that neither its named tokens, its chat template nor `data` use."""
     named = {getattr(tokenizer, name, None) for name in NAMED_TOKENS}
     template = tokenizer.chat_template or ""
     templates = "\n".join(template.values()) if isinstance(template, dict) else template
+    in_data = token_ids_in(data, vocab_size) if data else None
     return [(i, token.content, token.special) for i, token in sorted(tokenizer.added_tokens_decoder.items())
             if i < vocab_size and i not in named and token.content not in templates
             and (in_data is None or not in_data[i])]
