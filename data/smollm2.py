@@ -161,6 +161,8 @@ def salvage_json_list(path: Path) -> tuple[list, dict]:
                                   f"{error.colno}): {error.msg}") from None
             cut = 1
             break
+        except RecursionError:
+            raise CorruptJson(f"{path}: record {len(records)} nests deeper than the JSON decoder goes") from None
         if type(record) in (int, float) and NUMBER_TAIL.fullmatch(text, at):
             cut = 1  # the file ends in this number (or its '.' / exponent): more digits may have followed
             break

@@ -75,6 +75,12 @@ def test_encodings_and_text_after_the_list(tmp_path):
         smollm2.salvage_json_list(write(tmp_path, json.dumps(rows) + "\n\n]"))
 
 
+def test_a_record_nested_past_the_decoders_depth_is_corruption(tmp_path):
+    deep = "[" * 100_000 + "]" * 100_000
+    with pytest.raises(smollm2.CorruptJson, match=r"list.json: record 1 nests deeper than the JSON decoder goes"):
+        smollm2.salvage_json_list(write(tmp_path, f'[{{"a": 1}}, {deep}]'))
+
+
 def test_prompts_split_by_conversation_and_dropped_by_reason(monkeypatch):
     monkeypatch.setattr(smollm2, "in_bench", lambda group: group.startswith("b"))
     rows = [
