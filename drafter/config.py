@@ -258,6 +258,9 @@ def validate(cfg) -> list[str]:
                 "train.generate_max_seconds"):
         if not get(key) > 0:
             problems.append(f"{key}={get(key)!r} must be > 0")
+    if cfg.objective.tree_temperature == math.inf:
+        problems.append(f"objective.tree_temperature={cfg.objective.tree_temperature!r} must be finite (at inf the "
+                        "expected_tree surrogate is flat: no gradient, and NaN where the whole tree fits the budget)")
     betas = list(cfg.optim.betas)
     if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
         problems.append(f"optim.betas={betas} must be two values in [0, 1)")

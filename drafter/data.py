@@ -51,6 +51,12 @@ def token_ids_in(prepared: list[datasets.Dataset], vocab_size: int) -> np.ndarra
     return seen
 
 
+def token_occurs(prepared: list[datasets.Dataset], token_id: int) -> bool:
+    """Whether `token_id` occurs in the `input_ids` of the datasets (one id: a scan, no sort)."""
+    return any(pc.any(pc.equal(pc.list_flatten(chunk), token_id)).as_py()
+               for dataset in prepared for chunk in dataset.data.table.column("input_ids").chunks)
+
+
 def check_prepared_thinking(path: str, chat_template_kwargs) -> None:
     """Raise DataError when the dataset at `path` was prepared with another enable_thinking than the
     training config's `target.chat_template_kwargs` (the drafter would learn text the target does

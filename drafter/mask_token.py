@@ -4,7 +4,7 @@ The drafter embeds its block through the frozen target's embedding, so the mask 
 target's embedding rows, and it must be one that no real context ever puts there: a token the
 training data never contains. Unless `drafter.mask_token_id` names one, it is chosen in this order:
 
-1. the tokenizer's own mask token;
+1. the tokenizer's own mask token, unless the training data contains it;
 2. `<|MASK|>`, added at the first embedding row past the tokenizer's tokens (Qwen3: 151669, the
    public Qwen3 drafters' mask);
 3. the first reserved placeholder among the added tokens (Llama 3 / 3.1: 128002,
@@ -14,13 +14,15 @@ training data never contains. Unless `drafter.mask_token_id` names one, it is ch
    3, <repo_name>, a marker of its pretraining corpus);
 5. none: a ConfigError that asks for drafter.mask_token_id.
 
+An id given by hand is refused when the training data contains it.
+
 The candidates of 3 and 4 must be absent from the data that is given; 4 is only taken with data.
 """
 import re
 from dataclasses import dataclass
 
 from drafter.config import ConfigError
-from drafter.data import token_ids_in
+from drafter.data import token_ids_in, token_occurs
 
 ADDED_MASK = "<|MASK|>"
 RESERVED_NAME = re.compile(r"reserved|unused|place.?holder", re.IGNORECASE)
@@ -41,7 +43,8 @@ def choose_mask_token(tokenizer, vocab_size: int, data=()) -> MaskToken:
     """The mask token for a target of `vocab_size` embedding rows (rules in the module docstring).
     `data`: the training datasets (input_ids columns) whose tokens the mask must avoid. Rule 2 adds
     the token to `tokenizer`."""
-    if tokenizer.mask_token_id is not None and tokenizer.mask_token_id < vocab_size:
+    own = tokenizer.mask_token_id
+    if own is not None and own < vocab_size and not (data and token_occurs(data, own)):
         return MaskToken(tokenizer.mask_token_id, tokenizer.mask_token, "the tokenizer's mask token")
     if len(tokenizer) < vocab_size:
         tokenizer.add_special_tokens({"mask_token": ADDED_MASK})
@@ -62,6 +65,15 @@ def choose_mask_token(tokenizer, vocab_size: int, data=()) -> MaskToken:
         f"target's {vocab_size} embedding rows, and no added token is a reserved placeholder or a special token that the "
         f"chat template {'and the data leave' if data else 'leaves'} unused; set drafter.mask_token_id to the id "
         "of a token that never occurs in the training data")
+
+
+def check_given_mask_token(mask_token_id: int, data) -> None:
+    """drafter.mask_token_id set by hand: refused when the training data contains it (its embedding
+    would stand both for a masked slot and for that token)."""
+    if token_occurs(data, mask_token_id):
+        raise ConfigError(f"drafter.mask_token_id={mask_token_id} occurs in the training data: the drafter could "
+                          "not tell a masked slot from that token; give the id of a token that never occurs "
+                          "(or null to have one chosen)")
 
 
 def unused_added_tokens(tokenizer, vocab_size: int, data) -> list[tuple[int, str, bool]]:

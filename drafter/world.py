@@ -9,6 +9,7 @@ same code a user's data is. Used by `data/toy.py` and `data/smollm2.py`.
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -40,6 +41,21 @@ def run_stages(out: Path, stages: list[Stage]) -> dict[str, float]:
     return seconds
 
 
+def answer_outputs(answers: str) -> list[str]:
+    """The files a regeneration to out/<answers>.jsonl writes (data/regenerate.py)."""
+    return [answers + suffix for suffix in (".jsonl", ".summary.json", ".errors.jsonl", ".settings.json")]
+
+
+def remove_outputs(out: Path, names: list[str]) -> None:
+    """--force: remove a build's outputs (`names` in out), and nothing else a user may keep beside them."""
+    for name in names:
+        path = out / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> None:
     """Write rows as JSONL through a temporary file, so a killed build never leaves half a file."""
     tmp = path.with_name(path.name + ".tmp")
@@ -48,9 +64,12 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 
 
 def run_cli(script: str, args: list[str]) -> None:
-    """Run one of the repo's data CLIs as a user would, with the build's thread count."""
+    """Run one of the repo's data CLIs as a user would, with the build's thread count. A CLI that
+    fails has printed its own error: the build stops with one line after it."""
     env = os.environ | {"OMP_NUM_THREADS": str(torch.get_num_threads())}
-    subprocess.run([sys.executable, str(REPO_ROOT / "data" / script), *args], check=True, env=env)
+    done = subprocess.run([sys.executable, str(REPO_ROOT / "data" / script), *args], env=env)
+    if done.returncode:
+        raise SystemExit(f"data/{script} stopped (exit {done.returncode}): its error is above")
 
 
 @dataclass(frozen=True)

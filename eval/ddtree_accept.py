@@ -378,8 +378,9 @@ def report(records_by_bench: dict, args, evaluator: Evaluator, world: int,
             tpot = summary["time_per_output_token"]
             summary["speedup"] = ar_time / tpot if ar_time and tpot else None
             # the tau at which this method's time per step (draft, tree, verify, commit) equals ar's
-            # time per token: speedup = tau_pooled / break_even_tau
-            summary["break_even_tau"] = tpot * summary["tau_pooled"] / ar_time if ar_time and tpot else None
+            # time per token: speedup = tau_pooled / break_even_tau (none without a verify step)
+            summary["break_even_tau"] = (tpot * summary["tau_pooled"] / ar_time
+                                         if ar_time and tpot and summary["tau_pooled"] else None)
         margins = [m for r in records["ar"] for m in r["margins"]]
         benchmarks[bench] = {"methods": methods,
                              "near_tie_share": near_tie_share(margins, args.tie_tolerance)

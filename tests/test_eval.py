@@ -87,6 +87,18 @@ def test_report_from_a_run_checkpoint(checkpoint, capsys):
     assert (out.parent / "results_budget.png").stat().st_size > 0
 
 
+def test_answers_of_the_prefill_token_alone_report_no_tau(checkpoint):
+    """--max-new-tokens 1 (or a target whose first token stops every answer): no verify step, so no
+    tau and no break-even tau, and the report is still written."""
+    out = checkpoint / "one_token.json"
+    results = ddtree_accept.main(["--ckpt", str(checkpoint / "ckpt"), "--bench", str(checkpoint / "prompts.jsonl"),
+                                  "--budgets", "2", "--max-new-tokens", "1", "--out", str(out)])
+    methods = results["benchmarks"]["prompts"]["methods"]
+    assert all(s["output_tokens"] == 4 and s["tau_pooled"] is None and s["break_even_tau"] is None
+               for s in methods.values())
+    assert out.is_file()
+
+
 def test_check_public_reports_the_public_loop_step_by_step(checkpoint, tmp_path, capsys):
     """--check-public N: the public dflash 0.1.0 loop on the first N prompts' first turns decodes as
     ours at every step, and the report says so, with each loop's tau; it is refused where it cannot

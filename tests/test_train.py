@@ -250,6 +250,7 @@ def test_a_json_contradiction_or_muon_stops_train_py_before_any_model_loads(tmp_
 @pytest.mark.parametrize("override, returncode, message", [
     ("drafter.block_size=12", 1, "config error: drafter.block_size=12 has no default loss gamma"),  # load_config
     ("drafter.mask_token_id=300", 2, "error: drafter.mask_token_id=300 has no row in the target's embedding"),
+    ("drafter.mask_token_id=5", 2, "error: drafter.mask_token_id=5 occurs in the training data"),  # ids 0..31
 ])
 def test_a_setting_the_target_cannot_take_stops_train_py_in_one_line(tmp_path, override, returncode, message):
     cfg = write_run(tmp_path)
@@ -307,6 +308,7 @@ def test_data_prepared_with_other_thinking_stops_train_py_naming_both(tmp_path):
                           "distribution; got objective.labels=data)"),
     ("objective.tv_ce_weight=1.2", "objective.tv_ce_weight=1.2 must be in [0, 1]"),
     ("objective.tree_temperature=0", "objective.tree_temperature=0.0 must be > 0"),
+    ("objective.tree_temperature=inf", "objective.tree_temperature=inf must be finite"),
     ("objective.truncate=last", "objective.truncate='last' is not one of none, first_failure"),
     ("objective.normalize=tokens", "objective.normalize='tokens' is not one of weights, count"),
     ("objective.anchor_candidates=all", "objective.anchor_candidates='all' is not one of pair, supervised"),

@@ -48,3 +48,12 @@ def test_stages_run_once_and_a_failed_stage_runs_again(tmp_path):
         world.run_stages(tmp_path, stages)
     seconds = world.run_stages(tmp_path, stages)
     assert calls == ["first", "second", "second"] and seconds["first"] == 0.0
+
+
+def test_a_failed_data_cli_stops_the_build_in_one_line(tmp_path, monkeypatch):
+    """Its own error is printed by the CLI; the build adds which CLI stopped, not a traceback."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "prepare.py").write_text("raise SystemExit(3)\n")
+    monkeypatch.setattr(world, "REPO_ROOT", tmp_path)
+    with pytest.raises(SystemExit, match=r"data/prepare.py stopped \(exit 3\)"):
+        world.run_cli("prepare.py", ["--input", "x"])
