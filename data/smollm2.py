@@ -316,7 +316,10 @@ def record_sizes(out: Path, sizes: dict) -> None:
     """Pin the sizes a build started with: resuming with other sizes would mix two builds."""
     path = out / "sizes.json"
     if path.exists():
-        recorded = json.loads(path.read_text())
+        try:
+            recorded = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise SystemExit(f"{path}: not the sizes this tool writes ({error}); --force rebuilds") from None
         if recorded != sizes:
             changed = {k: (recorded.get(k), v) for k, v in sizes.items() if recorded.get(k) != v}
             raise SystemExit(f"{path}: this build was started with other sizes {changed} (recorded, asked); "

@@ -244,3 +244,14 @@ def test_the_real_world_builds_trains_and_evaluates(converted, tmp_path):
     methods = json.loads(report.read_text())["benchmarks"]["bench_code"]["methods"]
     assert {"ar", "dflash", "ddtree@4"} <= set(methods)
     assert all(m["lossless"] in ("yes", "ties-only") for m in methods.values())
+
+
+def test_a_build_resumed_with_other_or_unreadable_sizes_is_refused(tmp_path):
+    sizes = dict(smollm2.SIZES)
+    smollm2.record_sizes(tmp_path, sizes)
+    smollm2.record_sizes(tmp_path, sizes)  # the same sizes resume
+    with pytest.raises(SystemExit, match=r"other sizes \{'bench_chat': \(16, 4\)\}"):
+        smollm2.record_sizes(tmp_path, sizes | {"bench_chat": 4})
+    (tmp_path / "sizes.json").write_text('{"train_prompts": 2')
+    with pytest.raises(SystemExit, match="sizes.json: not the sizes this tool writes"):
+        smollm2.record_sizes(tmp_path, sizes)
