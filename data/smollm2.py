@@ -346,10 +346,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    out = Path(args.out)
-    if args.force:
-        world.remove_outputs(out, OUTPUTS)
-    out.mkdir(parents=True, exist_ok=True)
+    out = world.open_out(Path(args.out), OUTPUTS, args.force)
     record_sizes(out, {name: getattr(args, name) for name in SIZES})
     torch.set_num_threads(args.threads)
     start = time.perf_counter()

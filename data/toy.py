@@ -472,10 +472,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    out = Path(args.out)
-    if args.force:
-        world.remove_outputs(out, OUTPUTS)
-    out.mkdir(parents=True, exist_ok=True)
+    out = world.open_out(Path(args.out), OUTPUTS, args.force)
     torch.set_num_threads(args.threads)
     stages = [  # (step, the output that marks it done: the step is skipped when it exists)
         (step_corpus, "corpus.json"),

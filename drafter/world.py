@@ -46,6 +46,14 @@ def answer_outputs(answers: str) -> list[str]:
     return [answers + suffix for suffix in (".jsonl", ".summary.json", ".errors.jsonl", ".settings.json")]
 
 
+def open_out(out: Path, outputs: list[str], force: bool) -> Path:
+    """A build's output folder, made if missing; with `force`, its earlier outputs removed first."""
+    if force:
+        remove_outputs(out, outputs)
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
 def remove_outputs(out: Path, names: list[str]) -> None:
     """--force: remove a build's outputs (`names` in out), and nothing else a user may keep beside them."""
     for name in names:
