@@ -31,7 +31,6 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import json
-import random
 import re
 import shutil
 import time
@@ -251,13 +250,6 @@ def sharegpt_prompts(records: list) -> tuple[dict[str, list[dict]], dict]:
     return splits, {"kept": {name: len(rows) for name, rows in splits.items()}, "dropped": dropped}
 
 
-def seeded_sample(rows: list, count: int) -> list:
-    """At most count rows, drawn at random (seeded), in their original order."""
-    if len(rows) <= count:
-        return list(rows)
-    return [rows[i] for i in sorted(random.Random(SEED).sample(range(len(rows)), count))]
-
-
 def step_sharegpt(out: Path) -> None:
     path = package_file(*SHAREGPT_SOURCE)
     records, salvage = salvage_json_list(path)
@@ -267,8 +259,8 @@ def step_sharegpt(out: Path) -> None:
             raise SystemExit(f"{path}: no {split} prompts (kept {counts['kept']}, dropped {counts['dropped']} "
                              f"of {salvage['complete']} complete conversations)")
     sizes = json.loads((out / "sizes.json").read_text())
-    world.write_jsonl(out / "prompts.jsonl", seeded_sample(splits["train"], sizes["train_prompts"]))
-    world.write_jsonl(out / "bench_chat.jsonl", seeded_sample(splits["bench"], sizes["bench_chat"]))
+    world.write_jsonl(out / "prompts.jsonl", world.sample_in_order(splits["train"], sizes["train_prompts"], SEED))
+    world.write_jsonl(out / "bench_chat.jsonl", world.sample_in_order(splits["bench"], sizes["bench_chat"], SEED))
     report = {"package": SHAREGPT_SOURCE[0], "version": SHAREGPT_SOURCE[1], "file": path.name, **salvage, **counts}
     (out / "sharegpt.json").write_text(json.dumps(report, indent=1) + "\n")
     print(f"sharegpt: {salvage['complete']} complete conversations, {salvage['cut']} cut; prompts kept "
@@ -285,7 +277,7 @@ def humaneval_chats(path: Path) -> list[dict]:
 def step_bench_code(out: Path) -> None:
     path = package_file(*HUMANEVAL_SOURCE)
     sizes = json.loads((out / "sizes.json").read_text())
-    world.write_jsonl(out / "bench_code.jsonl", seeded_sample(humaneval_chats(path), sizes["bench_code"]))
+    world.write_jsonl(out / "bench_code.jsonl", world.sample_in_order(humaneval_chats(path), sizes["bench_code"], SEED))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -34,7 +34,6 @@ import hashlib
 import json
 import math
 import platform
-import random
 import shutil
 import sysconfig
 import time
@@ -344,13 +343,6 @@ def completion_heads(files: dict[str, str]) -> list[tuple[str, str]]:
             for head, _ in function_examples(text, **EXAMPLE_LIMITS)]
 
 
-def sample_in_order(items: list, count: int, seed: int) -> list:
-    """At most count items drawn at random (seeded), kept in their original order."""
-    if len(items) <= count:
-        return list(items)
-    return [items[i] for i in sorted(random.Random(seed).sample(range(len(items)), count))]
-
-
 def step_corpus(out: Path) -> None:
     root = stdlib_root()
     corpus = {"stdlib": str(root), "python": platform.python_version(),
@@ -404,7 +396,7 @@ def chat_prompts(out: Path, split: str, count: int, seed: int = SEED) -> list[di
     keeps a file's functions together)."""
     heads = completion_heads(split_files(out, split))
     return [{"messages": completion_messages(head), "group": rel_path}
-            for rel_path, head in sample_in_order(heads, count, seed)]
+            for rel_path, head in world.sample_in_order(heads, count, seed)]
 
 
 def step_prompts(out: Path) -> None:

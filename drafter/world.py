@@ -9,6 +9,7 @@ same code a user's data is. Used by `data/toy.py` and `data/smollm2.py`.
 """
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -62,6 +63,13 @@ def remove_outputs(out: Path, names: list[str]) -> None:
             shutil.rmtree(path)
         elif path.exists():
             path.unlink()
+
+
+def sample_in_order(items: list, count: int, seed: int) -> list:
+    """At most count items drawn at random (seeded), kept in their original order."""
+    if len(items) <= count:
+        return list(items)
+    return [items[i] for i in sorted(random.Random(seed).sample(range(len(items)), count))]
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:

@@ -6,7 +6,7 @@ import torch
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 from data import toy
-from drafter import chat
+from drafter import chat, world
 from drafter.benchmarks import load_jsonl
 
 STDLIB_SAMPLE = ["textwrap.py", "shlex.py", "bisect.py", "colorsys.py"]
@@ -169,10 +169,10 @@ def test_function_examples_split_head_and_body():
 
 def test_sample_in_order_is_a_seeded_ordered_subset():
     items = list(range(100))
-    picked = toy.sample_in_order(items, 10, seed=3)
+    picked = world.sample_in_order(items, 10, seed=3)
     assert len(set(picked)) == 10 and picked == sorted(picked)
-    assert picked == toy.sample_in_order(items, 10, seed=3) != toy.sample_in_order(items, 10, seed=4)
-    assert toy.sample_in_order(items[:5], 10, seed=3) == items[:5]
+    assert picked == world.sample_in_order(items, 10, seed=3) != world.sample_in_order(items, 10, seed=4)
+    assert world.sample_in_order(items[:5], 10, seed=3) == items[:5]
 
 
 def test_prompt_and_bench_files_are_read_by_the_pipeline(tmp_path):
