@@ -65,11 +65,11 @@ from drafter.decode import generate, pick
 from drafter.host_sync import host_syncs
 from drafter.lossless import first_divergence, lossless_verdict, near_tie_share
 from drafter.draft_config import drafter_config
-from drafter.model import DFlashDraftModel, DraftCache, compiled_graph_count
+from drafter.models import DFlashDraftModel, DraftCache, compiled_graph_count
 from drafter.objective import (ObjectiveConfig, attention_kernel, build_blocks, drafter_hidden, resolve_gamma,
                                sample_anchors, training_step)
 from drafter.sampler import BucketSampler, collate, make_buckets
-from drafter.target import context_features, feature_tap, random_qwen3
+from drafter.target import compute_dtype, context_features, feature_tap, random_qwen3
 from drafter.target_cache import TargetCache
 
 QWEN3_8B = dict(vocab_size=151_936, hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
@@ -420,7 +420,7 @@ class ReplayDrafter:
     def __init__(self, drafter, continuation: list[int]):
         self.drafter, self.continuation = drafter, continuation
         self.block_size, self.mask_token_id = drafter.block_size, drafter.mask_token_id
-        self.target_layer_ids = drafter.target_layer_ids
+        self.target_layer_ids, self.drafts_marginals = drafter.target_layer_ids, drafter.drafts_marginals
 
     def draft_states(self, target, ctx_features, block_ids, cache):
         hidden, logits = self.drafter.draft_states(target, ctx_features, block_ids, cache)
@@ -518,7 +518,7 @@ def main(argv=None) -> int:
     if not cuda and not args.tiny:
         sys.exit("CUDA is not available: the Qwen3-8B-shaped check needs a GPU (use --tiny on the CPU)")
     device = torch.device("cuda" if cuda else "cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
+    dtype = compute_dtype("auto", device)
     run = TINY_RUN if args.tiny else FULL_RUN
     device_name = torch.cuda.get_device_name(device) if cuda else "cpu"
     shapes = "tiny" if args.tiny else "Qwen3-8B"

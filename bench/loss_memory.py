@@ -23,7 +23,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from drafter.distill import ChunkedRowLoss, RowLossSpec, dense_row_loss
-from drafter.objective import ChunkedLMHeadLoss, chunk_rows_for, dense_lm_head_loss, position_weights
+from drafter.lm_head import chunk_rows_for
+from drafter.objective import ChunkedLMHeadLoss, dense_lm_head_loss, position_weights
 
 
 def make_inputs(args, device):

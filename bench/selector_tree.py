@@ -17,7 +17,8 @@ Both are replayed under teacher forcing on the eval set exactly as training's re
 (`drafter/served.py`'s `scored_blocks` and `walks_of`: a verify at every response position, then
 serving walked response by response), on the same drafter forward, so the difference is the tree
 alone. Also printed: the selector's chain (what `dflash` serves for DFlash2) against the marginals'
-argmax chain.
+argmax chain. The "selector" rows are the drafter's own chain and tree (`chain_picks`, `block_trees`),
+so any drafter runs; for a DFlash drafter they are its marginals' and the two rows agree.
 """
 import argparse
 import sys
@@ -29,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from drafter.ddtree import build_tree, teacher_forced_accept  # noqa: E402
-from drafter.model import DFlash2DraftModel, load_drafter  # noqa: E402
+from drafter.models import load_drafter  # noqa: E402
 from drafter.sampler import collate  # noqa: E402
 from drafter.served import mean_tau, scored_blocks, walks_of  # noqa: E402
 from drafter.target import context_features, load_target  # noqa: E402
@@ -58,7 +59,7 @@ def acceptance(drafter, target, batch, budgets) -> dict[str, torch.Tensor]:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ckpt", required=True, help="a DFlash2 drafter dir, or a run checkpoint holding drafter/")
+    parser.add_argument("--ckpt", required=True, help="a drafter dir (DFlash2: its selector), or a run checkpoint holding drafter/")
     parser.add_argument("--target", default=None, help="default: the target path the drafter records")
     parser.add_argument("--data", default="artifacts/toy/heldout_data")
     parser.add_argument("--budgets", default="8,16,32")
@@ -68,8 +69,6 @@ def main():
     torch.set_grad_enabled(False)
     directory = Path(args.ckpt) / "drafter" if (Path(args.ckpt) / "drafter").is_dir() else Path(args.ckpt)
     drafter = load_drafter(directory, dtype=torch.float32).eval()
-    if not isinstance(drafter, DFlash2DraftModel):
-        sys.exit(f"{args.ckpt}: a {type(drafter).__name__}, not a DFlash2 drafter: it has no selector")
     target_path = args.target or drafter.config.dflash_config.get("target_path")
     if not target_path:
         sys.exit(f"{args.ckpt}: the drafter records no target path; pass --target")

@@ -25,7 +25,7 @@ import torch
 from data.toy import TARGET_CONFIG, VOCAB_SIZE
 from drafter.config import load_config
 from drafter.draft_config import drafter_config
-from drafter.model import DFlashDraftModel
+from drafter.models import DFlashDraftModel
 from drafter.objective import ObjectiveConfig, training_step
 from drafter.served import generation_tau, replayed_tau
 from drafter.target import context_features, random_qwen3

@@ -4,7 +4,8 @@ rules that keep a run directory to one run.
     <out_dir>/checkpoints/step_<N>/          complete checkpoint (renamed from step_<N>.tmp when done)
         <engine files>                       DeepSpeed's partitions, or fsdp/ (torch.distributed.checkpoint)
         drafter/                             export loadable by dflash.model.DFlashDraftModel
-        trainer_state.json                   step, epoch, position in the epoch, counters, run identity
+        trainer_state.json                   TrainerState: step, epoch, position in the epoch, counters,
+                                             run identity (format TRAINER_STATE_FORMAT, versioned)
         rng_rank<r>.safetensors              torch RNG states of rank r
         config.yaml                          the resolved run config
     <out_dir>/checkpoints/latest -> step_<N>  symlink, replaced atomically, written last
@@ -24,6 +25,7 @@ import os
 import re
 import shutil
 import time
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -32,7 +34,9 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 from transformers.utils import logging as transformers_logging
 
-from drafter.model import drafter_from_state_dict
+from drafter.collectives import every_rank
+from drafter.config import flatten
+from drafter.models import drafter_from_state_dict
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 # Keys that may change when a run is resumed: how long it runs, logging, saving, evaluation, where
@@ -53,6 +57,56 @@ class ResumeError(RuntimeError):
         self.per_rank = per_rank  # the message differs between ranks
 
 
+# trainer_state.json: version 1 is the unversioned file of the first trainers (the same fields, no
+# "format" key); version 2 names its format. A newer version than this code knows is refused by name.
+TRAINER_STATE_FORMAT, TRAINER_STATE_VERSION = "dflash-ddtree/trainer-state", 2
+
+
+@dataclass
+class TrainerState:
+    """Where a run stands, saved in every checkpoint as trainer_state.json and read back on resume:
+    the optimizer steps taken, the data position (epoch, micro step in it), counters, the lr schedule's
+    length, the W&B run, and what identifies the run (`run_identity`) and its data position."""
+    step: int = 0
+    epoch: int = 0
+    micro_step_in_epoch: int = 0
+    skipped_steps: int = 0
+    wandb_id: str | None = None
+    elapsed_s: float = 0.0
+    schedule_steps: int = 0
+    identity: dict = field(default_factory=dict)
+    data_position: dict = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps({"format": TRAINER_STATE_FORMAT, "version": TRAINER_STATE_VERSION, **asdict(self)},
+                          indent=1)
+
+    @classmethod
+    def read(cls, path: Path) -> "TrainerState":
+        """The state in `path`, of any version this code reads; a ResumeError naming the file otherwise."""
+        try:
+            saved = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise ResumeError(f"{path}: not a readable trainer state ({error})") from None
+        if not isinstance(saved, dict):
+            raise ResumeError(f"{path}: not a trainer state (a JSON object)")
+        written_as = (saved.pop("format", None), saved.pop("version", None))
+        known = written_as == (None, None) or (written_as[0] == TRAINER_STATE_FORMAT and written_as[1] in
+                                               range(2, TRAINER_STATE_VERSION + 1))
+        if not known:
+            raise ResumeError(f"{path}: trainer state written as {written_as[0]!r} version {written_as[1]!r}; this "
+                              f"trainer reads {TRAINER_STATE_FORMAT} versions 1-{TRAINER_STATE_VERSION} "
+                              "(version 1: no format key)")
+        if "identity" not in saved:
+            raise ResumeError(f"{path.parent} predates run identities: its run cannot be checked against this "
+                              "one. Start a new run (a new run.out_dir, or train.resume=never).")
+        names = {f.name for f in fields(cls)}
+        missing = sorted(names - saved.keys())
+        if missing:
+            raise ResumeError(f"{path}: trainer state without {', '.join(missing)}")
+        return cls(**{name: saved[name] for name in names})
+
+
 def checkpoint_root(out_dir: str) -> Path:
     return Path(out_dir) / "checkpoints"
 
@@ -63,19 +117,9 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
 
 
-def _flat(tree: dict, prefix: str = "") -> dict:
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            flat.update(_flat(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
 def run_identity(cfg) -> dict:
     """The run-defining config: every key but RESUMABLE_KEYS (and their sub-keys), flattened."""
-    flat = _flat(OmegaConf.to_container(cfg, resolve=True))
+    flat = flatten(OmegaConf.to_container(cfg, resolve=True))
     return {key: value for key, value in flat.items()
             if not any(key == k or key.startswith(k + ".") for k in RESUMABLE_KEYS)}
 
@@ -94,17 +138,6 @@ def _choose(resume: str, out_dir: str) -> Path | None:
     if not (path / "trainer_state.json").exists():
         raise ResumeError(f"train.resume={resume}: not a complete checkpoint (no trainer_state.json)")
     return path
-
-
-def _agree(ok: bool) -> bool:
-    """True when `ok` holds on every rank (a collective)."""
-    flag = torch.tensor([1.0 if ok else 0.0], device=_comm_device())
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item() > 0)
-
-
-def _comm_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 def agree_on_checkpoint(resume: str, out_dir: str) -> tuple[Path | None, dict | None]:
@@ -128,31 +161,28 @@ def agree_on_checkpoint(resume: str, out_dir: str) -> tuple[Path | None, dict | 
     path = Path(path)
     own = [path / "trainer_state.json", path / f"rng_rank{dist.get_rank()}.safetensors"]
     missing = [str(p) for p in own if not p.exists()]
-    if not _agree(not missing):
+    if not every_rank(not missing):
         raise ResumeError(
             f"rank {dist.get_rank()}: cannot resume from {path}: "
             + (f"missing {', '.join(missing)}. " if missing else "another rank cannot see its files. ")
             + "run.out_dir must be on a filesystem every node shares (and the world size the one saved).",
             per_rank=True)
-    return path, json.loads((path / "trainer_state.json").read_text())
+    return path, TrainerState.read(path / "trainer_state.json")
 
 
-def check_resumable(saved: dict, identity: dict, data_position: dict, resume: str, path: Path) -> list[str]:
-    """Raise ResumeError when `saved` (a trainer state) belongs to another run; return notes."""
-    if "identity" not in saved:
-        raise ResumeError(f"{path} predates run identities: its run cannot be checked against this one. "
-                          "Start a new run (a new run.out_dir, or train.resume=never).")
-    moved = {key: (saved["data_position"].get(key), value) for key, value in data_position.items()
-             if saved["data_position"].get(key) != value}
+def check_resumable(saved: "TrainerState", identity: dict, data_position: dict, resume: str, path: Path) -> list[str]:
+    """Raise ResumeError when `saved` belongs to another run; return notes."""
+    moved = {key: (saved.data_position.get(key), value) for key, value in data_position.items()
+             if saved.data_position.get(key) != value}
     if moved:
         changes = "; ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in moved.items())
         raise ResumeError(
-            f"cannot resume {path}: its data position (epoch {saved['epoch']}, micro step "
-            f"{saved['micro_step_in_epoch']}) has no meaning under a different {changes}. Keep these as "
+            f"cannot resume {path}: its data position (epoch {saved.epoch}, micro step "
+            f"{saved.micro_step_in_epoch}) has no meaning under a different {changes}. Keep these as "
             "saved, or start a new run (a new run.out_dir, or train.resume=never).")
-    keys = sorted(identity.keys() | saved["identity"].keys())
-    differing = [f"{key}: {saved['identity'].get(key)!r} -> {identity.get(key)!r}"
-                 for key in keys if saved["identity"].get(key) != identity.get(key)]
+    keys = sorted(identity.keys() | saved.identity.keys())
+    differing = [f"{key}: {saved.identity.get(key)!r} -> {identity.get(key)!r}"
+                 for key in keys if saved.identity.get(key) != identity.get(key)]
     if differing and resume != "force":
         raise ResumeError(
             f"{path} was written by a different run ({'; '.join(differing)}). Use a new run.out_dir for a "
@@ -218,7 +248,7 @@ def export_drafter(state_dict: dict[str, torch.Tensor], config, directory: Path,
     drafter_from_state_dict(config, state_dict).to(dtype).save_pretrained(directory)
 
 
-def save_checkpoint(engine, cfg, step: int, trainer_state: dict, export_dtype: torch.dtype) -> Path:
+def save_checkpoint(engine, cfg, step: int, trainer_state: TrainerState, export_dtype: torch.dtype) -> Path:
     """Collective: every rank calls it. Returns the final checkpoint dir."""
     root = checkpoint_root(cfg.run.out_dir)
     rank, is_main = dist.get_rank(), dist.get_rank() == 0
@@ -232,7 +262,7 @@ def save_checkpoint(engine, cfg, step: int, trainer_state: dict, export_dtype: t
     if is_main:
         export_drafter(weights, engine.module.config, tmp / "drafter", export_dtype)
         OmegaConf.save(cfg, tmp / "config.yaml", resolve=True)
-        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
+        (tmp / "trainer_state.json").write_text(trainer_state.to_json())
     del weights
     dist.barrier()
     _fsync_tree(tmp)  # every rank flushes what it wrote (on NFS only the writer's flush counts)

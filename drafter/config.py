@@ -298,6 +298,17 @@ def default_run_name(stem: str, cfg) -> str:
     return f"{stem}-g{gamma:g}-b{round(cfg.optim.betas[1] * 100)}{variant}"
 
 
+def flatten(tree: dict, sep: str = ".", prefix: str = "") -> dict:
+    """Nested dicts as one level, keys joined by `sep` (`a.b`); an empty dict stays a value."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, sep, f"{prefix}{key}{sep}"))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 def noise_std(noise: NoiseConfig, step: int) -> float:
     """Feature-noise std at optimizer step `step` (0-based): linear start -> end over warmup_steps."""
     if noise.warmup_steps <= 0:

@@ -18,20 +18,55 @@ target's distribution. `sampling="rejection"` switches DFlash to speculative rej
 distribution but not what the papers' T > 0 numbers use.
 """
 import time
-from collections import defaultdict
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
 from drafter.ddtree import DraftTree, committed_tokens, follow_tree, tree_verify_inputs
-from drafter.model import DFlash2DraftModel, DraftCache
+from drafter.models import DraftCache
+from drafter.progress import StageTimer
 from drafter.target import TargetError, feature_tap, model_type
 from drafter.target_cache import TargetCache, probe_decoding
 
 METHODS = ("ar", "dflash", "ddtree")
 SAMPLING = ("match", "rejection")
 STAGES = ("draft", "tree_build", "verify", "recompute", "commit")
+
+
+@dataclass(frozen=True)
+class Method:
+    """A decoding method by the name every report gives it: `ar`, `dflash`, or `ddtree@B` (DDTree
+    verifying a tree of B nodes). Parsed once, here; reports key their rows by `str(method)`."""
+    name: str
+    budget: int | None = None
+
+    def __post_init__(self):
+        if self.name not in METHODS:
+            raise ValueError(f"method {self.name!r} not in {METHODS}")
+        if self.is_tree and (self.budget is None or self.budget < 1):
+            raise ValueError(f"tree budgets must be >= 1, got {self.budget}")
+        if not self.is_tree and self.budget is not None:
+            raise ValueError(f"{self.name} takes no tree budget (got @{self.budget})")
+
+    @classmethod
+    def parse(cls, text: str) -> "Method":
+        """`ar`, `dflash` or `ddtree@B`; anything else is a ValueError naming it."""
+        name, at, budget = text.partition("@")
+        if at and not budget.isdigit():
+            raise ValueError(f"method {text!r}: the tree budget after @ must be a whole number")
+        return cls(name, int(budget) if at else None)
+
+    @property
+    def is_tree(self) -> bool:
+        return self.name == "ddtree"
+
+    def __str__(self) -> str:
+        return f"ddtree@{self.budget}" if self.is_tree else self.name
+
+
+def speculative_methods(budgets) -> list[Method]:
+    """`dflash` and `ddtree@B` for every budget, in that order."""
+    return [Method("dflash")] + [Method("ddtree", int(b)) for b in budgets]
 
 
 @dataclass
@@ -47,24 +82,6 @@ class Generation:
     decode_seconds: float
     stage_seconds: dict[str, float] = field(default_factory=dict)
     margins: list[float] = field(default_factory=list)
-
-
-class StageTimer:
-    """Wall time per stage; on CUDA it synchronises around stages only when `synchronize` is set."""
-
-    def __init__(self, device: torch.device, synchronize: bool = False):
-        self.synchronize = synchronize and device.type == "cuda"
-        self.seconds: dict[str, float] = defaultdict(float)
-
-    @contextmanager
-    def __call__(self, stage: str):
-        if self.synchronize:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        yield
-        if self.synchronize:
-            torch.cuda.synchronize()
-        self.seconds[stage] += time.perf_counter() - start
 
 
 def stop_token_ids(target, tokenizer=None) -> list[int]:
@@ -216,8 +233,8 @@ class DecodeSettings:
             raise ValueError(f"method {self.method!r} needs a drafter")
         if self.method == "ddtree" and (self.budget is None or self.budget < 1):
             raise ValueError("ddtree needs a tree budget >= 1")
-        if self.sampling == "rejection" and isinstance(drafter, DFlash2DraftModel):
-            raise ValueError("a DFlash2 drafter drafts its selector chain, not samples of its marginals: "
+        if self.sampling == "rejection" and drafter is not None and not drafter.drafts_marginals:
+            raise ValueError(f"a {type(drafter).__name__} drafts its own chain, not samples of its marginals: "
                              "rejection sampling is not supported for it (use sampling='match')")
 
 

@@ -2,16 +2,17 @@
 shape and rotary it chooses where the target's do not apply (MLA, per-layer head dims, rope per
 layer type), the drafter variant (`drafter.*`: sliding-window and causal layers, DFlash2), and what
 `dflash_config` records so that a checkpoint serves and evaluates without flags. The modules that
-this config builds live in `drafter/model.py`."""
+this config builds live in `drafter/models/`."""
 from dataclasses import dataclass
 
 from huggingface_hub.errors import StrictDataclassError
 from transformers import Qwen3Config
 
 from drafter.config import ConfigError
+from drafter.models import ARCHITECTURES
+from drafter.models.checks import ROPE_TYPES, check_drafter_config
 from drafter.target import default_target_layer_ids, feature_layer_problem
 
-_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")  # Qwen3RotaryEmbedding's own
 
 
 def _config_value(config, key: str, default=None):
@@ -62,7 +63,7 @@ def drafter_rope(text_config) -> dict:
     if sets:
         rope = dict(next((rope[key] for key in _ROPE_SETS if key in sets), {}))
     theta = rope.get("rope_theta", getattr(text_config, "rope_theta", 10000.0))
-    if rope.get("rope_type", "default") not in _ROPE_TYPES:
+    if rope.get("rope_type", "default") not in ROPE_TYPES:
         return {"rope_type": "default", "rope_theta": theta}
     for key in ("partial_rotary_factor", "mrope_section", "mrope_interleaved"):
         rope.pop(key, None)
@@ -91,47 +92,7 @@ def drafter_widths(text_config) -> dict:
             "rope_parameters": drafter_rope(text_config)}
 
 
-def drafter_config_problems(config: Qwen3Config) -> list[str]:
-    """What keeps the drafter's layers from being built from `config`'s own numbers, each naming its
-    field: the projections are heads x head_dim wide, the KV heads are shared by groups of query
-    heads, and the rotary (one flat set of Qwen3's types) turns the whole head."""
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
-
-    widths = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
-    problems = [f"{key}={getattr(config, key, None)!r} must be a positive integer" for key in widths
-                if not isinstance(getattr(config, key, None), int) or getattr(config, key) < 1]
-    if problems:
-        return problems
-    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    if heads % kv_heads:
-        problems.append(f"num_key_value_heads={kv_heads} does not divide num_attention_heads={heads}")
-    if head_dim % 2:
-        problems.append(f"head_dim={head_dim} is odd: the rotary turns pairs of dimensions")
-    rope = config.rope_parameters or {}
-    nested = sorted(key for key, value in rope.items() if isinstance(value, dict))
-    if nested:
-        problems.append(f"rope_parameters holds rotary sets {nested}: the drafter has one rotary")
-    if rope.get("rope_type") not in _ROPE_TYPES:
-        problems.append(f"rope_parameters.rope_type={rope.get('rope_type')!r} is not one of {', '.join(_ROPE_TYPES)}")
-    if problems:
-        return problems
-    rotary_width = 2 * Qwen3RotaryEmbedding(config).inv_freq.numel()
-    if rotary_width != head_dim:
-        problems.append(f"rope_parameters give a rotary {rotary_width} wide for head_dim={head_dim} "
-                        "(the drafter turns the whole head)")
-    return problems
-
-
-def check_drafter_config(config: Qwen3Config) -> None:
-    """Raise ConfigError naming every field of `config` its layers cannot be built from."""
-    problems = drafter_config_problems(config)
-    if problems:
-        target = (getattr(config, "dflash_config", None) or {}).get("target_model_type")
-        raise ConfigError(f"drafter config (target {target}): " + "; ".join(problems))
-
-
 LAYER_TYPES = ("full_attention", "sliding_attention")
-ARCHITECTURES = ("dflash", "dflash2")  # drafter.model.DFlashDraftModel, DFlash2DraftModel
 
 
 @dataclass(frozen=True)
@@ -142,8 +103,9 @@ class DrafterVariant:
     sliding_window: the window of the sliding layers, in positions, the query's own included.
     causal: None is the public default (sliding layers causal inside the block, full layers
         bidirectional); True / False makes every layer causal / bidirectional (`is_causal`).
-    arch: "dflash" or "dflash2" (DFlash2DraftModel); the conv_* and selector_* settings are
-        DFlash2's: the convolution's taps and channel group, the selector's rank and candidates.
+    arch: a name in drafter.models.ARCHITECTURES ("dflash", "dflash2"); the conv_* and selector_*
+        settings are DFlash2's own (its `variant_keys`): the convolution's taps and channel group, the
+        selector's rank and candidates.
     """
     layer_types: tuple[str, ...] | None = None
     sliding_window: int | None = None
@@ -178,21 +140,6 @@ class DrafterVariant:
                 problems.append(f"{key}={getattr(self, key)} must be >= 1")
         return problems
 
-    def width_problems(self, hidden_size: int, vocab_size: int, block_size: int) -> list[str]:
-        """What DFlash2's settings cannot do with the target's widths and the block size."""
-        if self.arch != "dflash2":
-            return []
-        problems = []
-        if hidden_size % self.conv_group_size:
-            problems.append(f"conv_group_size={self.conv_group_size} does not divide the hidden size "
-                            f"{hidden_size} (the convolution's channel groups)")
-        if self.selector_top_k > vocab_size:
-            problems.append(f"selector_top_k={self.selector_top_k} exceeds the vocabulary ({vocab_size})")
-        if self.conv_kernel_size > block_size:
-            problems.append(f"conv_kernel_size={self.conv_kernel_size} exceeds block_size={block_size}: "
-                            "taps past the block's start see only zeros")
-        return problems
-
     def config_fields(self, num_layers: int) -> dict:
         """The Qwen3Config fields that `dflash` 0.1.0 reads for this variant."""
         types = list(self.layer_types or ["full_attention"] * num_layers)
@@ -202,13 +149,6 @@ class DrafterVariant:
         if self.causal is not None:
             fields["is_causal"] = bool(self.causal)
         return fields
-
-    def dflash_config_fields(self) -> dict:
-        """The `dflash_config` entries (and architecture) `dflash` 0.1.0 reads for this variant."""
-        if self.arch != "dflash2":
-            return {}
-        return {"conv_kernel_size": self.conv_kernel_size, "conv_group_size": self.conv_group_size,
-                "selector_rank": self.selector_rank, "selector_top_k": self.selector_top_k}
 
 
 def drafter_variant(drafter_section) -> DrafterVariant:
@@ -241,8 +181,10 @@ def drafter_config(target_config, *, num_layers: int, block_size: int, mask_toke
         target_layer_ids = default_target_layer_ids(num_target_layers, num_layers)
     target_layer_ids = [int(i) for i in target_layer_ids]
     widths = drafter_widths(text_config)
-    problems = variant.problems(num_layers) + variant.width_problems(
-        widths["hidden_size"], widths["vocab_size"], block_size)
+    problems = variant.problems(num_layers)
+    arch = ARCHITECTURES.get(variant.arch)
+    if arch is not None:
+        problems += arch.variant_problems(variant, widths["hidden_size"], widths["vocab_size"], block_size)
     layer_problem = feature_layer_problem(target_layer_ids, num_target_layers)
     if layer_problem:
         problems.append(layer_problem)
@@ -256,10 +198,10 @@ def drafter_config(target_config, *, num_layers: int, block_size: int, mask_toke
         config = Qwen3Config(
             **widths, num_hidden_layers=num_layers, num_target_layers=num_target_layers,
             block_size=block_size, tie_word_embeddings=False, **variant.config_fields(num_layers),
-            architectures=["DFlash2DraftModel" if variant.arch == "dflash2" else "DFlashDraftModel"],
+            architectures=[arch.__name__],
             dflash_config={"target_layer_ids": target_layer_ids, "mask_token_id": int(mask_token_id),
                            "input_embedding_scale": float(input_embedding_scale), "target_model_type": model_type,
-                           **variant.dflash_config_fields(), **record})
+                           **arch.variant_dflash_config(variant), **record})
     except StrictDataclassError as error:
         raise ConfigError(f"drafter config (target {model_type}): {error.__cause__ or error}") from error
     check_drafter_config(config)

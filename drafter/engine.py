@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from drafter.config import ConfigError
+from drafter.config import ConfigError, flatten
 
 ZERO_STAGES = (1, 2, 3)
 
@@ -67,16 +67,6 @@ def build_optimizers(params: list[nn.Parameter], optim) -> list[torch.optim.Opti
 # ---------------------------------------------------------------------------------------------
 # DeepSpeed
 # ---------------------------------------------------------------------------------------------
-
-def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
 
 def deepspeed_config(json_path: str, cfg, world_size: int, bf16: bool, hidden_size: int,
                      on_cpu: bool) -> dict:
@@ -139,7 +129,7 @@ def deepspeed_config(json_path: str, cfg, world_size: int, bf16: bool, hidden_si
                         "torch.optim.Muon, and its resume has not been verified here; use train.engine=fsdp")
     if zero.get("offload_param") and stage != 3:
         problems.append("zero_optimization.offload_param needs stage 3 (offload_optimizer works with 1-3)")
-    left = [key for key, value in _flatten(ds).items() if value == "auto"]
+    left = [key for key, value in flatten(ds).items() if value == "auto"]
     if left:
         problems.append(f"\"auto\" that this trainer does not fill: {', '.join(left)} (write a value)")
     if problems:
@@ -197,8 +187,8 @@ class DeepSpeedEngine:
 # ---------------------------------------------------------------------------------------------
 
 class FSDPEngine:
-    """`fully_shard` on every decoder layer (and DFlash2's selector), then the root (fc, hidden_norm,
-    norm); AdamW, or Muon and AdamW (`build_optimizers`); gradients reduced once per optimizer step;
+    """`fully_shard` on each of the drafter's `shard_units` (its decoder layers, and DFlash2's
+    selector), then the root (fc, hidden_norm, norm); AdamW, or Muon and AdamW (`build_optimizers`); gradients reduced once per optimizer step;
     bf16 compute with fp32 reduction when training in bf16."""
 
     def __init__(self, drafter: nn.Module, cfg, device: torch.device, bf16: bool):
@@ -216,10 +206,8 @@ class FSDPEngine:
             mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             if bf16 else MixedPrecisionPolicy(),
             offload_policy=CPUOffloadPolicy() if cfg.fsdp.cpu_offload else OffloadPolicy())
-        for layer in drafter.layers:
-            fully_shard(layer, **shard)
-        if hasattr(drafter, "candidate_selector"):  # DFlash2: called on its own after the forward
-            fully_shard(drafter.candidate_selector, **shard)
+        for unit in drafter.shard_units():
+            fully_shard(unit, **shard)
         fully_shard(drafter, **shard)
         self.module = drafter
         self.sharded = True
@@ -278,3 +266,19 @@ class FSDPEngine:
 
 
 ENGINES = ("deepspeed", "fsdp")
+
+
+def engine_settings(cfg, world_size: int, device: torch.device, dtype: torch.dtype, hidden_size: int) -> dict | None:
+    """What the engine of train.engine is built from, checked before any model loads: DeepSpeed's
+    JSON with the YAML's values filled in (its contradictions with the YAML fail here); nothing for FSDP2."""
+    if cfg.train.engine == "deepspeed":
+        return deepspeed_config(cfg.train.ds_config, cfg, world_size, dtype == torch.bfloat16, hidden_size,
+                                on_cpu=device.type == "cpu")
+    return None
+
+
+def build_engine(cfg, drafter: nn.Module, device: torch.device, dtype: torch.dtype, ds_config: dict | None):
+    """The engine of train.engine around `drafter` (moved to `device`)."""
+    if cfg.train.engine == "deepspeed":
+        return DeepSpeedEngine(drafter.to(device), ds_config)
+    return FSDPEngine(drafter.to(device), cfg, device, bf16=dtype == torch.bfloat16)

@@ -94,22 +94,35 @@ def launcher_environment(env=os.environ) -> tuple[str, dict[str, str]]:
                               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
 
 
-def init_distributed(timeout_minutes: float = 30.0) -> tuple[int, int, torch.device]:
-    """(rank, world size, device) after forming the world; NCCL on GPUs, gloo on CPUs."""
+def local_device() -> torch.device:
+    """This rank's device: its node-local GPU (made current), or the CPU."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    if local_rank >= torch.cuda.device_count():
+        raise LaunchError(f"local rank {local_rank} but only {torch.cuda.device_count()} GPUs on this node: "
+                          "start one task per GPU")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def launched_world_size() -> int:
+    """The world size the launcher (deepspeed, torchrun, srun, or none: 1) started this process in;
+    sets torch.distributed's variables from SLURM's where srun launched it."""
     launcher, variables = launcher_environment()
     os.environ.update(variables)
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        if local_rank >= torch.cuda.device_count():
-            raise LaunchError(f"local rank {local_rank} but only {torch.cuda.device_count()} GPUs on this node: "
-                              "start one task per GPU")
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
+    return int(os.environ["WORLD_SIZE"])
+
+
+def init_distributed(timeout_minutes: float = 30.0, backend: str | None = None) -> tuple[int, int, torch.device]:
+    """(rank, world size, device) after forming the world of whichever launcher started this process;
+    `backend` None: NCCL on GPUs, gloo on CPUs (a CPU-only group, gloo, on any device)."""
+    launcher, variables = launcher_environment()
+    os.environ.update(variables)
+    device = local_device()
     world_size = int(os.environ["WORLD_SIZE"])
     try:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+        dist.init_process_group(backend or ("nccl" if device.type == "cuda" else "gloo"),
                                 timeout=datetime.timedelta(minutes=timeout_minutes))
     except Exception as error:
         raise LaunchError(

@@ -206,7 +206,7 @@ def plan_inputs(cfg, model_config, world_size: int, ds_config: dict | None, dtyp
     """The plan's inputs from the run config, the target's (full) config and the DeepSpeed JSON."""
     from drafter.draft_config import drafter_config, drafter_variant
     from drafter.engine import uses_muon
-    from drafter.model import drafter_class
+    from drafter.models import drafter_class
     from drafter.objective import ObjectiveConfig, loss_chunk_peak_bytes
     from drafter.tensor_parallel import planned_split
 

@@ -23,7 +23,9 @@ from drafter.config import ConfigError
 from drafter.ddtree import build_tree_from_logprobs, teacher_forced_accept
 from drafter.distill import (BLOCK_LOSSES, ChunkedRowLoss, RowLossSpec, chain_acceptance, dpace_weights,
                              rows_per_chunk, soft_tree_acceptance, teacher_rows, tree_weights, up_to_first_failure)
-from drafter.model import DFlash2DraftModel, FlexMask, LayerAttention, compile_dynamic
+from drafter.lm_head import chunk_rows_for, top_logprobs
+from drafter.metrics import sum_count
+from drafter.models.layers import FlexMask, LayerAttention, compile_dynamic
 
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # DFlash paper, by block size
 
@@ -222,33 +224,11 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
         return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None
 
 
-@torch.no_grad()
-def top_logprobs(hidden, head_weight, k: int, chunk_rows: int, labels=None):
-    """(log-probabilities, token ids) [rows, k] of each row's k most likely tokens under the frozen
-    LM head, `chunk_rows` rows of fp32 logits at a time; with `labels` [rows], also each label's
-    log-probability [rows] (a third value)."""
-    values = hidden.new_empty((hidden.shape[0], k), dtype=torch.float32)
-    ids = torch.empty((hidden.shape[0], k), dtype=torch.long, device=hidden.device)
-    label_values = None if labels is None else hidden.new_empty(labels.shape, dtype=torch.float32)
-    for start in range(0, hidden.shape[0], chunk_rows):
-        rows = slice(start, start + chunk_rows)
-        logits = (hidden[rows] @ head_weight.T).float()
-        logprobs = logits - logits.logsumexp(-1, keepdim=True)
-        values[rows], ids[rows] = logprobs.topk(k, dim=-1)
-        if labels is not None:
-            label_values[rows] = logprobs.gather(1, labels[rows, None])[:, 0]
-    return (values, ids) if labels is None else (values, ids, label_values)
-
-
 def dense_lm_head_loss(hidden, head_weight, labels, row_weights):
     """Reference: the same loss with all logits materialised (for tests and bench/loss_memory.py)."""
     logits = (hidden @ head_weight.T).float()
     ce = F.cross_entropy(logits, labels, reduction="none")
     return (ce * row_weights).sum() / row_weights.sum().clamp_min(1e-12)
-
-
-def chunk_rows_for(vocab_size: int, chunk_bytes: int = 256 * 2**20) -> int:
-    return max(1, chunk_bytes // (4 * vocab_size))
 
 
 @dataclass
@@ -271,7 +251,7 @@ class ObjectiveConfig:
     normalize: str = "weights"        # weights: / sum of the weights | count: / supervised slots
     anchor_candidates: str = "pair"   # pair: p and p+1 supervised | supervised: p supervised
     logit_softcap: float | None = None  # the target's final_logit_softcapping, for its logits
-    selector_alpha: float = 1.0  # DFlash2: weight of the selector's K-way cross entropy (selector_loss)
+    selector_alpha: float = 1.0  # weight of the drafter's auxiliary loss (DFlash2's selector K-way CE)
 
     @classmethod
     def from_section(cls, section, block_size: int, mask_token_id: int, logit_softcap: float | None = None):
@@ -348,13 +328,11 @@ def training_step(drafter, target, features, input_ids, loss_mask, cfg: Objectiv
     metrics[f"anchor_ddtree@{cfg.ddtree_budget}"] = ddtree_accept_metric(
         topk_logprobs.view(len(sampled), block_size - 1, k), topk_ids.view(len(sampled), block_size - 1, k),
         blocks.labels.view(-1, block_size)[sampled, 1:], cfg.ddtree_budget, sampled_valid)
-    if isinstance(drafter, DFlash2DraftModel):
-        rows = SelectorRows(hidden[:, :, 1:].reshape(-1, width), blocks.labels[..., :-1].reshape(-1),
-                            blocks.labels[..., 1:].reshape(-1), blocks.weights[..., 1:].reshape(-1))
-        selected, hit = selector_loss(drafter.candidate_selector, rows, head, chunk_rows)
-        metrics.update(selector_metrics(hit.view(b, num_blocks, block_size - 1), blocks))
-        metrics["selector_loss"] = torch.stack([selected.detach(), selected.new_ones(())])
-        loss = loss + cfg.selector_alpha * selected
+    auxiliary = drafter.auxiliary_loss(hidden, blocks, head, chunk_rows)
+    if auxiliary is not None:  # DFlash2's selector loss
+        auxiliary_loss, auxiliary_metrics = auxiliary
+        metrics.update(auxiliary_metrics)
+        loss = loss + cfg.selector_alpha * auxiliary_loss
     metrics["loss"] = torch.stack([loss.detach(), loss.new_ones(())])
     return loss, metrics
 
@@ -431,61 +409,6 @@ def tree_threshold(hidden, head_weight, budget: int, chunk_rows: int) -> torch.T
     return (score[:, budget - 1] + score[:, budget]) / 2
 
 
-@dataclass
-class SelectorRows:
-    """One row per block slot 1..B-1: its final state [N, H], the token before it (the anchor or the
-    previous label: teacher forcing) [N], its label [N] and loss weight [N]."""
-    hidden: torch.Tensor
-    predecessors: torch.Tensor
-    labels: torch.Tensor
-    weights: torch.Tensor
-
-
-def selector_loss(selector, rows: SelectorRows, head_weight, chunk_rows: int):
-    """(loss, hit [N]): DFlash2's selector objective, sum_r w_r CE_r / sum_r w_r of a K-way cross
-    entropy over each row's candidates scored as serving scores them (`CandidateSelector.pick`),
-    and whether the selector picks the label from the drafter's real top-K.
-
-    The candidates are the drafter's top-K under the frozen LM head; when the label is not among
-    them it replaces the K-th (the gold is inserted at the last rank, as the open trainers do),
-    so every row has a target while the set keeps K entries and a static shape, and the selector
-    still learns to prefer the gold over the K-1 likeliest others. Such rows count as misses in
-    `hit`: serving never sees the gold there. The candidates' log-probabilities (the unary term,
-    equal to the logits up to a per-row constant, which the cross entropy ignores) carry no
-    gradient: the block loss trains the marginals; this loss trains the selector and, through its
-    hidden projection, the drafter's states.
-    """
-    k = selector.top_k
-    unary, candidates, label_logprob = top_logprobs(rows.hidden.detach(), head_weight, k, chunk_rows,
-                                                    labels=rows.labels)
-    present = (candidates == rows.labels[:, None]).any(-1)
-    last = torch.arange(k, device=candidates.device) == k - 1
-    insert = ~present[:, None] & last
-    candidates = torch.where(insert, rows.labels[:, None], candidates)
-    unary = torch.where(insert, label_logprob[:, None], unary)
-    gold = (candidates == rows.labels[:, None]).long().argmax(-1)
-    scores = unary + selector(rows.hidden, rows.predecessors, candidates).float()
-    ce = F.cross_entropy(scores, gold, reduction="none")
-    loss = (ce * rows.weights).sum() / rows.weights.sum().clamp_min(1e-12)
-    hit = present & (scores.argmax(-1) == gold)
-    return loss, hit
-
-
-def selector_metrics(hit: torch.Tensor, blocks: Blocks) -> dict[str, torch.Tensor]:
-    """DFlash2's teacher-forced chain metrics from `hit` [b, A, B-1] (`selector_loss`).
-
-    selector_acc: P(the selector picks the label | the previous tokens are the text's), over
-        supervised slots.
-    anchor_selector_streak: 1 (bonus) + the leading slots it picks right, per random anchor: the
-        selector chain's `anchor_streak` (while every pick is right the chain's predecessors are the
-        text's, so teacher forcing walks the served chain).
-    """
-    supervised = blocks.weights[..., 1:] > 0
-    hit = hit & supervised
-    return {"selector_acc": _mean(hit, supervised),
-            "anchor_selector_streak": _mean(hit.long().cumprod(-1).sum(-1) + 1, blocks.valid)}
-
-
 def sample_complete_blocks(blocks: Blocks, count: int, generator: torch.Generator):
     """(index [n], valid [n]), n = min(count, number of blocks): flat indices of distinct blocks drawn
     uniformly from those whose slots 1..B-1 are all supervised; `valid` is False where fewer than n
@@ -495,11 +418,6 @@ def sample_complete_blocks(blocks: Blocks, count: int, generator: torch.Generato
     scores = scores.to(complete.device, non_blocking=True).masked_fill(~complete, -1.0)
     top_scores, index = scores.topk(min(count, len(complete)))
     return index, top_scores >= 0
-
-
-def _mean(values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
-    """[sum, count] of `values` over `where`."""
-    return torch.stack([(values.float() * where).sum(), where.float().sum()])
 
 
 def rank_metrics(label_rank: torch.Tensor, blocks: Blocks) -> dict[str, torch.Tensor]:
@@ -521,11 +439,11 @@ def rank_metrics(label_rank: torch.Tensor, blocks: Blocks) -> dict[str, torch.Te
     metrics = {}
     for name, k in (("acc", 1), ("top4_acc", 4), ("top8_acc", 8)):
         hit = (rank < k) & supervised
-        metrics[name] = _mean(hit, supervised)
+        metrics[name] = sum_count(hit, supervised)
         metrics[f"{name}_pos"] = torch.stack([hit.float().sum((0, 1)), supervised.float().sum((0, 1))], 1)
     for name, k in (("anchor_streak", 1), ("anchor_top4_streak", 4), ("anchor_top8_streak", 8)):
         accepted = ((rank < k) & supervised).long().cumprod(-1).sum(-1)
-        metrics[name] = _mean(accepted + 1, blocks.valid)
+        metrics[name] = sum_count(accepted + 1, blocks.valid)
     return metrics
 
 
@@ -544,13 +462,4 @@ def ddtree_accept_metric(topk_logprobs, topk_ids, labels, budget: int,
     if labels.shape[0] == 0:
         return topk_logprobs.new_zeros(2)
     committed = teacher_forced_accept(build_tree_from_logprobs(topk_logprobs, topk_ids, budget), labels)
-    return _mean(committed, torch.ones_like(committed, dtype=torch.bool) if valid is None else valid)
-
-
-def finalize_metrics(summed: dict[str, torch.Tensor]) -> dict[str, float | list[float]]:
-    """[sum, count] -> mean (NaN where count is 0); per-position rows -> a list per slot 1..B-1."""
-    out = {}
-    for name, value in summed.items():
-        ratio = value[..., 0] / value[..., 1]
-        out[name] = ratio.tolist() if ratio.dim() else (float(ratio) if value[1] > 0 else math.nan)
-    return out
+    return sum_count(committed, torch.ones_like(committed, dtype=torch.bool) if valid is None else valid)

@@ -78,16 +78,16 @@ class PublicAgreement:
 
 
 def public_class(directory):
-    """The public package's model class for an exported drafter: DFlash2DraftModel or DFlashDraftModel,
-    by the config's `architectures`, as the serving stacks choose it."""
+    """The public package's model class for an exported drafter: the class of the same name as ours
+    (its config's `architectures`, as the serving stacks choose it), DFlashDraftModel where it names none."""
     try:
         from dflash import model as public_model
     except ImportError as error:
         raise ImportError("the public loop needs the dflash package: "
                           "pip install --no-deps dflash==0.1.0") from error
     architectures = json.loads((Path(directory) / "config.json").read_text()).get("architectures") or []
-    dflash2 = "DFlash2DraftModel" in architectures
-    return public_model.DFlash2DraftModel if dflash2 else public_model.DFlashDraftModel
+    named = [getattr(public_model, name) for name in architectures if hasattr(public_model, name)]
+    return named[0] if named else public_model.DFlashDraftModel
 
 
 def load_public(directory, dtype: torch.dtype, device) -> torch.nn.Module:

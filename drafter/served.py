@@ -43,17 +43,10 @@ import torch.distributed as dist
 from drafter.benchmarks import load_prompts
 from drafter.chat import prompt_token_ids
 from drafter.ddtree import teacher_forced_accept
-from drafter.decode import generate, tree_verify_refusal
-from drafter.objective import build_blocks, chunk_rows_for, drafter_hidden
+from drafter.decode import generate, speculative_methods, tree_verify_refusal
+from drafter.lm_head import chunk_rows_for
+from drafter.objective import build_blocks, drafter_hidden
 from drafter.tensor_parallel import TPGroup
-
-
-def method_names(budgets) -> list[str]:
-    """`dflash` and `ddtree@B` for every budget, in that order."""
-    budgets = [int(b) for b in budgets]
-    if any(b < 1 for b in budgets):
-        raise ValueError(f"tree budgets must be >= 1, got {budgets}")
-    return ["dflash"] + [f"ddtree@{b}" for b in budgets]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,16 +118,16 @@ def anchor_acceptance(drafter, target, features, input_ids, loss_mask, budgets, 
     """Drafted tokens a verify at each anchor would accept, per method: {method: [b, T] long on the
     CPU}, -1 where p is no anchor. The labels are the text as it goes on, past the response's end
     too (`serve_walk` cuts every step at that end). `chunking`: see `scored_blocks`."""
-    methods = method_names(budgets)
-    accepted = {m: torch.full(input_ids.shape, -1, dtype=torch.long) for m in methods}
+    chain, *trees = speculative_methods(budgets)
+    accepted = {str(m): torch.full(input_ids.shape, -1, dtype=torch.long) for m in (chain, *trees)}
     for part in scored_blocks(drafter, target, features, input_ids, loss_mask, attention, **chunking):
         where = (part.rows, part.positions)
         drafted = drafter.chain_picks(part.hidden, part.logits, part.predecessors)
-        accepted["dflash"][where] = (drafted == part.labels).long().cumprod(-1).sum(-1).cpu()
-        for method in methods[1:]:
-            tree = drafter.block_trees(part.hidden, part.logits, part.predecessors[:, 0],
-                                      int(method.split("@")[1]), tree_backend)
-            accepted[method][where] = (teacher_forced_accept(tree, part.labels) - 1).cpu()
+        accepted[str(chain)][where] = (drafted == part.labels).long().cumprod(-1).sum(-1).cpu()
+        for method in trees:
+            tree = drafter.block_trees(part.hidden, part.logits, part.predecessors[:, 0], method.budget,
+                                       tree_backend)
+            accepted[str(method)][where] = (teacher_forced_accept(tree, part.labels) - 1).cpu()
     return accepted
 
 
@@ -277,14 +270,14 @@ def generation_tau(target, drafter, prompts: list[list[int]], share: PromptShare
     time agreement). The drafter is put in eval mode and given back in the mode it came in; the
     global torch, CUDA and numpy RNGs are not used.
     """
-    methods = method_names(budgets)
+    methods = speculative_methods(budgets)
     if tree_verify_refusal(target):  # the replayed tau_ddtree@B stands in for these (eval steps)
-        methods = [m for m in methods if not m.startswith("ddtree")]
+        methods = [m for m in methods if not m.is_tree]
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     clock = time.perf_counter()
     device = target.device
-    steps = {method: [] for method in methods}
+    steps = {str(method): [] for method in methods}
     was_training = drafter.training
     drafter.eval()
     try:
@@ -294,11 +287,10 @@ def generation_tau(target, drafter, prompts: list[list[int]], share: PromptShare
                     break
                 ids = torch.tensor([prompt], dtype=torch.long, device=device)
                 for method in methods:
-                    name, _, budget = method.partition("@")
-                    result = generate(target, ids, max_new_tokens, stop_token_ids, method=name,
-                                      drafter=drafter, budget=int(budget) if budget else None,
-                                      temperature=0.0, tree_backend=tree_backend)
-                    steps[method].append(result.acceptance_lengths)
+                    result = generate(target, ids, max_new_tokens, stop_token_ids, method=method.name,
+                                      drafter=drafter, budget=method.budget, temperature=0.0,
+                                      tree_backend=tree_backend)
+                    steps[str(method)].append(result.acceptance_lengths)
     finally:
         drafter.train(was_training)
     out = {f"gen_tau_{method}": mean_tau(responses) for method, responses in steps.items()}

@@ -21,6 +21,18 @@ from transformers import (AutoModelForCausalLM, AutoModelForImageTextToText, Qwe
                           masking_utils)
 
 
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
+          "float16": torch.float16}
+
+
+def compute_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The target's dtype, which is also the drafter's compute dtype: `name` from DTYPES, or "auto"
+    (bf16 on GPUs, fp32 on the CPU)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
 class TargetError(ValueError):
     """A target whose structure this code cannot read (no decoder layers it can find, ...)."""
 

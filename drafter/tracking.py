@@ -3,9 +3,18 @@ import json
 import math
 import os
 import time
+from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
+import torch
+import torch.distributed as dist
 from omegaconf import OmegaConf
+
+from drafter.collectives import all_reduce_sum, comm_device
+from drafter.config import flatten
+from drafter.metrics import finalize_metrics
+from drafter.sampler import bucket_table, plan_notes
 
 
 def human_duration(seconds: float) -> str:
@@ -116,11 +125,72 @@ def truncate_metrics(path: Path, step: int) -> int:
 def _flatten(metrics: dict) -> dict:
     """Lists become `name/<i>` scalars and dicts `name/<key>` (W&B charts scalars)."""
     flat = {}
-    for key, value in metrics.items():
-        if isinstance(value, dict):
-            flat.update({f"{key}/{k}": v for k, v in _flatten(value).items()})
-        elif isinstance(value, list):
+    for key, value in flatten(metrics, sep="/").items():
+        if isinstance(value, list):
             flat.update({f"{key}/{i}": v for i, v in enumerate(value) if isinstance(v, (int, float))})
         elif isinstance(value, (int, float)):
             flat[key] = value
     return flat
+
+
+class Window:
+    """Sums over the steps between two log lines. Metrics stay on the device and are reduced over
+    ranks only when summarised, so the training loop never waits for them."""
+
+    def __init__(self, num_buckets: int, device: torch.device, timers):
+        self.metrics = defaultdict(lambda: 0)
+        self.per_bucket = torch.zeros(num_buckets, 3, 2, device=device)  # (loss, acc, anchor_streak) x [sum, count]
+        self.tokens = torch.zeros(2, dtype=torch.float64)  # real, computed (padding included)
+        self.timers, self.data_wait = timers, 0.0
+        self.queue, self.grad_norms = [], []
+        self.steps, self.seconds, self.noise, self.lr = 0, 0.0, 0.0, 0.0
+
+    def add(self, metrics, batch):
+        for k, v in metrics.items():
+            self.metrics[k] = self.metrics[k] + v
+        self.per_bucket[batch["bucket"]] += torch.stack([metrics["loss"], metrics["acc"], metrics["anchor_streak"]])
+        self.tokens += torch.tensor([float(batch["lengths"].sum()), float(batch["input_ids"].numel())],
+                                    dtype=torch.float64)
+
+    def end_step(self, result, noise, lr, seconds):
+        self.steps += 1
+        self.seconds += seconds
+        if result.applied and math.isfinite(result.grad_norm):
+            self.grad_norms.append(result.grad_norm)
+        self.noise, self.lr = noise, lr
+
+    def summary(self, state, stats, total_steps, micro_per_epoch, elapsed, budget) -> dict:
+        summed = all_reduce_sum({**self.metrics, "per_bucket": self.per_bucket, "tokens": self.tokens})
+        per_bucket = summed.pop("per_bucket")
+        real, computed = summed.pop("tokens").tolist()
+        m = finalize_metrics(summed)
+        queue_depths = [torch.zeros(1, device=comm_device()) for _ in range(dist.get_world_size())]
+        dist.all_gather(queue_depths, torch.tensor([float(np.mean(self.queue or [0]))], device=comm_device()))
+        steps, seconds = self.steps, max(self.seconds, 1e-9)
+        timers = {"data_wait": self.data_wait, **self.timers.seconds}
+        return {
+            "step": state.step, "epoch": state.epoch, **m,
+            "ddtree_budget": budget,
+            "lr": self.lr, "noise": self.noise,
+            "grad_norm": float(np.mean(self.grad_norms)) if self.grad_norms else math.nan,
+            "skipped_steps": state.skipped_steps,
+            "pad_efficiency": real / computed,
+            "tokens_per_s": real / seconds,
+            "target_batches_per_s": steps / self.timers.seconds["target"] if "target" in self.timers.seconds else math.nan,
+            "drafter_batches_per_s": steps / self.timers.seconds["drafter"] if "drafter" in self.timers.seconds else math.nan,
+            "time_split_s": {k: v / steps for k, v in timers.items()},
+            "prefetch_queue": [round(float(q), 1) for q in queue_depths],
+            "per_bucket": {name: (per_bucket[:, i, 0] / per_bucket[:, i, 1]).tolist()
+                           for i, name in enumerate(("loss", "acc", "anchor_streak"))},
+            "bucket_batch_pct": [b["batch_pct"] for b in stats["buckets"]],
+            "seq_len": {"min": stats["length_min"], "mean": stats["length_mean"], "max": stats["length_max"]},
+            "epoch_progress": state.epoch + state.micro_step_in_epoch / max(1, micro_per_epoch),
+            "eta_s": (total_steps - state.step) * seconds / steps,
+            "elapsed_s": state.elapsed_s + elapsed,
+        }
+
+
+def bucket_summary(stats) -> str:
+    return "\n".join([*bucket_table(stats),
+                      f"padding efficiency {stats['pad_efficiency']:.3f}, longest same-bucket run "
+                      f"{stats['max_same_bucket_run']}", *plan_notes(stats)])

@@ -41,7 +41,6 @@ import argparse
 import json
 import os
 from dataclasses import asdict
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -50,13 +49,15 @@ from transformers import AutoConfig, AutoTokenizer
 
 from drafter.benchmarks import load_prompts
 from drafter.chat import prompt_token_ids
-from drafter.decode import SAMPLING, STAGES, generate, stop_token_ids, tree_verify_refusal
+from drafter.decode import (SAMPLING, STAGES, Method, generate, speculative_methods, stop_token_ids,
+                            tree_verify_refusal)
+from drafter.launch import LaunchError, init_distributed, launched_world_size, local_device
 from drafter.lossless import BF16_TIE_TOLERANCE, first_divergence, lossless_verdict, near_tie_share
-from drafter.model import load_drafter
+from drafter.models import ARCHITECTURES, is_drafter_config, load_drafter
 from drafter.progress import progress_bar
 from drafter.public_loop import PublicAgreement, check_public, load_public
 from drafter.served import PromptShare, replay_steps
-from drafter.target import TargetError, context_features
+from drafter.target import TargetError, compute_dtype, context_features
 from drafter.target_cache import probe_decoding
 from drafter.tensor_parallel import TensorParallelError, check_tensor_parallel, form_tp_group, load_tp_target
 
@@ -116,11 +117,10 @@ def drafter_dir(ckpt: str) -> Path:
     """`ckpt` itself when it is a drafter dir, else its `drafter/` subdir."""
     for candidate in (Path(ckpt), Path(ckpt) / "drafter"):
         config = candidate / "config.json"
-        architectures = json.loads(config.read_text()).get("architectures", []) if config.is_file() else []
-        if {"DFlashDraftModel", "DFlash2DraftModel"} & set(architectures):
+        if config.is_file() and is_drafter_config(json.loads(config.read_text())):
             return candidate
-    raise FileNotFoundError(f"{ckpt}: no DFlashDraftModel (or DFlash2DraftModel) config.json here or in "
-                            f"{ckpt}/drafter")
+    names = " or ".join(cls.__name__ for cls in ARCHITECTURES.values())
+    raise FileNotFoundError(f"{ckpt}: no {names} config.json here or in {ckpt}/drafter")
 
 
 def target_path_of(args) -> str:
@@ -143,27 +143,24 @@ def tensor_parallel_group(args, target_path: str, world: int, device: torch.devi
 
 
 def setup_distributed(gather_timeout_minutes: float) -> tuple[int, int, torch.device]:
-    """(rank, world size, device); initialises torch.distributed under torchrun.
+    """(rank, world size, device) under any launcher train.py takes (torchrun, srun, or none: a world
+    of one without a process group).
 
     The only collective is the gather of the results at the end, where the ranks that finish first
     wait for the slowest: a CPU (gloo) group with an explicit timeout, not NCCL's default one."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if world > 1:
-        dist.init_process_group("gloo", timeout=timedelta(minutes=gather_timeout_minutes))
-        return dist.get_rank(), world, device
-    return 0, 1, device
+    try:
+        if launched_world_size() == 1:
+            return 0, 1, local_device()
+        return init_distributed(gather_timeout_minutes, backend="gloo")
+    except LaunchError as error:
+        raise SystemExit(f"launch error: {error}") from None
 
 
 class Evaluator:
     """The models and settings shared by every benchmark."""
 
     def __init__(self, args, device: torch.device, target_path: str, tp_group):
-        dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
-                 "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+        dtype = compute_dtype(args.dtype, device)
         directory = drafter_dir(args.ckpt)
         self.drafter = load_drafter(directory, dtype=dtype).to(device).eval()
         recorded = self.drafter.config.dflash_config
@@ -179,42 +176,40 @@ class Evaluator:
         self.verify_refusal = probe.cannot_verify
         self.tree_refusal = self.verify_refusal or tree_verify_refusal(self.target)
         self.args, self.dtype = args, dtype
-        methods = ["dflash"] + [f"ddtree@{b}" for b in args.budgets]
-        self.methods = ["ar"] + [m for m in methods if args.temperature <= 0 or not self.replays(m)]
+        methods = speculative_methods(args.budgets)
+        self.methods = [Method("ar")] + [m for m in methods if args.temperature <= 0 or not self.replays(m)]
         if args.check_public and self.verify_refusal:
             raise TargetError(f"--check-public: the public loop verifies by one cached multi-token forward, "
                               f"which this target cannot continue ({self.verify_refusal})")
         self.public = load_public(directory, dtype, device) if args.check_public else None
 
-    def replays(self, method: str) -> bool:
+    def replays(self, method: Method) -> bool:
         """Whether `method` is replayed on `ar`'s text instead of generated (module docstring)."""
-        refusal = self.tree_refusal if method.startswith("ddtree") else self.verify_refusal
-        return method != "ar" and refusal is not None
+        refusal = self.tree_refusal if method.is_tree else self.verify_refusal
+        return method.name != "ar" and refusal is not None
 
-    def replayed_record(self, ar_record: dict, method: str) -> dict:
+    def replayed_record(self, ar_record: dict, method: Method) -> dict:
         """The steps `method` would take serving `ar`'s answer, from the training path."""
         ids = torch.tensor([ar_record["prompt_ids"] + ar_record["output_ids"]], device=self.target.device)
         loss_mask = torch.zeros_like(ids)
         loss_mask[0, len(ar_record["prompt_ids"]):] = 1
         features = context_features(self.target, ids, self.drafter.target_layer_ids)
-        budgets = [int(method.partition("@")[2])] if method.startswith("ddtree") else []
+        budgets = [method.budget] if method.is_tree else []
         steps = replay_steps(self.drafter, self.target, features, ids, loss_mask, budgets, attention="dense")
-        return {**ar_record, "acceptance_lengths": steps[method][0] if steps[method] else [],
+        return {**ar_record, "acceptance_lengths": steps[str(method)][0] if steps[str(method)] else [],
                 "decode_seconds": None, "stage_seconds": {}, "margins": [], "replayed": True}
 
-    def generate(self, method: str, prompt_ids: torch.Tensor, max_new_tokens: int):
-        name, _, budget = method.partition("@")
-        return generate(self.target, prompt_ids, max_new_tokens, self.stop_token_ids, method=name,
-                        drafter=self.drafter, budget=int(budget) if budget else None,
-                        temperature=self.args.temperature,
-                        sampling=self.args.sampling if name == "dflash" else "match",
+    def generate(self, method: Method, prompt_ids: torch.Tensor, max_new_tokens: int):
+        return generate(self.target, prompt_ids, max_new_tokens, self.stop_token_ids, method=method.name,
+                        drafter=self.drafter, budget=method.budget, temperature=self.args.temperature,
+                        sampling=self.args.sampling if method.name == "dflash" else "match",
                         synchronize_stages=self.args.sync_stages, tree_backend=self.args.tree_backend)
 
     def prompt_ids(self, messages: list[dict]) -> torch.Tensor:
         ids = prompt_token_ids(self.tokenizer, messages, self.enable_thinking)
         return torch.tensor([ids], dtype=torch.long, device=self.target.device)
 
-    def run_prompt(self, prompt, method: str) -> list[dict]:
+    def run_prompt(self, prompt, method: Method) -> list[dict]:
         """One record per user turn; later turns follow this method's own earlier answers."""
         messages, records = list(prompt.history), []
         for turn, text in enumerate(prompt.turns):
@@ -252,19 +247,19 @@ def run_benchmark(evaluator: Evaluator, name: str, prompts, share: PromptShare) 
     """Records per method for this rank's group's share of the prompts (a group: --tp ranks, or one).
     Rank 0 shows its progress, prompt by prompt and method by method."""
     shard = prompts[share.index::share.count]
-    records = {method: [] for method in evaluator.methods}
+    records = {str(method): [] for method in evaluator.methods}
     if shard:
         evaluator.warm_up(shard[0])
     progress = progress_bar(total=len(shard) * len(evaluator.methods), desc=name, unit="run",
                             enabled=share.index == 0 and share.reports)  # rank 0
     for prompt in shard:
         for method in evaluator.methods:
-            progress.set_postfix(method=method, refresh=False)
+            progress.set_postfix(method=str(method), refresh=False)
             if evaluator.replays(method):
                 turns = [r for r in records["ar"] if r["source"] == prompt.source]
-                records[method] += [evaluator.replayed_record(r, method) for r in turns]
+                records[str(method)] += [evaluator.replayed_record(r, method) for r in turns]
             else:
-                records[method] += evaluator.run_prompt(prompt, method)
+                records[str(method)] += evaluator.run_prompt(prompt, method)
             progress.update()
     progress.close()
     return records
@@ -470,7 +465,8 @@ def save_plots(results: dict, out: Path) -> list[Path]:
 
     fig, (tau_ax, speed_ax) = plt.subplots(1, 2, figsize=(10, 3.5))
     for bench, entry in benches.items():
-        tree = {int(m.split("@")[1]): s for m, s in entry["methods"].items() if m.startswith("ddtree@")}
+        methods = {Method.parse(m): s for m, s in entry["methods"].items()}
+        tree = {m.budget: s for m, s in methods.items() if m.is_tree}
         budgets = sorted(tree)
         for ax, key in ((tau_ax, "tau"), (speed_ax, "speedup")):
             points = [(b, tree[b][key]) for b in budgets if tree[b][key] is not None]  # replayed: no timing
@@ -510,7 +506,7 @@ def main(argv=None) -> dict | None:
     records = {}
     for name, prompts in prompt_sets.items():
         if rank == 0:
-            print(f"{name}: {len(prompts)} prompts, methods {', '.join(evaluator.methods)}", flush=True)
+            print(f"{name}: {len(prompts)} prompts, methods {', '.join(map(str, evaluator.methods))}", flush=True)
         ran = run_benchmark(evaluator, name, prompts, share)
         records[name] = ran if share.reports else {method: [] for method in ran}  # one report per group
     if world > 1:

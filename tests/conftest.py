@@ -7,7 +7,7 @@ import torch
 torch.set_num_threads(int(os.environ.get("TEST_TORCH_THREADS", "1")))
 
 from drafter.draft_config import DrafterVariant, drafter_config  # noqa: E402
-from drafter.model import DFlashDraftModel, drafter_class  # noqa: E402
+from drafter.models import DFlashDraftModel, drafter_class  # noqa: E402
 from drafter.target import input_embedding_scale, random_qwen3  # noqa: E402
 
 MASK_ID = 255

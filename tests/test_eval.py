@@ -132,7 +132,7 @@ def test_target_flag_overrides_the_recorded_target(checkpoint, tmp_path):
     target_path = ddtree_accept.target_path_of(args)
     assert target_path == str(checkpoint / "target")
     evaluator = ddtree_accept.Evaluator(args, ddtree_accept.torch.device("cpu"), target_path, form_tp_group(1))
-    assert evaluator.enable_thinking is False and evaluator.methods == ["ar", "dflash", "ddtree@4"]
+    assert evaluator.enable_thinking is False and [str(m) for m in evaluator.methods] == ["ar", "dflash", "ddtree@4"]
 
 
 def test_bad_prompt_lines_name_file_and_line(tmp_path):
@@ -245,11 +245,13 @@ def test_ranks_gather_on_a_cpu_group_with_the_flag_s_timeout(monkeypatch):
     CPU (gloo) one whose timeout is --gather-timeout, not a backend's default (NCCL: 10 minutes,
     which an uneven share of long generations outlasts)."""
     created = []
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("LOCAL_RANK", "0")
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(name, value)
     monkeypatch.setattr(ddtree_accept.torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(ddtree_accept.dist, "init_process_group", lambda *a, **k: created.append((a, k)))
     monkeypatch.setattr(ddtree_accept.dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(ddtree_accept.dist, "get_world_size", lambda: 2)
     args = ddtree_accept.parse_args(["--ckpt", "x", "--gather-timeout", "90"])
     assert ddtree_accept.setup_distributed(args.gather_timeout)[:2] == (1, 2)
     [(positional, keywords)] = created

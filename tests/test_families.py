@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from bench.gpu_check import ReplayDrafter
 from conftest import MASK_ID, make_drafter
 from drafter.decode import TreeVerifyUnsupported, generate
-from drafter.model import DraftCache
+from drafter.models import DraftCache
 from drafter.target import TargetError, context_features, decoder_layers, looped_layers, select_features
 from families import FAMILIES, RECURRENT, family_config, random_target
 

@@ -14,7 +14,7 @@ from drafter.config import load_config
 from drafter.memory_plan import (GiB, MemoryPlanError, check_fits, plan_inputs, plan_memory, size_text,
                                  target_model_config)
 from drafter.draft_config import drafter_config, drafter_variant
-from drafter.model import DFlashDraftModel, drafter_class
+from drafter.models import DFlashDraftModel, drafter_class
 from drafter.target import random_qwen3
 from runs import REPO
 
@@ -130,8 +130,9 @@ def test_the_loss_chunk_figure_is_the_peak_memory_of_the_loss(objective):
     here 1.0-1.35 times the plan's figure (what the count misses, up to about one buffer, was not traced),
     so it must lie in 0.9-1.5."""
     from drafter.distill import ChunkedRowLoss
-    from drafter.objective import (ChunkedLMHeadLoss, ObjectiveConfig, chunk_rows_for, loss_chunk_peak_bytes,
-                                   one_pass_loss, row_loss_spec)
+    from drafter.lm_head import chunk_rows_for
+    from drafter.objective import (ChunkedLMHeadLoss, ObjectiveConfig, loss_chunk_peak_bytes, one_pass_loss,
+                                   row_loss_spec)
     cfg = ObjectiveConfig(block_size=16, mask_token_id=0, chunk_bytes=128 * 2**20, **objective)
     vocab, width = 32768, 32
     rows = 2 * chunk_rows_for(vocab, cfg.chunk_bytes)

@@ -7,7 +7,7 @@ from safetensors import safe_open
 from conftest import MASK_ID, VARIANTS, make_drafter
 from drafter.config import ConfigError
 from drafter.draft_config import DrafterVariant, drafter_config
-from drafter.model import (DFlash2DraftModel, DFlashDraftModel, DraftCache, LayerAttention, layer_attention,
+from drafter.models import (DFlash2DraftModel, DFlashDraftModel, DraftCache, LayerAttention, layer_attention,
                            load_drafter)
 from drafter.target import context_features, default_target_layer_ids, select_features
 

@@ -5,17 +5,20 @@ import pytest
 import torch
 
 from conftest import MASK_ID, VARIANTS, fit_drafter, make_drafter
-from drafter import ddtree, model, objective
+from drafter import ddtree, objective
+from drafter.models import layers
 from drafter.config import ConfigError
 from drafter.ddtree import build_tree, teacher_forced_accept
 from drafter.host_sync import HostSyncCounter
 from drafter.draft_config import drafter_config
-from drafter.model import CandidateSelector, DraftCache, LayerAttention, compiled_graph_count
+from drafter.lm_head import top_logprobs
+from drafter.metrics import finalize_metrics
+from drafter.models import CandidateSelector, DraftCache, LayerAttention, compiled_graph_count
+from drafter.models.dflash2 import SelectorRows, selector_loss, selector_metrics
 from drafter.objective import (ATTENTION_KERNELS, ChunkedLMHeadLoss, ObjectiveConfig, attention_kernel,
                                build_blocks, dense_block_mask, dense_lm_head_loss, ddtree_accept_metric,
-                               drafter_hidden, finalize_metrics, position_weights, rank_metrics,
-                               resolve_gamma, sample_anchors, sample_complete_blocks, selector_loss, selector_metrics,
-                               SelectorRows, top_logprobs, training_step)
+                               drafter_hidden, position_weights, rank_metrics,
+                               resolve_gamma, sample_anchors, sample_complete_blocks, training_step)
 from drafter.sampler import BucketSampler, collate, make_buckets
 from drafter.target import context_features, random_qwen3_config
 
@@ -328,7 +331,7 @@ def test_compiled_flex_equals_dense_and_compiles_once_for_all_shapes(target, mon
     (the filler blocks keep them out of their own compilation)."""
     calls = {"mask": 0, "kernel": 0}
     for name, module, attribute in (("mask", objective, "_compiled_create_block_mask"),
-                                    ("kernel", model, "_compiled_flex_attention")):
+                                    ("kernel", layers, "_compiled_flex_attention")):
         def spy(*args, _compiled=getattr(module, attribute), _name=name, **kwargs):
             calls[_name] += 1
             return _compiled(*args, **kwargs)

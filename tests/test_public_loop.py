@@ -6,7 +6,7 @@ import torch
 
 from conftest import VARIANTS, randomize_
 from drafter.draft_config import DrafterVariant, drafter_config
-from drafter.model import DFlash2DraftModel, drafter_class
+from drafter.models import DFlash2DraftModel, drafter_class
 from drafter.public_loop import LoopSteps, compare, load_public, our_steps, public_steps
 from drafter.target import random_qwen3
 

@@ -13,7 +13,8 @@ from conftest import MASK_ID, fit_drafter, make_drafter
 from drafter.draft_config import DrafterVariant
 from drafter.benchmarks import load_prompts
 from drafter.decode import generate
-from drafter.objective import ObjectiveConfig, finalize_metrics
+from drafter.metrics import finalize_metrics
+from drafter.objective import ObjectiveConfig
 from drafter.served import (PromptShare, anchor_acceptance, bench_prompts, every_anchor, generation_tau,
                             held_out_prompts, mean_tau, replay_steps, replayed_tau, response_spans,
                             serve_walk)

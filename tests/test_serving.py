@@ -15,7 +15,7 @@ from drafter.ddtree import build_tree, teacher_forced_accept
 from drafter.decode import generate
 from drafter.lossless import BF16_TIE_TOLERANCE, first_divergence, lossless_verdict, near_tie_share
 from drafter.draft_config import drafter_config
-from drafter.model import DFlashDraftModel
+from drafter.models import DFlashDraftModel
 from drafter.objective import build_blocks, drafter_hidden
 from drafter.public_loop import check_public, load_public
 from drafter.target import context_features, random_qwen3

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from conftest import train_on_greedy_text
-from drafter.objective import finalize_metrics
+from drafter.metrics import finalize_metrics
 from drafter.served import PromptShare, generation_tau
 from drafter.target import context_features, features_and_final_hidden, freeze, random_qwen3
 from drafter.tensor_parallel import TargetFeatures, form_tp_group, shard_target

@@ -1,0 +1,92 @@
+"""Drafter architectures, registered by name (config `drafter.arch`) and by export class name (the
+`architectures` of an exported config.json, as the serving stacks pick a class).
+
+Each architecture is one model class in its own file, `dflash.py` and `dflash2.py`, keeping the
+interface `DraftModel` spells out; nothing outside this package asks which one it holds. A third
+architecture is a new file here and one entry in `ARCHITECTURES`.
+"""
+from typing import ClassVar, Protocol
+
+import torch
+from torch import nn
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+from drafter.ddtree import DraftTree
+from drafter.models.dflash import DFlashDraftModel
+from drafter.models.dflash2 import CandidateSelector, DFlash2DraftModel
+from drafter.models.layers import DraftCache, LayerAttention, compiled_graph_count, layer_attention
+
+__all__ = ["ARCHITECTURES", "CandidateSelector", "DFlash2DraftModel", "DFlashDraftModel", "DraftCache", "DraftModel",
+           "LayerAttention", "ServedDrafter", "architecture", "compiled_graph_count", "drafter_class",
+           "drafter_from_state_dict", "is_drafter_config", "layer_attention", "load_drafter"]
+
+ARCHITECTURES: dict[str, type[DFlashDraftModel]] = {cls.arch: cls for cls in (DFlashDraftModel, DFlash2DraftModel)}
+
+
+class ServedDrafter(Protocol):
+    """What the decode loop and replayed tau ask of a drafter: a real one, or a stand-in whose
+    proposals are known (the replay drafters of tests and bench/gpu_check.py)."""
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: list[int]
+    drafts_marginals: bool  # its chain is its marginals' argmax (what rejection sampling assumes)
+
+    def draft_states(self, target, ctx_features, block_ids, cache: DraftCache
+                     ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def draft_chain(self, target, ctx_features, block_ids, cache: DraftCache) -> torch.Tensor: ...
+
+    def block_trees(self, hidden, logits, roots, budget: int, backend: str = "auto") -> DraftTree: ...
+
+
+class DraftModel(ServedDrafter, Protocol):
+    """A registered architecture: served as above, and also trained, sharded and exported."""
+    arch: ClassVar[str]
+    variant_keys: ClassVar[tuple[str, ...]]
+
+    def forward(self, block_embeds, block_positions, features, ctx_positions, masks, cache=None
+                ) -> torch.Tensor: ...
+
+    def auxiliary_loss(self, hidden, blocks, head_weight, chunk_rows: int): ...
+
+    def shard_units(self) -> list[nn.Module]: ...
+
+    def chain_picks(self, hidden, logits, predecessors) -> torch.Tensor: ...
+
+    def chain_top(self, hidden, logits, predecessors, k: int = 2) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def architecture(name: str) -> type[DFlashDraftModel]:
+    """The class registered as `drafter.arch` = `name`."""
+    if name not in ARCHITECTURES:
+        raise ValueError(f"drafter.arch={name!r} is not one of {', '.join(ARCHITECTURES)}")
+    return ARCHITECTURES[name]
+
+
+def drafter_class(config: Qwen3Config) -> type[DFlashDraftModel]:
+    """The class a drafter config is for, by its `architectures` (as the serving stacks pick it);
+    a config that names none of ours is DFlash, as `dflash` 0.1.0 reads it."""
+    by_export_name = {cls.__name__: cls for cls in ARCHITECTURES.values()}
+    named = [by_export_name[name] for name in (config.architectures or []) if name in by_export_name]
+    return named[0] if named else DFlashDraftModel
+
+
+def is_drafter_config(config_dict: dict) -> bool:
+    """Whether an exported config.json (as a dict) is one of our architectures'."""
+    return bool({cls.__name__ for cls in ARCHITECTURES.values()} & set(config_dict.get("architectures") or []))
+
+
+def load_drafter(directory, **kwargs) -> DFlashDraftModel:
+    """An exported drafter directory, of any registered architecture (`from_pretrained` kwargs pass through)."""
+    return drafter_class(Qwen3Config.from_pretrained(directory)).from_pretrained(directory, **kwargs)
+
+
+def drafter_from_state_dict(config: Qwen3Config, state_dict: dict[str, torch.Tensor]) -> DFlashDraftModel:
+    """A plain (unsharded) drafter on the CPU holding `state_dict`, built without a random init first."""
+    with torch.device("meta"):
+        drafter = drafter_class(config)(config)
+    drafter.to_empty(device="cpu")
+    drafter.load_state_dict(state_dict)
+    drafter.rotary_emb = Qwen3RotaryEmbedding(config)  # its buffers are not in state dicts
+    return drafter
