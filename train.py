@@ -34,9 +34,9 @@ from drafter.collectives import all_reduce_sum, any_rank
 from drafter.config import ConfigError, load_config, lr_factor, noise_std
 from drafter.data import DataError, load_datasets
 from drafter.decode import stop_token_ids
-from drafter.distill import logit_softcap
 from drafter.draft_config import drafter_config, drafter_variant
 from drafter.engine import build_engine, engine_settings
+from drafter.losses.lm_head import logit_softcap
 from drafter.launch import LaunchError, init_distributed, remove_cpu_allreduce_buffer
 from drafter.mask_token import check_given_mask_token, choose_mask_token
 from drafter.memory_plan import MemoryPlanError, check_fits, plan_inputs, plan_memory, target_model_config

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from drafter.distill import ChunkedRowLoss, RowLossSpec, dense_row_loss
-from drafter.lm_head import chunk_rows_for
-from drafter.objective import ChunkedLMHeadLoss, dense_lm_head_loss, position_weights
+from drafter.losses.lm_head import (ChunkedLMHeadLoss, RowLossSpec, chunk_rows_for, dense_lm_head_loss,
+                                    dense_row_loss, weighted_data_ce)
+from drafter.losses.weights import position_weights
 
 
 def make_inputs(args, device):
@@ -48,10 +48,10 @@ def loss_of(args, hidden, head, labels, weights, teacher):
     if args.objective == "data-ce":
         if args.variant == "naive":
             return dense_lm_head_loss(hidden, head, labels, weights)
-        return ChunkedLMHeadLoss.apply(hidden, head, labels, weights, chunk_rows_for(args.vocab))[0]
+        return weighted_data_ce(hidden, head, labels, weights, chunk_rows_for(args.vocab))[0]
     if args.variant == "naive":
         return weighted(dense_row_loss(hidden, head, labels, teacher, kl), weights)
-    return weighted(ChunkedRowLoss.apply(hidden, head, labels, teacher, kl)[0], weights)
+    return weighted(ChunkedLMHeadLoss.apply(hidden, head, labels, teacher, kl)[0], weights)
 
 
 def peak_bytes(device) -> int:

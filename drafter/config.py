@@ -63,7 +63,7 @@ class ObjectiveSection:
                                    # (their own slot weighting: position_weights stays exp, gamma unused)
     tv_ce_weight: float = 0.1      # loss=tv: w of w CE + (1 - w) TV (DSpark's 0.1)
     tree_temperature: float = 1.0  # loss=expected_tree: surrogate temperature in nats (budget: ddtree_budget)
-    position_weights: str = "exp"  # exp: exp(-(k-1)/gamma) | dpace | tree (drafter/distill.py)
+    position_weights: str = "exp"  # exp: exp(-(k-1)/gamma) | dpace | tree (drafter/losses/weights.py)
     weight_smoothing: float = 0.5  # a of the dpace and tree weights
     truncate: str = "none"         # none | first_failure: a block's slots after its first argmax miss weigh 0
     normalize: str = "weights"     # weights: loss / sum of the weights | count: / supervised slots (speculators)

@@ -207,7 +207,8 @@ def plan_inputs(cfg, model_config, world_size: int, ds_config: dict | None, dtyp
     from drafter.draft_config import drafter_config, drafter_variant
     from drafter.engine import uses_muon
     from drafter.models import drafter_class
-    from drafter.objective import ObjectiveConfig, loss_chunk_peak_bytes
+    from drafter.losses import loss_chunk_peak_bytes
+    from drafter.objective import ObjectiveConfig
     from drafter.tensor_parallel import planned_split
 
     text = model_config.get_text_config()

@@ -8,11 +8,10 @@ One training forward over a right-padded batch [b, T]:
      strictly before its anchor, its own block bidirectionally, nothing else (a sliding or causal
      layer, `model.LayerAttention`, sees less of both);
   4. loss = sum_k w_k CE_k / sum_k w_k with w_k = exp(-(k-1)/gamma), computed in row chunks so the
-     full anchors x block x vocab logits never exist at once (`shaped_block_loss` and
-     drafter/distill.py: the target's labels, KL and TV, prediction-dependent weights, the
-     first-failure cut, the expected accepted lengths of a chain and of a tree).
+     full anchors x block x vocab logits never exist at once (drafter/losses/: the target's labels, KL
+     and TV, prediction-dependent weights, the first-failure cut, the expected accepted lengths of a
+     chain and of a tree, each a registered component over one chunked LM-head kernel).
 """
-import math
 from dataclasses import dataclass, fields
 
 import torch
@@ -21,9 +20,9 @@ from torch.nn.attention.flex_attention import _DEFAULT_SPARSE_BLOCK_SIZE, create
 
 from drafter.config import ConfigError
 from drafter.ddtree import build_tree_from_logprobs, teacher_forced_accept
-from drafter.distill import (BLOCK_LOSSES, ChunkedRowLoss, RowLossSpec, chain_acceptance, dpace_weights,
-                             rows_per_chunk, soft_tree_acceptance, teacher_rows, tree_weights, up_to_first_failure)
-from drafter.lm_head import chunk_rows_for, top_logprobs
+from drafter.losses import block_loss
+from drafter.losses.lm_head import chunk_rows_for, top_logprobs
+from drafter.losses.weights import position_weights
 from drafter.metrics import sum_count
 from drafter.models.layers import FlexMask, LayerAttention, compile_dynamic
 
@@ -37,12 +36,6 @@ def resolve_gamma(gamma: float | None, block_size: int) -> float:
         raise ConfigError(f"drafter.block_size={block_size} has no default loss gamma (the paper's are for "
                           f"block sizes {', '.join(map(str, sorted(DEFAULT_GAMMA)))}); set objective.gamma")
     return DEFAULT_GAMMA[block_size]
-
-
-def position_weights(block_size: int, gamma: float, device: torch.device | str = "cpu") -> torch.Tensor:
-    """w [B]: 0 at slot 0 (the anchor), exp(-(k-1)/gamma) at slot k >= 1."""
-    k = torch.arange(block_size, dtype=torch.float32, device=device)
-    return torch.where(k == 0, 0.0, torch.exp(-(k - 1) / gamma))
 
 
 ANCHOR_CANDIDATES = ("pair", "supervised")
@@ -180,57 +173,6 @@ def drafter_hidden(drafter, target, features, blocks: Blocks, attention: str) ->
     return drafter(block_embeds, positions, features, ctx_positions, masks)[:, :num_blocks]
 
 
-class ChunkedLMHeadLoss(torch.autograd.Function):
-    """sum_r w_r CE_r / sum_r w_r through a frozen LM head, one row chunk at a time.
-
-    The gradient w.r.t. the hidden states is computed in the forward pass, chunk by chunk, so at most
-    one chunk of fp32 logits is alive. Also returns each row's label rank. The chunks are fixed by the
-    shapes alone: no host synchronisation.
-
-    The rank is the label's place when tokens are ordered as serving's argmax orders them: by logit,
-    a tie going to the lower token id. So rank 0 (top-1) means that argmax returns the label: a
-    token tied with the label at a lower id counts against it, as does any larger logit.
-    """
-
-    @staticmethod
-    def forward(ctx, hidden, head_weight, labels, row_weights, chunk_rows: int):
-        need_grad = ctx.needs_input_grad[0]
-        total_weight = row_weights.sum().clamp_min(1e-12)
-        grad_hidden = torch.empty_like(hidden) if need_grad else None
-        loss = hidden.new_zeros((), dtype=torch.float32)
-        ranks = torch.empty_like(labels)
-        vocab_ids = torch.arange(head_weight.shape[0], device=hidden.device)
-        for start in range(0, hidden.shape[0], chunk_rows):
-            rows = slice(start, start + chunk_rows)
-            logits = (hidden[rows] @ head_weight.T).float()
-            log_z = logits.logsumexp(-1, keepdim=True)
-            label_logit = logits.gather(1, labels[rows, None])
-            w = row_weights[rows, None].float()
-            loss += ((log_z - label_logit) * w).sum()
-            ranks[rows] = ((logits > label_logit).sum(-1)
-                           + ((logits == label_logit) & (vocab_ids < labels[rows, None])).sum(-1))
-            if need_grad:
-                probs = logits.sub_(log_z).exp_()  # in the logits buffer: d CE / d logits = p - onehot
-                probs.scatter_add_(1, labels[rows, None], -torch.ones_like(label_logit))
-                grad_hidden[rows] = (probs.mul_(w / total_weight)).to(head_weight.dtype) @ head_weight
-        if need_grad:
-            ctx.save_for_backward(grad_hidden)
-        ctx.mark_non_differentiable(ranks)
-        return loss / total_weight, ranks
-
-    @staticmethod
-    def backward(ctx, grad_loss, *unused):
-        (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None
-
-
-def dense_lm_head_loss(hidden, head_weight, labels, row_weights):
-    """Reference: the same loss with all logits materialised (for tests and bench/loss_memory.py)."""
-    logits = (hidden @ head_weight.T).float()
-    ce = F.cross_entropy(logits, labels, reduction="none")
-    return (ce * row_weights).sum() / row_weights.sum().clamp_min(1e-12)
-
-
 @dataclass
 class ObjectiveConfig:
     block_size: int
@@ -245,7 +187,7 @@ class ObjectiveConfig:
     loss: str = "ce"                  # ce | kl | tv (labels=target) | expected_chain | expected_tree
     tv_ce_weight: float = 0.1         # loss=tv: w CE + (1 - w) TV
     tree_temperature: float = 1.0     # loss=expected_tree: the surrogate's temperature, in nats
-    position_weights: str = "exp"     # exp: exp(-(k-1)/gamma) | dpace | tree (see drafter/distill.py)
+    position_weights: str = "exp"     # exp: exp(-(k-1)/gamma) | dpace | tree (drafter/losses/weights.py)
     weight_smoothing: float = 0.5     # a of dpace and tree weights
     truncate: str = "none"            # none | first_failure: no loss past a block's first argmax miss
     normalize: str = "weights"        # weights: / sum of the weights | count: / supervised slots
@@ -260,39 +202,6 @@ class ObjectiveConfig:
         shared = {field.name for field in fields(cls)} & set(section.keys())
         return cls(block_size=block_size, mask_token_id=mask_token_id, logit_softcap=logit_softcap,
                    **{name: section[name] for name in shared})
-
-
-def one_pass_loss(cfg: ObjectiveConfig) -> bool:
-    """Data CE under fixed weights, normalised by them: `ChunkedLMHeadLoss`; every other objective:
-    `shaped_block_loss`."""
-    return (cfg.labels == "data" and cfg.loss == "ce" and cfg.position_weights == "exp"
-            and cfg.truncate == "none" and cfg.normalize == "weights")
-
-
-def row_loss_spec(cfg: ObjectiveConfig, chunk_rows: int) -> RowLossSpec:
-    """The rows of `shaped_block_loss`: the block losses are built on each row's CE of its label."""
-    return RowLossSpec(cfg.labels, "ce" if cfg.loss in BLOCK_LOSSES else cfg.loss, chunk_rows,
-                       cfg.logit_softcap, cfg.tv_ce_weight)
-
-
-RANK_BUFFERS = 2.25  # a chunk's label ranks: a bool mask (1/4 of an fp32 logit buffer), its int64 count (2)
-
-
-def loss_chunk_peak_bytes(cfg: ObjectiveConfig, vocab_size: int, rows: int) -> int:
-    """The fp32 [rows, vocab] logit buffers alive at the peak of the loss over `rows` block slots, in
-    bytes (the memory plan's figure). The peak is at a chunk's label ranks (`label_rank`,
-    RANK_BUFFERS): beside them, this chunk's logits and what a previous chunk left alive: nothing in the
-    one-pass data CE (it reuses its logits buffer), the drafter's log-probabilities in `ChunkedRowLoss`,
-    and with target labels the target's too (and one more buffer for KL, its probabilities, or for TV,
-    its gradient), in chunks of half the rows."""
-    chunk_rows = chunk_rows_for(vocab_size, cfg.chunk_bytes)
-    if one_pass_loss(cfg):
-        chunk, left_alive = min(rows, chunk_rows), 0
-    else:
-        chunk = min(rows, rows_per_chunk(cfg.labels, chunk_rows))
-        left_alive = 0 if rows <= chunk else ((2 if cfg.labels == "target" else 1)
-                                              + (row_loss_spec(cfg, chunk_rows).loss in ("kl", "tv")))
-    return math.ceil((left_alive + 1 + RANK_BUFFERS) * chunk * vocab_size * 4)
 
 
 def training_step(drafter, target, features, input_ids, loss_mask, cfg: ObjectiveConfig,
@@ -311,12 +220,7 @@ def training_step(drafter, target, features, input_ids, loss_mask, cfg: Objectiv
     b, num_blocks, block_size, width = hidden.shape
     head = target.get_output_embeddings().weight
     chunk_rows = chunk_rows_for(head.shape[0], cfg.chunk_bytes)
-    if one_pass_loss(cfg):
-        loss, ranks = ChunkedLMHeadLoss.apply(
-            hidden[:, :, 1:].reshape(-1, width), head, blocks.labels[..., 1:].reshape(-1),
-            blocks.weights[..., 1:].reshape(-1), chunk_rows)
-    else:
-        loss, ranks = shaped_block_loss(hidden, head, blocks, final_hidden, cfg, chunk_rows)
+    loss, ranks = block_loss(hidden, head, blocks, final_hidden, cfg, chunk_rows)
 
     label_rank = torch.full_like(blocks.labels, torch.iinfo(torch.long).max)
     label_rank[..., 1:] = ranks.view(b, num_blocks, block_size - 1)
@@ -335,78 +239,6 @@ def training_step(drafter, target, features, input_ids, loss_mask, cfg: Objectiv
         loss = loss + cfg.selector_alpha * auxiliary_loss
     metrics["loss"] = torch.stack([loss.detach(), loss.new_ones(())])
     return loss, metrics
-
-
-def shaped_block_loss(hidden, head, blocks: Blocks, final_hidden, cfg: ObjectiveConfig, chunk_rows: int):
-    """(loss, data-label ranks [rows]) for every objective but the one-pass data CE: per-row losses
-    from `ChunkedRowLoss`, then, all without gradient, the weights (position weights, or 1 on every
-    supervised slot for the block losses), the first-failure cut and the normaliser
-    (drafter/distill.py). loss = sum_k w_k loss_k / (sum_k w_k, or the number of supervised slots).
-
-    A block loss is minus the block's expected accepted length, spread over its slots as minus the
-    chance that the verify accepts through each one; so it is normalised as the row losses are, and
-    the loss is minus the expected fraction of the supervised slots accepted, in [-1, 0]."""
-    b, num_blocks, block_size, width = hidden.shape
-    if cfg.labels == "target" and final_hidden is None:
-        raise ValueError("objective.labels=target needs the target's final hidden states (final_hidden)")
-    teacher = (teacher_rows(final_hidden, blocks.positions).reshape(-1, width).to(hidden.dtype)
-               if cfg.labels == "target" else None)
-    row_loss, ranks, hard_labels, hard_logprob, drafter_argmax = ChunkedRowLoss.apply(
-        hidden[:, :, 1:].reshape(-1, width), head, blocks.labels[..., 1:].reshape(-1), teacher,
-        row_loss_spec(cfg, chunk_rows))
-    weights = blocks.weights[..., 1:].reshape(-1, block_size - 1)
-    supervised = weights > 0
-    slot_loss = row_loss.view_as(weights)
-    if cfg.loss == "expected_chain":
-        slot_loss, weights = -chain_acceptance(-slot_loss, supervised), supervised.float()
-    elif cfg.loss == "expected_tree":
-        threshold = tree_threshold(hidden.detach()[:, :, 1:].reshape(-1, block_size - 1, width), head,
-                                   cfg.ddtree_budget, chunk_rows)
-        slot_loss = -soft_tree_acceptance(-slot_loss, threshold, cfg.tree_temperature, supervised)
-        weights = supervised.float()
-    elif cfg.position_weights == "dpace":
-        weights = dpace_weights(hard_logprob.view_as(weights), supervised, cfg.weight_smoothing)
-    elif cfg.position_weights == "tree":
-        depth = tree_accepted_depth(hidden.detach()[:, :, 1:].reshape(-1, block_size - 1, width), head,
-                                    hard_labels.view_as(weights), cfg.ddtree_budget, chunk_rows)
-        weights = tree_weights(depth, supervised, cfg.weight_smoothing)
-    if cfg.truncate == "first_failure":
-        weights = weights * up_to_first_failure((drafter_argmax == hard_labels).view_as(weights), supervised)
-    weights = weights.reshape(-1)
-    denominator = weights.sum() if cfg.normalize == "weights" else supervised.sum()
-    return (slot_loss.reshape(-1) * weights).sum() / denominator.clamp_min(1e-12), ranks
-
-
-@torch.no_grad()
-def tree_accepted_depth(hidden, head_weight, labels, budget: int, chunk_rows: int) -> torch.Tensor:
-    """Per block [N]: the depth to which `labels` [N, L] follow the best-`budget` DDTree built from the
-    drafter's marginals at `hidden` [N, L, H] (its teacher-forced acceptance, the bonus not counted)."""
-    blocks, depth, width = hidden.shape
-    k = min(budget, head_weight.shape[0])
-    logprobs, ids = top_logprobs(hidden.reshape(-1, width), head_weight, k, chunk_rows)
-    tree = build_tree_from_logprobs(logprobs.view(blocks, depth, k), ids.view(blocks, depth, k), budget)
-    return teacher_forced_accept(tree, labels) - 1
-
-
-@torch.no_grad()
-def tree_threshold(hidden, head_weight, budget: int, chunk_rows: int) -> torch.Tensor:
-    """Per block [N]: the log-probability that separates the prefixes of the best-`budget` DDTree
-    built from the drafter's marginals at `hidden` [N, L, H] from the rest: midway between the
-    budget-th best prefix score and the next one (the tree of budget + 1 nodes is built in pop order,
-    best first); -inf when every prefix fits the budget (`soft_tree_acceptance`)."""
-    blocks, depth, width = hidden.shape
-    k = min(budget + 1, head_weight.shape[0])
-    logprobs, ids = top_logprobs(hidden.reshape(-1, width), head_weight, k, chunk_rows)
-    logprobs, ids = logprobs.view(blocks, depth, k), ids.view(blocks, depth, k)
-    tree = build_tree_from_logprobs(logprobs, ids, budget + 1)
-    if tree.size <= budget:
-        return logprobs.new_full((blocks,), -math.inf)
-    at_depth = (tree.depths - 1)[..., None].expand(-1, -1, k)
-    own = torch.where(ids.gather(1, at_depth) == tree.tokens[..., None], logprobs.gather(1, at_depth), 0.0).sum(-1)
-    score = own
-    for _ in range(depth - 1):  # a node's score: its own log-prob plus its parent's (parents come first)
-        score = own + torch.where(tree.parents >= 0, score.gather(1, tree.parents.clamp(min=0)), 0.0)
-    return (score[:, budget - 1] + score[:, budget]) / 2
 
 
 def sample_complete_blocks(blocks: Blocks, count: int, generator: torch.Generator):

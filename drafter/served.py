@@ -44,7 +44,7 @@ from drafter.benchmarks import load_prompts
 from drafter.chat import prompt_token_ids
 from drafter.ddtree import teacher_forced_accept
 from drafter.decode import generate, speculative_methods, tree_verify_refusal
-from drafter.lm_head import chunk_rows_for
+from drafter.losses.lm_head import chunk_rows_for
 from drafter.objective import build_blocks, drafter_hidden
 from drafter.tensor_parallel import TPGroup
 

@@ -1,4 +1,4 @@
-"""Objectives beyond data CE (drafter/distill.py): distillation labels and loss, D-PACE and tree-aware
+"""Objectives beyond data CE (drafter/losses/): distillation labels and loss, D-PACE and tree-aware
 position weights, each against an independent computation (the target's own full logits, weights by
 hand, a hand-built tree)."""
 import copy
@@ -11,10 +11,11 @@ import torch.nn.functional as F
 
 from conftest import MASK_ID, make_drafter
 from drafter.config import ConfigError, load_config
-from drafter.distill import (ChunkedRowLoss, RowLossSpec, chain_acceptance, dense_row_loss, dpace_weights,
-                             logit_softcap, soft_tree_acceptance, teacher_rows, tree_weights, up_to_first_failure)
-from drafter.objective import (ObjectiveConfig, build_blocks, drafter_hidden, sample_anchors, training_step,
-                               tree_accepted_depth, tree_threshold)
+from drafter.losses.acceptance import chain_acceptance, soft_tree_acceptance, tree_threshold
+from drafter.losses.divergences import teacher_rows
+from drafter.losses.lm_head import ChunkedLMHeadLoss, RowLossSpec, dense_row_loss, logit_softcap
+from drafter.losses.weights import dpace_weights, tree_accepted_depth, tree_weights, up_to_first_failure
+from drafter.objective import ObjectiveConfig, build_blocks, drafter_hidden, sample_anchors, training_step
 from drafter.target import context_features, features_and_final_hidden, random_qwen3
 from runs import REPO
 from test_objective import padded_batch
@@ -87,7 +88,7 @@ def test_chunked_row_losses_equal_dense_ones_with_gradients(labels, loss, softca
     data_labels = torch.randint(0, 300, (23,), generator=gen)
     weights = torch.rand(23, generator=gen)
     spec = RowLossSpec(labels, loss, chunk_rows=4, softcap=softcap, tv_ce_weight=0.3)
-    rows, ranks, hard, hard_logprob, argmax = ChunkedRowLoss.apply(hidden, head, data_labels, teacher, spec)
+    rows, ranks, hard, hard_logprob, argmax = ChunkedLMHeadLoss.apply(hidden, head, data_labels, teacher, spec)
     (grad,) = torch.autograd.grad((rows * weights).sum(), hidden)
     ref_hidden = hidden.detach().clone().requires_grad_(True)
     ref = dense_row_loss(ref_hidden, head, data_labels, teacher, spec)
@@ -314,7 +315,7 @@ def test_total_variation_by_hand():
     data_labels = torch.tensor([0])
     for weight, expected in ((0.0, 0.3), (0.1, 0.1 * -math.log(0.2) + 0.9 * 0.3)):
         spec = RowLossSpec("target", "tv", chunk_rows=1, tv_ce_weight=weight)
-        rows, _, hard, _, _ = ChunkedRowLoss.apply(q.log(), torch.eye(3), data_labels, t.log(), spec)
+        rows, _, hard, _, _ = ChunkedLMHeadLoss.apply(q.log(), torch.eye(3), data_labels, t.log(), spec)
         assert hard.tolist() == [2]
         assert rows.item() == pytest.approx(expected, rel=1e-6)
 

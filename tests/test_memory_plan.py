@@ -129,10 +129,9 @@ def test_the_loss_chunk_figure_is_the_peak_memory_of_the_loss(objective):
     more, which malloc maps and unmaps whole, so the resident peak is what the tensors hold. Measured
     here 1.0-1.35 times the plan's figure (what the count misses, up to about one buffer, was not traced),
     so it must lie in 0.9-1.5."""
-    from drafter.distill import ChunkedRowLoss
-    from drafter.lm_head import chunk_rows_for
-    from drafter.objective import (ChunkedLMHeadLoss, ObjectiveConfig, loss_chunk_peak_bytes, one_pass_loss,
-                                   row_loss_spec)
+    from drafter.losses import loss_chunk_peak_bytes, one_pass_loss, row_loss_spec
+    from drafter.losses.lm_head import ChunkedLMHeadLoss, chunk_rows_for, weighted_data_ce
+    from drafter.objective import ObjectiveConfig
     cfg = ObjectiveConfig(block_size=16, mask_token_id=0, chunk_bytes=128 * 2**20, **objective)
     vocab, width = 32768, 32
     rows = 2 * chunk_rows_for(vocab, cfg.chunk_bytes)
@@ -147,10 +146,10 @@ def test_the_loss_chunk_figure_is_the_peak_memory_of_the_loss(objective):
         pytest.skip("this kernel does not let a process reset its peak resident size")
     before = resident_bytes("VmRSS")
     if one_pass_loss(cfg):
-        ChunkedLMHeadLoss.apply(hidden, head, labels, torch.ones(rows), chunk_rows_for(vocab, cfg.chunk_bytes))
+        weighted_data_ce(hidden, head, labels, torch.ones(rows), chunk_rows_for(vocab, cfg.chunk_bytes))
     else:
         spec = row_loss_spec(cfg, chunk_rows_for(vocab, cfg.chunk_bytes))
-        ChunkedRowLoss.apply(hidden, head, labels, teacher if cfg.labels == "target" else None, spec)
+        ChunkedLMHeadLoss.apply(hidden, head, labels, teacher if cfg.labels == "target" else None, spec)
     measured = resident_bytes("VmHWM") - before
     planned = loss_chunk_peak_bytes(cfg, vocab, rows)
     assert 0.9 * planned <= measured <= 1.5 * planned, (measured, planned)

@@ -11,13 +11,14 @@ from drafter.config import ConfigError
 from drafter.ddtree import build_tree, teacher_forced_accept
 from drafter.host_sync import HostSyncCounter
 from drafter.draft_config import drafter_config
-from drafter.lm_head import top_logprobs
+from drafter.losses.lm_head import dense_lm_head_loss, top_logprobs, weighted_data_ce
+from drafter.losses.weights import position_weights
 from drafter.metrics import finalize_metrics
 from drafter.models import CandidateSelector, DraftCache, LayerAttention, compiled_graph_count
 from drafter.models.dflash2 import SelectorRows, selector_loss, selector_metrics
-from drafter.objective import (ATTENTION_KERNELS, ChunkedLMHeadLoss, ObjectiveConfig, attention_kernel,
-                               build_blocks, dense_block_mask, dense_lm_head_loss, ddtree_accept_metric,
-                               drafter_hidden, position_weights, rank_metrics,
+from drafter.objective import (ATTENTION_KERNELS, ObjectiveConfig, attention_kernel,
+                               build_blocks, dense_block_mask, ddtree_accept_metric,
+                               drafter_hidden, rank_metrics,
                                resolve_gamma, sample_anchors, sample_complete_blocks, training_step)
 from drafter.sampler import BucketSampler, collate, make_buckets
 from drafter.target import context_features, random_qwen3_config
@@ -242,7 +243,7 @@ def test_chunked_loss_matches_dense_loss_and_gradients():
     head = torch.randn(300, 16, generator=gen)
     labels = torch.randint(0, 300, (37,), generator=gen)
     weights = torch.rand(37, generator=gen)
-    loss, ranks = ChunkedLMHeadLoss.apply(hidden, head, labels, weights, 8)
+    loss, ranks = weighted_data_ce(hidden, head, labels, weights, 8)
     (grad,) = torch.autograd.grad(3 * loss, hidden)
     ref_hidden = hidden.detach().clone().requires_grad_(True)
     ref = dense_lm_head_loss(ref_hidden, head, labels, weights)
@@ -422,7 +423,7 @@ def test_label_rank_orders_ties_as_argmax_does():
     hidden = torch.randint(-2, 3, (40, 4), generator=gen).float()  # small integers: exact ties
     head = torch.randint(-1, 2, (30, 4), generator=gen).float()
     labels = torch.randint(0, 30, (40,), generator=gen)
-    _, ranks = ChunkedLMHeadLoss.apply(hidden, head, labels, torch.ones(40), 7)
+    _, ranks = weighted_data_ce(hidden, head, labels, torch.ones(40), 7)
     logits = (hidden @ head.T).tolist()
     expected = [sorted(range(30), key=lambda t: (-row[t], t)).index(int(label))
                 for row, label in zip(logits, labels)]

@@ -2,6 +2,7 @@
 round-trip, the unversioned files of earlier trainers still resume, and anything else is refused by
 name before a run continues from it."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -13,7 +14,7 @@ UNVERSIONED = {"step": 12, "epoch": 1, "micro_step_in_epoch": 3, "skipped_steps"
                "data_position": {"world_size": 2, "data.seed": 0}}
 
 
-def write(tmp_path, content) -> "Path":
+def write(tmp_path, content) -> Path:
     path = tmp_path / "trainer_state.json"
     path.write_text(content if isinstance(content, str) else json.dumps(content))
     return path

@@ -11,7 +11,7 @@ from transformers import Qwen3Config
 from transformers import initialization as init
 
 from drafter.ddtree import DraftTree, build_conditional_tree
-from drafter.lm_head import top_logprobs
+from drafter.losses.lm_head import top_logprobs
 from drafter.metrics import sum_count
 from drafter.models.dflash import DFlashDraftModel
 from drafter.models.layers import DraftCache
