@@ -26,23 +26,23 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
 from drafter.checkpoint import (ResumeError, TrainerState, agree_on_checkpoint, check_resumable, load_checkpoint,
                                 remove_partial_saves, run_identity, save_checkpoint, set_aside_previous_run)
 from drafter.collectives import all_reduce_sum, any_rank
-from drafter.config import ConfigError, load_config, lr_factor, noise_std
+from drafter.config import ConfigError, ObjectiveConfig, load_config, lr_factor, noise_std
 from drafter.data import DataError, load_datasets
 from drafter.decode import stop_token_ids
-from drafter.draft_config import drafter_config, drafter_variant
+from drafter.draft_config import drafter_config
 from drafter.engine import build_engine, engine_settings
-from drafter.losses.lm_head import logit_softcap
 from drafter.launch import LaunchError, init_distributed, remove_cpu_allreduce_buffer
 from drafter.mask_token import check_given_mask_token, choose_mask_token
 from drafter.memory_plan import MemoryPlanError, check_fits, plan_inputs, plan_memory, target_model_config
 from drafter.metrics import finalize_metrics
 from drafter.models import drafter_class, drafter_from_state_dict, load_drafter
-from drafter.objective import ObjectiveConfig, attention_kernel, training_step
+from drafter.objective import attention_kernel, training_step
 from drafter.progress import StageTimer
 from drafter.run_lock import RunDirectoryBusy, hold_run_directory
 from drafter.sampler import held_out_share, make_loader, plan_notes, sampler_from_config
@@ -227,8 +227,7 @@ def build_run(cfg, rank, world_size, device, data: RunData, model_config, ds_con
                           "no decoding)")
     stops = stop_token_ids(target, tokenizer)
     attention = attention_kernel(cfg.objective.attention, device)
-    objective = ObjectiveConfig.from_section(cfg.objective, drafter.block_size, drafter.mask_token_id,
-                                             logit_softcap(target))
+    objective = OmegaConf.to_object(cfg.objective)
     engine = build_engine(cfg, drafter, device, dtype, ds_config)
     target_features = TargetFeatures(target, tp_group, device, final_hidden=objective.labels == "target")
     return RunParts(cfg, rank, world_size, device, dtype, data, target, target_features, engine, objective,
@@ -275,7 +274,7 @@ def build_drafter(cfg, target, tokenizer, data, rank):
     config = drafter_config(target.config, num_layers=cfg.drafter.num_layers,
                             block_size=cfg.drafter.block_size, mask_token_id=mask_token_id,
                             target_layer_ids=cfg.drafter.target_layer_ids,
-                            variant=drafter_variant(cfg.drafter),
+                            variant=OmegaConf.to_object(cfg.drafter),
                             input_embedding_scale=input_embedding_scale(target), target_path=cfg.target.path,
                             chat_template_kwargs=dict(cfg.target.chat_template_kwargs))
     torch.manual_seed(cfg.run.seed)  # same initial weights on every rank

@@ -66,7 +66,8 @@ from drafter.host_sync import host_syncs
 from drafter.lossless import first_divergence, lossless_verdict, near_tie_share
 from drafter.draft_config import drafter_config
 from drafter.models import DFlashDraftModel, DraftCache, compiled_graph_count
-from drafter.objective import (ObjectiveConfig, attention_kernel, build_blocks, drafter_hidden, resolve_gamma,
+from drafter.config import ObjectiveConfig
+from drafter.objective import (attention_kernel, build_blocks, drafter_hidden, resolve_gamma,
                                sample_anchors, training_step)
 from drafter.sampler import BucketSampler, collate, make_buckets
 from drafter.target import compute_dtype, context_features, feature_tap, random_qwen3
@@ -191,10 +192,9 @@ def plan_batches(run: dict, vocab_size: int, count: int, device: torch.device) -
     return batches
 
 
-def objective_for(drafter, run: dict) -> ObjectiveConfig:
-    return ObjectiveConfig(block_size=drafter.block_size, mask_token_id=drafter.mask_token_id,
-                           num_anchors=run["num_anchors"], ddtree_budget=64,
-                           anchors_per_batch=run["anchors_per_batch"])
+def objective_for(run: dict) -> ObjectiveConfig:
+    """The config's objective section with the run's anchor counts, every other key at its default."""
+    return ObjectiveConfig(num_anchors=run["num_anchors"], ddtree_budget=64, anchors_per_batch=run["anchors_per_batch"])
 
 
 # ----------------------------------------------------------------------------- checks
@@ -203,16 +203,15 @@ def check_flex_vs_dense(target, drafter, device, run) -> dict:
     dtype = drafter.dtype
     if device.type == "cuda":
         input_ids, loss_mask = make_batch(target.config.vocab_size, 2, 512, 32, device, seed=1)
-        objective = ObjectiveConfig(block_size=drafter.block_size, mask_token_id=drafter.mask_token_id,
-                                    num_anchors=32)
+        objective = ObjectiveConfig(num_anchors=32)
     else:
         input_ids, loss_mask = plan_batches(run, target.config.vocab_size, 1, device)[0]
-        objective = objective_for(drafter, run)
+        objective = objective_for(run)
     features = context_features(target, input_ids, drafter.target_layer_ids)
     anchors, valid = sample_anchors(loss_mask, objective.num_anchors, torch.Generator().manual_seed(0),
                                     objective.anchors_per_batch)
-    blocks = build_blocks(input_ids, loss_mask, anchors, valid, objective.block_size,
-                          objective.mask_token_id, resolve_gamma(objective.gamma, objective.block_size))
+    blocks = build_blocks(input_ids, loss_mask, anchors, valid, drafter.block_size,
+                          drafter.mask_token_id, resolve_gamma(objective.gamma, drafter.block_size))
     head = target.get_output_embeddings()
     result = {}
     for attention in ("flex_compiled", "dense"):
@@ -242,7 +241,7 @@ def check_flex_vs_dense(target, drafter, device, run) -> dict:
 def check_compile_bound(target, drafter, device, run) -> dict:
     """Graphs compiled per batch: at most 2 (block mask, kernel) for the first batch of a regime (one
     sequence, or more), none after."""
-    objective = objective_for(drafter, run)
+    objective = objective_for(run)
     training = device.type == "cuda"
     seen_regimes, per_batch = set(), []
     for i, (input_ids, loss_mask) in enumerate(plan_batches(run, target.config.vocab_size, 10, device)):
@@ -287,13 +286,13 @@ def step_flops(target_cfg, drafter, seq_len: int, anchors: torch.Tensor, supervi
             "drafter_attention": drafter_attention, "lm_head": lm_head}
 
 
-def drawn_blocks(input_ids, loss_mask, objective: ObjectiveConfig, seed: int):
+def drawn_blocks(drafter, input_ids, loss_mask, objective: ObjectiveConfig, seed: int):
     """The anchors and supervised-row count `training_step` will draw with a generator seeded `seed`
     (anchor sampling is the generator's first use there), for the FLOP count."""
     anchors, valid = sample_anchors(loss_mask, objective.num_anchors, torch.Generator().manual_seed(seed),
                                     objective.anchors_per_batch)
-    blocks = build_blocks(input_ids, loss_mask, anchors, valid, objective.block_size,
-                          objective.mask_token_id, resolve_gamma(objective.gamma, objective.block_size))
+    blocks = build_blocks(input_ids, loss_mask, anchors, valid, drafter.block_size,
+                          drafter.mask_token_id, resolve_gamma(objective.gamma, drafter.block_size))
     return anchors, int(valid.sum()), int((blocks.weights > 0).sum())
 
 
@@ -307,7 +306,7 @@ def check_train_step(target, drafter, device, run, args) -> dict:
     """Warm-up and timed micro steps as train.py runs them on one rank, without DeepSpeed: target
     features, training_step, backward, AdamW (fused on CUDA; ZeRO keeps fp32 master weights)."""
     attention = attention_kernel("auto", device)
-    objective = objective_for(drafter, run)
+    objective = objective_for(run)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4, fused=device.type == "cuda")
     input_ids, loss_mask = make_batch(target.config.vocab_size, run["batch"], run["seq_len"], run["prompt"],
                                       device)
@@ -315,7 +314,7 @@ def check_train_step(target, drafter, device, run, args) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     timed, flops, blocks = [], [], 0
     for step in range(args.warmup + args.steps):
-        anchors, valid_blocks, supervised_rows = drawn_blocks(input_ids, loss_mask, objective, seed=step)
+        anchors, valid_blocks, supervised_rows = drawn_blocks(drafter, input_ids, loss_mask, objective, seed=step)
         t0 = sync_time(device)
         features = context_features(target, input_ids, drafter.target_layer_ids)
         t1 = sync_time(device)
@@ -359,7 +358,7 @@ def check_train_step_syncs(target, drafter, device, run) -> dict:
     """One micro step after warm-up (compilation, allocator growth and the first-use set-up of kernels
     may synchronise once; a hot loop does not)."""
     attention = attention_kernel("auto", device)
-    objective = objective_for(drafter, run)
+    objective = objective_for(run)
     input_ids, loss_mask = make_batch(target.config.vocab_size, run["batch"], run["seq_len"], run["prompt"],
                                       device, seed=2)
     with tensor_tree_backend(device):

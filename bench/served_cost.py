@@ -21,12 +21,13 @@ import math
 import time
 
 import torch
+from omegaconf import OmegaConf
 
 from data.toy import TARGET_CONFIG, VOCAB_SIZE
 from drafter.config import load_config
 from drafter.draft_config import drafter_config
 from drafter.models import DFlashDraftModel
-from drafter.objective import ObjectiveConfig, training_step
+from drafter.objective import training_step
 from drafter.served import generation_tau, replayed_tau
 from drafter.target import context_features, random_qwen3
 
@@ -57,11 +58,7 @@ def main():
     mask_token_id = VOCAB_SIZE - 1
     drafter = DFlashDraftModel(drafter_config(target.config, num_layers=cfg.drafter.num_layers,
                                               block_size=cfg.drafter.block_size, mask_token_id=mask_token_id))
-    objective = ObjectiveConfig(block_size=drafter.block_size, mask_token_id=mask_token_id,
-                                num_anchors=cfg.objective.num_anchors, gamma=cfg.objective.gamma,
-                                ddtree_budget=cfg.objective.ddtree_budget,
-                                ddtree_blocks=cfg.objective.ddtree_blocks,
-                                anchors_per_batch=cfg.objective.anchors_per_batch)
+    objective = OmegaConf.to_object(cfg.objective)
     rows = cfg.data.tokens_per_batch // args.row_length
     gen = torch.Generator().manual_seed(0)
     input_ids = torch.randint(0, VOCAB_SIZE - 1, (rows, args.row_length), generator=gen)

@@ -35,14 +35,14 @@ from safetensors.torch import load_file, save_file
 from transformers.utils import logging as transformers_logging
 
 from drafter.collectives import every_rank
-from drafter.config import flatten
+from drafter.nested import flatten
 from drafter.models import drafter_from_state_dict
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 # Keys that may change when a run is resumed: how long it runs, logging, saving, evaluation, where
 # things live, per-cluster tuning (target.tp_size too: the features, and so the data position and the
 # trajectory, are those of tp 1). Every other key defines the run.
-RESUMABLE_KEYS = ("run.name", "run.out_dir", "target.tp_size", "train.epochs", "train.max_steps", "train.schedule_steps", "train.log_every",
+RESUMABLE_KEYS = ("run.name", "run.out_dir", "target.tp_size", "objective.chunk_bytes", "train.epochs", "train.max_steps", "train.schedule_steps", "train.log_every",
                   "train.save_every", "train.eval_every", "train.eval_batches", "train.keep_last",
                   "train.resume", "train.max_bad_steps", "train.threads_per_rank", "train.profile_timing",
                   "train.dist_timeout_minutes", "train.ds_config", "train.tau_budgets", "train.generate_every",

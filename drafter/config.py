@@ -12,6 +12,15 @@ from typing import Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from drafter.engine import ENGINES, OPTIMIZERS
+from drafter.errors import ConfigError
+from drafter.losses import LABELS, LOSSES, NORMALIZATIONS, POSITION_WEIGHTS, TRUNCATIONS
+from drafter.models import ARCHITECTURES
+from drafter.objective import ANCHOR_CANDIDATES, ATTENTION_KERNELS, resolve_gamma
+
+__all__ = ["Config", "ConfigError", "DrafterVariant", "ObjectiveConfig", "load_config", "lr_factor", "noise_std"]
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
 
 @dataclass
 class RunConfig:
@@ -30,25 +39,76 @@ class TargetConfig:
 
 
 @dataclass
-class DrafterConfig:
+class DrafterVariant:
+    """What tells the drafter variants apart: the `drafter.*` keys beyond the sizes (docs/variants.md),
+    written to the export as `dflash` 0.1.0 reads them (drafter/draft_config.py).
+
+    layer_types: one of LAYER_TYPES per draft layer (None: all full_attention).
+    sliding_window: the window of the sliding layers, in positions, the query's own included.
+    causal: None is the public default (sliding layers causal inside the block, full layers
+        bidirectional); True / False makes every layer causal / bidirectional (`is_causal`).
+    arch: a name in drafter.models.ARCHITECTURES ("dflash", "dflash2"); the conv_* and selector_*
+        settings are DFlash2's own (its `variant_keys`): the convolution's taps and channel group, the
+        selector's rank and candidates.
+    """
+    layer_types: Optional[list[str]] = None   # one per layer: full_attention | sliding_attention; null: all full
+    sliding_window: Optional[int] = None      # positions a sliding layer sees, the query's own and block ones included
+    causal: Optional[bool] = None             # null: sliding layers causal in the block, full ones not; true/false: all
+    arch: str = "dflash"                      # a drafter.models.ARCHITECTURES name: dflash | dflash2
+    conv_kernel_size: int = 2                 # dflash2: taps of the block convolutions
+    conv_group_size: int = 16                 # dflash2: channels sharing one dynamic tap (divides hidden)
+    selector_rank: int = 256                  # dflash2: rank of the selector's pair score
+    selector_top_k: int = 16                  # dflash2: candidates the selector re-ranks per slot
+
+    def problems(self, num_layers: int) -> list[str]:
+        """What is wrong with this variant for a drafter of `num_layers` layers, each naming its key."""
+        problems = []
+        types = self.layer_types
+        if types is not None and len(types) != num_layers:
+            problems.append(f"layer_types has {len(types)} entries for {num_layers} draft layers "
+                            "(one per layer)")
+        if types is not None and not set(types) <= set(LAYER_TYPES):
+            problems.append(f"layer_types {list(types)}: each entry must be one of {', '.join(LAYER_TYPES)}")
+        sliding = types is not None and "sliding_attention" in types
+        if sliding and self.sliding_window is None:
+            problems.append("sliding_window must be set for sliding_attention layers")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            problems.append(f"sliding_window={self.sliding_window} must be >= 1 (the query itself)")
+        if self.sliding_window is not None and not sliding:
+            problems.append(f"sliding_window={self.sliding_window} is set but no layer_types entry is "
+                            "sliding_attention")
+        if self.arch not in ARCHITECTURES:
+            problems.append(f"arch={self.arch!r} is not one of {', '.join(ARCHITECTURES)}")
+        for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            if getattr(self, key) < 1:
+                problems.append(f"{key}={getattr(self, key)} must be >= 1")
+        return problems
+
+    def config_fields(self, num_layers: int) -> dict:
+        """The Qwen3Config fields that `dflash` 0.1.0 reads for this variant."""
+        types = list(self.layer_types or ["full_attention"] * num_layers)
+        sliding = "sliding_attention" in types
+        fields = {"layer_types": types, "use_sliding_window": sliding,
+                  "sliding_window": self.sliding_window if sliding else None}
+        if self.causal is not None:
+            fields["is_causal"] = bool(self.causal)
+        return fields
+
+
+@dataclass
+class DrafterConfig(DrafterVariant):
+    """The `drafter` section: the sizes, and (inherited) the variant."""
     num_layers: int = 5
     block_size: int = 16
     target_layer_ids: Optional[list[int]] = None  # null: evenly spaced from 1 to L-3
     mask_token_id: Optional[int] = None           # null: chosen from the tokenizer and the data (drafter/mask_token.py)
     init_from: Optional[str] = None               # an exported drafter/ dir to start from
-    # Variants (README "Drafter variants"; written to the export as dflash 0.1.0 reads them):
-    layer_types: Optional[list[str]] = None       # one per layer: full_attention | sliding_attention; null: all full
-    sliding_window: Optional[int] = None          # positions a sliding layer sees, the query's own and block ones included
-    causal: Optional[bool] = None                 # null: sliding layers causal in the block, full ones not; true/false: all
-    arch: str = "dflash"                          # dflash | dflash2 (convolutions + candidate selector)
-    conv_kernel_size: int = 2                     # dflash2: taps of the block convolutions
-    conv_group_size: int = 16                     # dflash2: channels sharing one dynamic tap (divides hidden)
-    selector_rank: int = 256                      # dflash2: rank of the selector's pair score
-    selector_top_k: int = 16                      # dflash2: candidates the selector re-ranks per slot
 
 
 @dataclass
-class ObjectiveSection:
+class ObjectiveConfig:
+    """The `objective` section, which is also what the training step reads (drafter/objective.py):
+    the loss's parts are the registered components of drafter/losses/."""
     num_anchors: int = 512           # per sequence
     anchors_per_batch: Optional[int] = None  # per micro-batch, all sequences together (drafter memory)
     gamma: Optional[float] = None  # null: the paper's value for the block size (16 -> 7)
@@ -68,7 +128,8 @@ class ObjectiveSection:
     truncate: str = "none"         # none | first_failure: a block's slots after its first argmax miss weigh 0
     normalize: str = "weights"     # weights: loss / sum of the weights | count: / supervised slots (speculators)
     anchor_candidates: str = "pair"  # pair: p and p+1 supervised | supervised: any supervised p (speculators)
-    selector_alpha: float = 1.0    # dflash2: loss = block loss + alpha x the selector's K-way CE
+    selector_alpha: float = 1.0    # the drafter's auxiliary loss weight (dflash2: the selector's K-way CE)
+    chunk_bytes: int = 256 * 2**20  # fp32 logits alive at once in the chunked LM-head loss (memory only)
 
 
 @dataclass
@@ -157,17 +218,13 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     target: TargetConfig = field(default_factory=TargetConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
-    objective: ObjectiveSection = field(default_factory=ObjectiveSection)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     noise: NoiseConfig = field(default_factory=NoiseConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
-
-
-class ConfigError(ValueError):
-    pass
 
 
 def load_config(path: str, overrides: list[str] = ()) -> DictConfig:
@@ -193,16 +250,16 @@ def load_config(path: str, overrides: list[str] = ()) -> DictConfig:
 
 
 DTYPE_ALIASES = {"auto": "auto", "bf16": "bf16", "bfloat16": "bf16", "fp32": "fp32", "float32": "fp32"}
-CHOICES = {
-    "objective.attention": ("auto", "dense", "flex", "flex_compiled"),
-    "objective.labels": ("data", "target"),
-    "objective.loss": ("ce", "kl", "tv", "expected_chain", "expected_tree"),
-    "objective.position_weights": ("exp", "dpace", "tree"),
-    "objective.truncate": ("none", "first_failure"),
-    "objective.normalize": ("weights", "count"),
-    "objective.anchor_candidates": ("pair", "supervised"),
-    "train.engine": ("deepspeed", "fsdp"),
-    "optim.name": ("adamw", "muon"),
+CHOICES = {  # each from the registry that implements the choice
+    "objective.attention": ("auto", *ATTENTION_KERNELS),
+    "objective.labels": LABELS,
+    "objective.loss": LOSSES,
+    "objective.position_weights": tuple(POSITION_WEIGHTS),
+    "objective.truncate": tuple(TRUNCATIONS),
+    "objective.normalize": tuple(NORMALIZATIONS),
+    "objective.anchor_candidates": ANCHOR_CANDIDATES,
+    "train.engine": ENGINES,
+    "optim.name": OPTIMIZERS,
     "wandb.mode": (None, "online", "offline", "disabled"),
 }
 POSITIVE = ("target.tp_size", "drafter.num_layers", "objective.num_anchors", "objective.ddtree_budget", "optim.grad_accum",
@@ -271,8 +328,7 @@ def validate(cfg) -> list[str]:
     layer_ids = cfg.drafter.target_layer_ids
     if layer_ids is not None and (not layer_ids or min(layer_ids) < 0 or len(set(layer_ids)) != len(layer_ids)):
         problems.append(f"drafter.target_layer_ids={list(layer_ids)} must be distinct layer indices >= 0 (or null)")
-    from drafter.draft_config import drafter_variant
-    problems += [f"drafter.{problem}" for problem in drafter_variant(cfg.drafter).problems(cfg.drafter.num_layers)]
+    problems += [f"drafter.{problem}" for problem in OmegaConf.to_object(cfg.drafter).problems(cfg.drafter.num_layers)]
     if not cfg.train.tau_budgets or min(cfg.train.tau_budgets) < 1:
         problems.append(f"train.tau_budgets={list(cfg.train.tau_budgets)} must be tree budgets >= 1")
     bounds = cfg.data.bucket_boundaries
@@ -288,7 +344,6 @@ def validate(cfg) -> list[str]:
 def default_run_name(stem: str, cfg) -> str:
     """The config name plus the hyperparameters that distinguish runs: v3-g10-b95, and the objective
     where it is not the default: v3-g10-b95-target-kl-dpace, v3-g10-b95-expected_tree-first_failure."""
-    from drafter.objective import resolve_gamma
     gamma = resolve_gamma(cfg.objective.gamma, cfg.drafter.block_size)
     objective = cfg.objective
     variant = "".join(f"-{value}" for value, default in ((objective.labels, "data"), (objective.loss, "ce"),
@@ -296,17 +351,6 @@ def default_run_name(stem: str, cfg) -> str:
                                                          (objective.truncate, "none"),
                                                          (cfg.optim.name, "adamw")) if value != default)
     return f"{stem}-g{gamma:g}-b{round(cfg.optim.betas[1] * 100)}{variant}"
-
-
-def flatten(tree: dict, sep: str = ".", prefix: str = "") -> dict:
-    """Nested dicts as one level, keys joined by `sep` (`a.b`); an empty dict stays a value."""
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            flat.update(flatten(value, sep, f"{prefix}{key}{sep}"))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def noise_std(noise: NoiseConfig, step: int) -> float:

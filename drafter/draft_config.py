@@ -3,12 +3,12 @@ shape and rotary it chooses where the target's do not apply (MLA, per-layer head
 layer type), the drafter variant (`drafter.*`: sliding-window and causal layers, DFlash2), and what
 `dflash_config` records so that a checkpoint serves and evaluates without flags. The modules that
 this config builds live in `drafter/models/`."""
-from dataclasses import dataclass
 
 from huggingface_hub.errors import StrictDataclassError
 from transformers import Qwen3Config
 
-from drafter.config import ConfigError
+from drafter.config import DrafterVariant
+from drafter.errors import ConfigError
 from drafter.models import ARCHITECTURES
 from drafter.models.checks import ROPE_TYPES, check_drafter_config
 from drafter.target import default_target_layer_ids, feature_layer_problem
@@ -90,76 +90,6 @@ def drafter_widths(text_config) -> dict:
             "max_position_embeddings": getattr(text_config, "max_position_embeddings", 32768),
             "attention_bias": bool(getattr(text_config, "attention_bias", False)),
             "rope_parameters": drafter_rope(text_config)}
-
-
-LAYER_TYPES = ("full_attention", "sliding_attention")
-
-
-@dataclass(frozen=True)
-class DrafterVariant:
-    """What tells the drafter variants apart (config keys `drafter.*`, README "Drafter variants").
-
-    layer_types: one of LAYER_TYPES per draft layer (None: all full_attention).
-    sliding_window: the window of the sliding layers, in positions, the query's own included.
-    causal: None is the public default (sliding layers causal inside the block, full layers
-        bidirectional); True / False makes every layer causal / bidirectional (`is_causal`).
-    arch: a name in drafter.models.ARCHITECTURES ("dflash", "dflash2"); the conv_* and selector_*
-        settings are DFlash2's own (its `variant_keys`): the convolution's taps and channel group, the
-        selector's rank and candidates.
-    """
-    layer_types: tuple[str, ...] | None = None
-    sliding_window: int | None = None
-    causal: bool | None = None
-    arch: str = "dflash"
-    conv_kernel_size: int = 2
-    conv_group_size: int = 16
-    selector_rank: int = 256
-    selector_top_k: int = 16
-
-    def problems(self, num_layers: int) -> list[str]:
-        """What is wrong with this variant for a drafter of `num_layers` layers, each naming its key."""
-        problems = []
-        types = self.layer_types
-        if types is not None and len(types) != num_layers:
-            problems.append(f"layer_types has {len(types)} entries for {num_layers} draft layers "
-                            "(one per layer)")
-        if types is not None and not set(types) <= set(LAYER_TYPES):
-            problems.append(f"layer_types {list(types)}: each entry must be one of {', '.join(LAYER_TYPES)}")
-        sliding = types is not None and "sliding_attention" in types
-        if sliding and self.sliding_window is None:
-            problems.append("sliding_window must be set for sliding_attention layers")
-        if self.sliding_window is not None and self.sliding_window < 1:
-            problems.append(f"sliding_window={self.sliding_window} must be >= 1 (the query itself)")
-        if self.sliding_window is not None and not sliding:
-            problems.append(f"sliding_window={self.sliding_window} is set but no layer_types entry is "
-                            "sliding_attention")
-        if self.arch not in ARCHITECTURES:
-            problems.append(f"arch={self.arch!r} is not one of {', '.join(ARCHITECTURES)}")
-        for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
-            if getattr(self, key) < 1:
-                problems.append(f"{key}={getattr(self, key)} must be >= 1")
-        return problems
-
-    def config_fields(self, num_layers: int) -> dict:
-        """The Qwen3Config fields that `dflash` 0.1.0 reads for this variant."""
-        types = list(self.layer_types or ["full_attention"] * num_layers)
-        sliding = "sliding_attention" in types
-        fields = {"layer_types": types, "use_sliding_window": sliding,
-                  "sliding_window": self.sliding_window if sliding else None}
-        if self.causal is not None:
-            fields["is_causal"] = bool(self.causal)
-        return fields
-
-
-def drafter_variant(drafter_section) -> DrafterVariant:
-    """The DrafterVariant of the config's `drafter` section (drafter.config.DrafterConfig)."""
-    types = drafter_section.layer_types
-    return DrafterVariant(layer_types=None if types is None else tuple(types),
-                          sliding_window=drafter_section.sliding_window, causal=drafter_section.causal,
-                          arch=drafter_section.arch, conv_kernel_size=drafter_section.conv_kernel_size,
-                          conv_group_size=drafter_section.conv_group_size,
-                          selector_rank=drafter_section.selector_rank,
-                          selector_top_k=drafter_section.selector_top_k)
 
 
 def drafter_config(target_config, *, num_layers: int, block_size: int, mask_token_id: int,

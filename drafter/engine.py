@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from drafter.config import ConfigError, flatten
+from drafter.errors import ConfigError
+from drafter.nested import flatten
 
 ZERO_STAGES = (1, 2, 3)
 
@@ -51,6 +52,9 @@ def uses_muon(param: nn.Parameter) -> bool:
     """Muon's share of the drafter: its weight matrices (the drafter owns no embedding or LM head);
     the norms' vectors step with AdamW."""
     return param.dim() == 2
+
+
+OPTIMIZERS = ("adamw", "muon")
 
 
 def build_optimizers(params: list[nn.Parameter], optim) -> list[torch.optim.Optimizer]:

@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass, replace
 
 import torch
+from omegaconf import OmegaConf
 
 GiB = 2**30
 ADAM_BYTES = 8    # fp32 m and v per parameter
@@ -195,7 +196,7 @@ def target_model_config(path: str | None, random: dict | None):
         return target_config(None, random)
     from transformers import AutoConfig
 
-    from drafter.config import ConfigError
+    from drafter.errors import ConfigError
     try:
         return AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as error:  # no such directory or hub id; a model type transformers lacks
@@ -204,24 +205,23 @@ def target_model_config(path: str | None, random: dict | None):
 
 def plan_inputs(cfg, model_config, world_size: int, ds_config: dict | None, dtype_bytes: int) -> PlanInputs:
     """The plan's inputs from the run config, the target's (full) config and the DeepSpeed JSON."""
-    from drafter.draft_config import drafter_config, drafter_variant
+    from drafter.draft_config import drafter_config
     from drafter.engine import uses_muon
     from drafter.models import drafter_class
     from drafter.losses import loss_chunk_peak_bytes
-    from drafter.objective import ObjectiveConfig
     from drafter.tensor_parallel import planned_split
 
     text = model_config.get_text_config()
     draft = drafter_config(text, num_layers=cfg.drafter.num_layers, block_size=cfg.drafter.block_size,
                            mask_token_id=0, target_layer_ids=cfg.drafter.target_layer_ids,
-                           variant=drafter_variant(cfg.drafter))
+                           variant=OmegaConf.to_object(cfg.drafter))
     zero = (ds_config or {}).get("zero_optimization", {})
     offloaded = lambda key: zero.get(key, {}).get("device", "none") not in ("none", None)  # noqa: E731
     fsdp_offload = cfg.train.engine == "fsdp" and cfg.fsdp.cpu_offload
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     target, drafter = on_meta(model_config), on_meta(draft, drafter_class(draft))
     matrices = sum(param.numel() for param in drafter.parameters() if uses_muon(param))
-    objective = ObjectiveConfig.from_section(cfg.objective, cfg.drafter.block_size, mask_token_id=0)
+    objective = OmegaConf.to_object(cfg.objective)
     return PlanInputs(
         target_params=count_parameters(target),
         target_split_params=sum(param.numel() for param, _ in planned_split(target)[0]),

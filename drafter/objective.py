@@ -12,19 +12,23 @@ One training forward over a right-padded batch [b, T]:
      and TV, prediction-dependent weights, the first-failure cut, the expected accepted lengths of a
      chain and of a tree, each a registered component over one chunked LM-head kernel).
 """
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import _DEFAULT_SPARSE_BLOCK_SIZE, create_block_mask
 
-from drafter.config import ConfigError
+from drafter.errors import ConfigError
 from drafter.ddtree import build_tree_from_logprobs, teacher_forced_accept
 from drafter.losses import block_loss
-from drafter.losses.lm_head import chunk_rows_for, top_logprobs
+from drafter.losses.lm_head import chunk_rows_for, logit_softcap, top_logprobs
 from drafter.losses.weights import position_weights
 from drafter.metrics import sum_count
 from drafter.models.layers import FlexMask, LayerAttention, compile_dynamic
+
+if TYPE_CHECKING:
+    from drafter.config import ObjectiveConfig
 
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # DFlash paper, by block size
 
@@ -173,54 +177,25 @@ def drafter_hidden(drafter, target, features, blocks: Blocks, attention: str) ->
     return drafter(block_embeds, positions, features, ctx_positions, masks)[:, :num_blocks]
 
 
-@dataclass
-class ObjectiveConfig:
-    block_size: int
-    mask_token_id: int
-    num_anchors: int = 512
-    gamma: float | None = None  # None: the paper's value for the block size
-    ddtree_budget: int = 64     # budget B of the anchor_ddtree@B metric and of tree position weights
-    ddtree_blocks: int = 16     # blocks per step sampled for anchor_ddtree@B
-    anchors_per_batch: int | None = None  # cap on blocks per micro-batch (all sequences together)
-    chunk_bytes: int = 256 * 2**20
-    labels: str = "data"              # data | target (distil the target's next-token distribution)
-    loss: str = "ce"                  # ce | kl | tv (labels=target) | expected_chain | expected_tree
-    tv_ce_weight: float = 0.1         # loss=tv: w CE + (1 - w) TV
-    tree_temperature: float = 1.0     # loss=expected_tree: the surrogate's temperature, in nats
-    position_weights: str = "exp"     # exp: exp(-(k-1)/gamma) | dpace | tree (drafter/losses/weights.py)
-    weight_smoothing: float = 0.5     # a of dpace and tree weights
-    truncate: str = "none"            # none | first_failure: no loss past a block's first argmax miss
-    normalize: str = "weights"        # weights: / sum of the weights | count: / supervised slots
-    anchor_candidates: str = "pair"   # pair: p and p+1 supervised | supervised: p supervised
-    logit_softcap: float | None = None  # the target's final_logit_softcapping, for its logits
-    selector_alpha: float = 1.0  # weight of the drafter's auxiliary loss (DFlash2's selector K-way CE)
-
-    @classmethod
-    def from_section(cls, section, block_size: int, mask_token_id: int, logit_softcap: float | None = None):
-        """From the run config's objective section (drafter.config.ObjectiveSection): every key the
-        two share."""
-        shared = {field.name for field in fields(cls)} & set(section.keys())
-        return cls(block_size=block_size, mask_token_id=mask_token_id, logit_softcap=logit_softcap,
-                   **{name: section[name] for name in shared})
-
-
-def training_step(drafter, target, features, input_ids, loss_mask, cfg: ObjectiveConfig,
+def training_step(drafter, target, features, input_ids, loss_mask, cfg: "ObjectiveConfig",
                   generator: torch.Generator, attention: str, final_hidden: torch.Tensor | None = None):
-    """One training forward: (loss, metrics). `metrics` maps names to [sum, count] tensors so that
-    ranks and micro-batches can be summed before dividing (see `finalize_metrics`). `attention`: one
-    of ATTENTION_KERNELS (`attention_kernel` turns the config value into it). `final_hidden` [b, T, H]:
-    the target's final-normed last hidden states, needed with cfg.labels == "target"."""
-    gamma = resolve_gamma(cfg.gamma, cfg.block_size)
+    """One training forward: (loss, metrics). `cfg` is the config's objective section
+    (drafter.config.ObjectiveConfig); the block size and mask token are the drafter's. `metrics` maps
+    names to [sum, count] tensors so that ranks and micro-batches can be summed before dividing (see
+    `finalize_metrics`). `attention`: one of ATTENTION_KERNELS (`attention_kernel` turns the config
+    value into it). `final_hidden` [b, T, H]: the target's final-normed last hidden states, needed
+    with cfg.labels == "target"."""
+    gamma = resolve_gamma(cfg.gamma, drafter.block_size)
     anchors, valid = sample_anchors(loss_mask, cfg.num_anchors, generator, cfg.anchors_per_batch,
                                     cfg.anchor_candidates)
-    blocks = build_blocks(input_ids, loss_mask, anchors, valid, cfg.block_size, cfg.mask_token_id, gamma)
+    blocks = build_blocks(input_ids, loss_mask, anchors, valid, drafter.block_size, drafter.mask_token_id, gamma)
     hidden = drafter_hidden(drafter, target, features, blocks, attention)
 
     # Every slot after the anchor is a row (unsupervised ones weigh 0): static shapes, no host sync.
     b, num_blocks, block_size, width = hidden.shape
     head = target.get_output_embeddings().weight
     chunk_rows = chunk_rows_for(head.shape[0], cfg.chunk_bytes)
-    loss, ranks = block_loss(hidden, head, blocks, final_hidden, cfg, chunk_rows)
+    loss, ranks = block_loss(hidden, head, blocks, final_hidden, cfg, chunk_rows, logit_softcap(target))
 
     label_rank = torch.full_like(blocks.labels, torch.iinfo(torch.long).max)
     label_rank[..., 1:] = ranks.view(b, num_blocks, block_size - 1)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from drafter.collectives import all_reduce_sum, comm_device
-from drafter.config import flatten
+from drafter.nested import flatten
 from drafter.metrics import finalize_metrics
 from drafter.sampler import bucket_table, plan_notes
 

@@ -6,7 +6,8 @@ import torch
 
 torch.set_num_threads(int(os.environ.get("TEST_TORCH_THREADS", "1")))
 
-from drafter.draft_config import DrafterVariant, drafter_config  # noqa: E402
+from drafter.config import DrafterVariant
+from drafter.draft_config import drafter_config  # noqa: E402
 from drafter.models import DFlashDraftModel, drafter_class  # noqa: E402
 from drafter.target import input_embedding_scale, random_qwen3  # noqa: E402
 
@@ -99,7 +100,7 @@ def train_on_greedy_text(target, variant: DrafterVariant = DrafterVariant()) -> 
     of 8 random prompts. Served on those prompts its tau is about 5 (DFlash, block 8); a random
     drafter's is 1."""
     from drafter.decode import generate
-    from drafter.objective import ObjectiveConfig
+    from drafter.config import ObjectiveConfig
 
     prompts = torch.randint(0, 250, (8, 8), generator=torch.Generator().manual_seed(20))
     sequences = torch.stack([torch.cat([p, torch.tensor(generate(target, p[None], 40).output_ids)])
@@ -107,7 +108,7 @@ def train_on_greedy_text(target, variant: DrafterVariant = DrafterVariant()) -> 
     loss_mask = torch.zeros_like(sequences)
     loss_mask[:, prompts.shape[1]:] = 1
     drafter = make_drafter(target, num_layers=2, block_size=8, variant=variant)
-    cfg = ObjectiveConfig(block_size=8, mask_token_id=MASK_ID, num_anchors=16, ddtree_budget=16)
+    cfg = ObjectiveConfig(num_anchors=16, ddtree_budget=16)
     fit_drafter(drafter, target, sequences, loss_mask, cfg, steps=30, lr=1e-2)
     drafter.requires_grad_(False)
     return TrainedDrafter(target, drafter, prompts, sequences)

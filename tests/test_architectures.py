@@ -10,9 +10,11 @@ import torch
 from conftest import MASK_ID, VARIANTS, make_drafter
 from drafter import models
 from drafter.decode import Method, speculative_methods
-from drafter.draft_config import DrafterVariant, drafter_config
+from drafter.config import DrafterVariant
+from drafter.draft_config import drafter_config
 from drafter.models import ARCHITECTURES, DFlashDraftModel, drafter_class, load_drafter
-from drafter.objective import ObjectiveConfig, training_step
+from drafter.config import ObjectiveConfig
+from drafter.objective import training_step
 from drafter.target import context_features
 
 REPO = Path(__file__).resolve().parents[1]
@@ -89,7 +91,7 @@ def test_a_new_architecture_needs_only_its_class_and_a_registry_entry(target, mo
     ids = torch.randint(0, 250, (2, 24), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     features = context_features(target, ids, drafter.target_layer_ids)
-    cfg = ObjectiveConfig(block_size=8, mask_token_id=MASK_ID, num_anchors=4, selector_alpha=0.5)
+    cfg = ObjectiveConfig(num_anchors=4, selector_alpha=0.5)
     loss, metrics = training_step(drafter, target, features, ids, mask, cfg, torch.Generator().manual_seed(1),
                                   "dense")
     plain = DFlashDraftModel(config)

@@ -15,7 +15,8 @@ from drafter.losses.acceptance import chain_acceptance, soft_tree_acceptance, tr
 from drafter.losses.divergences import teacher_rows
 from drafter.losses.lm_head import ChunkedLMHeadLoss, RowLossSpec, dense_row_loss, logit_softcap
 from drafter.losses.weights import dpace_weights, tree_accepted_depth, tree_weights, up_to_first_failure
-from drafter.objective import ObjectiveConfig, build_blocks, drafter_hidden, sample_anchors, training_step
+from drafter.config import ObjectiveConfig
+from drafter.objective import build_blocks, drafter_hidden, sample_anchors, training_step
 from drafter.target import context_features, features_and_final_hidden, random_qwen3
 from runs import REPO
 from test_objective import padded_batch
@@ -54,7 +55,7 @@ def test_target_labels_match_the_targets_full_logits(drafter, target, loss):
     target's distribution one position before each slot, the teacher taken from the target's own
     full forward, equals training_step's loss, and the gradients agree."""
     ids, loss_mask = padded_batch([40, 29], seed=3)
-    cfg = ObjectiveConfig(block_size=B, mask_token_id=MASK_ID, num_anchors=6, gamma=10.0,
+    cfg = ObjectiveConfig(num_anchors=6, gamma=10.0,
                           labels="target", loss=loss, chunk_bytes=4 * 256 * 5)  # 5 rows a chunk
     features, final = features_and_final_hidden(target, ids, drafter.target_layer_ids)
     step_loss, _ = training_step(drafter, target, features, ids, loss_mask, cfg,
@@ -159,7 +160,7 @@ def test_prediction_dependent_weights_carry_no_gradient(drafter, target, weights
     """The step's gradient is that of sum_r w_r CE_r / sum_r w_r with the weights held fixed at their
     values, computed here from the dense logits of the same blocks."""
     ids, loss_mask = padded_batch([40, 33], seed=5)
-    cfg = ObjectiveConfig(block_size=B, mask_token_id=MASK_ID, num_anchors=6, gamma=10.0,
+    cfg = ObjectiveConfig(num_anchors=6, gamma=10.0,
                           position_weights=weights, ddtree_budget=160)
     features = context_features(target, ids, drafter.target_layer_ids)
     step_loss, _ = training_step(drafter, target, features, ids, loss_mask, cfg,
@@ -181,7 +182,7 @@ def test_prediction_dependent_weights_carry_no_gradient(drafter, target, weights
     for got, want in zip(step_grads, torch.autograd.grad(expected, list(drafter.parameters()))):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
     exp_loss, _ = training_step(drafter, target, features, ids, loss_mask,
-                                ObjectiveConfig(block_size=B, mask_token_id=MASK_ID, num_anchors=6, gamma=10.0),
+                                ObjectiveConfig(num_anchors=6, gamma=10.0),
                                 torch.Generator().manual_seed(6), "dense")
     assert abs(exp_loss.item() - step_loss.item()) > 1e-4  # the weights do change the loss
 
@@ -227,7 +228,7 @@ def test_each_objective_learns_and_differs_from_the_default(target, variant):
 
     def fit(**objective):
         drafter = make_drafter(target, num_layers=1, target_layer_ids=[1, 3])
-        cfg = ObjectiveConfig(block_size=B, mask_token_id=MASK_ID, num_anchors=8, gamma=10.0, **objective)
+        cfg = ObjectiveConfig(num_anchors=8, gamma=10.0, **objective)
         optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
         losses = []
         for step in range(20):
@@ -442,7 +443,7 @@ def test_cut_normaliser_and_block_losses_match_the_full_logits(trained, variant)
     loss_mask = torch.zeros_like(ids)
     loss_mask[:, trained.prompts.shape[1]:] = 1
     loss_mask[:, -5:] = 0  # blocks cut short by the end of the supervised span
-    cfg = ObjectiveConfig(block_size=B, mask_token_id=MASK_ID, num_anchors=6, gamma=10.0,
+    cfg = ObjectiveConfig(num_anchors=6, gamma=10.0,
                           chunk_bytes=4 * 256 * 10, **objective)
     features, final = features_and_final_hidden(target, ids, drafter.target_layer_ids)
     step_loss, _ = training_step(drafter, target, features, ids, loss_mask, cfg,
@@ -481,16 +482,18 @@ def test_cut_normaliser_and_block_losses_match_the_full_logits(trained, variant)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
-def test_the_objective_section_reaches_the_training_step_whole():
-    """ObjectiveConfig.from_section (train.py, the memory plan) carries every key of the config's
-    objective section but the attention kernel (train.py resolves it per device)."""
+def test_the_objective_section_is_the_training_steps_objective():
+    """One config: train.py hands the training step the config's typed objective section itself (no
+    copy that could drop a key); the block size and mask token are the drafter's, the soft cap the
+    target's."""
     from dataclasses import fields
+
+    from omegaconf import OmegaConf
     section = load_config(str(REPO / "configs" / "v3.yaml"), [
         "data.path=/x", "objective.labels=target", "objective.loss=tv", "objective.tv_ce_weight=0.3",
         "objective.tree_temperature=0.2", "objective.truncate=first_failure", "objective.normalize=count",
         "objective.anchor_candidates=supervised", "objective.ddtree_budget=24"]).objective
-    cfg = ObjectiveConfig.from_section(section, block_size=16, mask_token_id=3, logit_softcap=30.0)
-    assert set(section.keys()) - {field.name for field in fields(ObjectiveConfig)} == {"attention"}
-    for key in set(section.keys()) - {"attention"}:
-        assert getattr(cfg, key) == section[key], key
-    assert (cfg.block_size, cfg.mask_token_id, cfg.logit_softcap, cfg.tv_ce_weight) == (16, 3, 30.0, 0.3)
+    cfg = OmegaConf.to_object(section)
+    assert type(cfg) is ObjectiveConfig
+    assert {f.name: getattr(cfg, f.name) for f in fields(ObjectiveConfig)} == OmegaConf.to_container(section)
+    assert (cfg.loss, cfg.tv_ce_weight, cfg.tree_temperature, cfg.ddtree_budget) == ("tv", 0.3, 0.2, 24)

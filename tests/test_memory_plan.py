@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from drafter.config import load_config
 from drafter.memory_plan import (GiB, MemoryPlanError, check_fits, plan_inputs, plan_memory, size_text,
                                  target_model_config)
-from drafter.draft_config import drafter_config, drafter_variant
+from drafter.draft_config import drafter_config
 from drafter.models import DFlashDraftModel, drafter_class
 from drafter.target import random_qwen3
 from runs import REPO
@@ -85,7 +86,7 @@ def test_optimizer_state_is_what_torch_optimizers_hold_after_a_step(optimizer):
     from drafter.engine import build_optimizers
     cfg = config("train.engine=fsdp", f"optim.name={optimizer}", *DFLASH2)
     draft = drafter_config(random_qwen3(**RANDOM).config, num_layers=2, block_size=16, mask_token_id=0,
-                           target_layer_ids=[1, 3], variant=drafter_variant(cfg.drafter))
+                           target_layer_ids=[1, 3], variant=OmegaConf.to_object(cfg.drafter))
     drafter = drafter_class(draft)(draft)
     gen = torch.Generator().manual_seed(0)
     for param in drafter.parameters():
@@ -131,8 +132,8 @@ def test_the_loss_chunk_figure_is_the_peak_memory_of_the_loss(objective):
     so it must lie in 0.9-1.5."""
     from drafter.losses import loss_chunk_peak_bytes, one_pass_loss, row_loss_spec
     from drafter.losses.lm_head import ChunkedLMHeadLoss, chunk_rows_for, weighted_data_ce
-    from drafter.objective import ObjectiveConfig
-    cfg = ObjectiveConfig(block_size=16, mask_token_id=0, chunk_bytes=128 * 2**20, **objective)
+    from drafter.config import ObjectiveConfig
+    cfg = ObjectiveConfig(chunk_bytes=128 * 2**20, **objective)
     vocab, width = 32768, 32
     rows = 2 * chunk_rows_for(vocab, cfg.chunk_bytes)
     gen = torch.Generator().manual_seed(0)

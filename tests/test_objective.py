@@ -16,7 +16,8 @@ from drafter.losses.weights import position_weights
 from drafter.metrics import finalize_metrics
 from drafter.models import CandidateSelector, DraftCache, LayerAttention, compiled_graph_count
 from drafter.models.dflash2 import SelectorRows, selector_loss, selector_metrics
-from drafter.objective import (ATTENTION_KERNELS, ObjectiveConfig, attention_kernel,
+from drafter.config import ObjectiveConfig
+from drafter.objective import (ATTENTION_KERNELS, attention_kernel,
                                build_blocks, dense_block_mask, ddtree_accept_metric,
                                drafter_hidden, rank_metrics,
                                resolve_gamma, sample_anchors, sample_complete_blocks, training_step)
@@ -170,7 +171,7 @@ def test_loss_weights_follow_configured_gamma(drafter, target, gamma):
     """The loss is sum_k w_k CE_k / sum_k w_k with w_k = exp(-(k-1)/gamma) for the configured gamma."""
     ids, loss_mask = padded_batch([40, 40], seed=4)
     features = context_features(target, ids, drafter.target_layer_ids)
-    cfg = ObjectiveConfig(block_size=B, mask_token_id=MASK_ID, num_anchors=6, gamma=gamma)
+    cfg = ObjectiveConfig(num_anchors=6, gamma=gamma)
     loss, _ = training_step(drafter, target, features, ids, loss_mask, cfg,
                             torch.Generator().manual_seed(5), attention="dense")
     anchors, valid = sample_anchors(loss_mask, 6, torch.Generator().manual_seed(5))
@@ -197,7 +198,7 @@ def test_training_step_metrics_are_those_of_its_logits(target, variant):
             drafter.candidate_selector.successor_codebook.mul_(20)
     ids, loss_mask = padded_batch([40, 33, 21], seed=8)
     features = context_features(target, ids, drafter.target_layer_ids)
-    cfg = ObjectiveConfig(block_size=B, mask_token_id=MASK_ID, num_anchors=6, ddtree_budget=12, ddtree_blocks=5)
+    cfg = ObjectiveConfig(num_anchors=6, ddtree_budget=12, ddtree_blocks=5)
     with torch.no_grad():
         _, metrics = training_step(drafter, target, features, ids, loss_mask, cfg,
                                    torch.Generator().manual_seed(9), attention="dense")
@@ -281,7 +282,7 @@ def test_streak_and_accuracy_metrics_on_known_ranks():
 def test_training_step_reports_all_metrics_and_learns(target):
     drafter = make_drafter(target, num_layers=1)
     ids, loss_mask = padded_batch([48, 48, 30], seed=6)
-    cfg = ObjectiveConfig(block_size=B, mask_token_id=MASK_ID, num_anchors=8, ddtree_budget=16)
+    cfg = ObjectiveConfig(num_anchors=8, ddtree_budget=16)
     losses = fit_drafter(drafter, target, ids, loss_mask, cfg, steps=25, lr=3e-3)
     features = context_features(target, ids, drafter.target_layer_ids)
     _, metrics = training_step(drafter, target, features, ids, loss_mask, cfg, torch.Generator().manual_seed(24),
@@ -338,7 +339,7 @@ def test_compiled_flex_equals_dense_and_compiles_once_for_all_shapes(target, mon
             return _compiled(*args, **kwargs)
         monkeypatch.setattr(module, attribute, spy)
     drafter = make_drafter(target, block_size=16, variant=VARIANTS["sliding"])
-    cfg = ObjectiveConfig(block_size=16, mask_token_id=MASK_ID, num_anchors=32, anchors_per_batch=64,
+    cfg = ObjectiveConfig(num_anchors=32, anchors_per_batch=64,
                           ddtree_budget=16)
     batches = plan_batches(12)
     batches.sort(key=lambda batch: len(batch["input_ids"]) != target.config.num_key_value_heads)
@@ -379,7 +380,7 @@ def test_a_micro_step_waits_on_the_host_once(target, monkeypatch):
     monkeypatch.setattr(ddtree, "_compiled_heap", lambda: None)  # the tree backend CUDA uses
     drafter = make_drafter(target).train()
     ids, loss_mask = padded_batch([48, 40, 30], seed=7)
-    cfg = ObjectiveConfig(block_size=B, mask_token_id=MASK_ID, num_anchors=8, ddtree_budget=16,
+    cfg = ObjectiveConfig(num_anchors=8, ddtree_budget=16,
                           chunk_bytes=4 * 256 * 20)  # 20-row chunks: 8 of them
     with HostSyncCounter() as counter:
         features = context_features(target, ids, drafter.target_layer_ids)
@@ -487,7 +488,7 @@ def test_training_step_ddtree_accept_is_each_blocks_own_walk(trained):
     loss_mask = torch.zeros_like(ids)
     loss_mask[:, trained.prompts.shape[1]:] = 1
     features = context_features(target, ids, drafter.target_layer_ids)
-    cfg = ObjectiveConfig(block_size=8, mask_token_id=MASK_ID, num_anchors=6, ddtree_budget=16,
+    cfg = ObjectiveConfig(num_anchors=6, ddtree_budget=16,
                           ddtree_blocks=1000)
     with torch.no_grad():
         _, metrics = training_step(drafter, target, features, ids, loss_mask, cfg,

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from conftest import VARIANTS, randomize_
-from drafter.draft_config import DrafterVariant, drafter_config
+from drafter.config import DrafterVariant
+from drafter.draft_config import drafter_config
 from drafter.models import DFlash2DraftModel, drafter_class
 from drafter.public_loop import LoopSteps, compare, load_public, our_steps, public_steps
 from drafter.target import random_qwen3

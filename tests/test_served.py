@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import MASK_ID, fit_drafter, make_drafter
-from drafter.draft_config import DrafterVariant
+from conftest import fit_drafter, make_drafter
+from drafter.config import DrafterVariant
 from drafter.benchmarks import load_prompts
 from drafter.decode import generate
 from drafter.metrics import finalize_metrics
-from drafter.objective import ObjectiveConfig
+from drafter.config import ObjectiveConfig
 from drafter.served import (PromptShare, anchor_acceptance, bench_prompts, every_anchor, generation_tau,
                             held_out_prompts, mean_tau, replay_steps, replayed_tau, response_spans,
                             serve_walk)
@@ -99,7 +99,7 @@ def served_world(target, variant):
         input_ids[i, :len(ids)], loss_mask[i, :len(mask)] = torch.tensor(ids), torch.tensor(mask)
 
     drafter = make_drafter(target, num_layers=1, block_size=B, variant=variant).double()
-    cfg = ObjectiveConfig(block_size=B, mask_token_id=MASK_ID, num_anchors=48, ddtree_budget=8)
+    cfg = ObjectiveConfig(num_anchors=48, ddtree_budget=8)
     fit_drafter(drafter, target, input_ids, loss_mask, cfg, steps=20, lr=3e-3)
     features = context_features(target, input_ids, drafter.target_layer_ids)
     served = {}

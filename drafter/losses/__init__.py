@@ -89,10 +89,11 @@ def one_pass_loss(cfg) -> bool:
             and cfg.truncate == "none" and cfg.normalize == "weights")
 
 
-def row_loss_spec(cfg, chunk_rows: int) -> RowLossSpec:
-    """The kernel's rows for `cfg`: the block losses are built on each row's CE of its label."""
-    return RowLossSpec(cfg.labels, "ce" if cfg.loss in BLOCK_LOSSES else cfg.loss, chunk_rows,
-                       cfg.logit_softcap, cfg.tv_ce_weight)
+def row_loss_spec(cfg, chunk_rows: int, softcap: float | None = None) -> RowLossSpec:
+    """The kernel's rows for `cfg` (the target's logits capped at `softcap`): the block losses are
+    built on each row's CE of its label."""
+    return RowLossSpec(cfg.labels, "ce" if cfg.loss in BLOCK_LOSSES else cfg.loss, chunk_rows, softcap,
+                       cfg.tv_ce_weight)
 
 
 def loss_chunk_peak_bytes(cfg, vocab_size: int, rows: int) -> int:
@@ -101,10 +102,10 @@ def loss_chunk_peak_bytes(cfg, vocab_size: int, rows: int) -> int:
                             vocab_size, rows)
 
 
-def block_loss(hidden, head, blocks, final_hidden, cfg, chunk_rows: int):
+def block_loss(hidden, head, blocks, final_hidden, cfg, chunk_rows: int, softcap: float | None = None):
     """(loss, data-label ranks [rows]) of the drafter's final states `hidden` [b, A, B, H] on the batch's
     `blocks` (objective.Blocks) under the objective `cfg`; `final_hidden` [b, T, H]: the target's
-    final-normed hidden states, needed with cfg.labels == "target"."""
+    final-normed hidden states, needed with cfg.labels == "target", its logits capped at `softcap`."""
     b, num_blocks, block_size, width = hidden.shape
     states, labels = hidden[:, :, 1:].reshape(-1, width), blocks.labels[..., 1:].reshape(-1)
     fixed = blocks.weights[..., 1:].reshape(-1)
@@ -115,7 +116,7 @@ def block_loss(hidden, head, blocks, final_hidden, cfg, chunk_rows: int):
     teacher = (teacher_rows(final_hidden, blocks.positions).reshape(-1, width).to(hidden.dtype)
                if cfg.labels == "target" else None)
     row_loss, ranks, hard_labels, hard_logprob, drafter_argmax = ChunkedLMHeadLoss.apply(
-        states, head, labels, teacher, row_loss_spec(cfg, chunk_rows), None)
+        states, head, labels, teacher, row_loss_spec(cfg, chunk_rows, softcap), None)
     shape = (-1, block_size - 1)
     rows = SlotRows(row_loss.view(shape), fixed.view(shape), fixed.view(shape) > 0, hard_labels.view(shape),
                     hard_logprob.view(shape), drafter_argmax.view(shape),

@@ -4,7 +4,7 @@ fails here in one line instead of deep inside a projection)."""
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-from drafter.config import ConfigError
+from drafter.errors import ConfigError
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")  # Qwen3RotaryEmbedding's own
 
