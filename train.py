@@ -8,8 +8,8 @@
 
 config -> distributed init -> data -> resume decision -> target -> drafter -> engine -> loop ->
 checkpoints. Every rank holds a frozen copy of the target (or, at target.tp_size G, its share of a copy
-that G consecutive ranks hold together: drafter/tensor_parallel.py) and gets its own batch's
-features; only the drafter is trained, through the engine interface of drafter/engine.py.
+that G consecutive ranks hold together: drafter/target/tensor_parallel.py) and gets its own batch's
+features; only the drafter is trained, through the engine interface of drafter/infra/engine.py.
 """
 import argparse
 import hashlib
@@ -29,29 +29,29 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
-from drafter.checkpoint import (ResumeError, TrainerState, agree_on_checkpoint, check_resumable, load_checkpoint,
-                                remove_partial_saves, run_identity, save_checkpoint, set_aside_previous_run)
-from drafter.collectives import all_reduce_sum, any_rank
 from drafter.config import ConfigError, ObjectiveConfig, load_config, lr_factor, noise_std
-from drafter.data import DataError, load_datasets
-from drafter.decode import stop_token_ids
-from drafter.draft_config import drafter_config
-from drafter.engine import build_engine, engine_settings
-from drafter.launch import LaunchError, init_distributed, remove_cpu_allreduce_buffer
-from drafter.mask_token import check_given_mask_token, choose_mask_token
-from drafter.memory_plan import MemoryPlanError, check_fits, plan_inputs, plan_memory, target_model_config
-from drafter.metrics import finalize_metrics
+from drafter.data.datasets import DataError, load_datasets
+from drafter.data.sampler import held_out_share, make_loader, plan_notes, sampler_from_config
+from drafter.infra.checkpoint import (ResumeError, TrainerState, agree_on_checkpoint, check_resumable, load_checkpoint,
+                                remove_partial_saves, run_identity, save_checkpoint, set_aside_previous_run)
+from drafter.infra.collectives import all_reduce_sum, any_rank
+from drafter.infra.engine import build_engine, engine_settings
+from drafter.infra.launch import LaunchError, init_distributed, remove_cpu_allreduce_buffer
+from drafter.infra.memory_plan import MemoryPlanError, check_fits, plan_inputs, plan_memory, target_model_config
+from drafter.infra.progress import StageTimer
+from drafter.infra.run_lock import RunDirectoryBusy, hold_run_directory
+from drafter.infra.tracking import RunLogger, Window, bucket_summary, console_line, eval_line
 from drafter.models import drafter_class, drafter_from_state_dict, load_drafter
-from drafter.objective import attention_kernel, training_step
-from drafter.progress import StageTimer
-from drafter.run_lock import RunDirectoryBusy, hold_run_directory
-from drafter.sampler import held_out_share, make_loader, plan_notes, sampler_from_config
-from drafter.served import PromptShare, bench_prompts, generation_tau, held_out_prompts, replayed_tau
-from drafter.target import TargetError, compute_dtype, input_embedding_scale, random_qwen3
-from drafter.target_cache import probe_decoding
-from drafter.tensor_parallel import (TargetFeatures, TensorParallelError, check_tensor_parallel, form_tp_group,
+from drafter.models.configure import drafter_config
+from drafter.serving.decode import stop_token_ids
+from drafter.serving.served import PromptShare, bench_prompts, generation_tau, held_out_prompts, replayed_tau
+from drafter.target.cache import probe_decoding
+from drafter.target.mask_token import check_given_mask_token, choose_mask_token
+from drafter.target.model import TargetError, compute_dtype, input_embedding_scale, random_qwen3
+from drafter.target.tensor_parallel import (TargetFeatures, TensorParallelError, check_tensor_parallel, form_tp_group,
                                      load_tp_target, shard_target)
-from drafter.tracking import RunLogger, Window, bucket_summary, console_line, eval_line
+from drafter.training.metrics import finalize_metrics
+from drafter.training.objective import attention_kernel, training_step
 
 # What a user's choice of config, data or launch causes: reported as one line, without a traceback
 # (EngineConfigError is a ConfigError).
@@ -142,7 +142,7 @@ class RunParts:
     data: RunData
     target: torch.nn.Module
     target_features: TargetFeatures  # this rank's features (and final hidden states), whatever the tp size
-    engine: object                   # drafter/engine.py's interface around the drafter
+    engine: object                   # drafter/infra/engine.py's interface around the drafter
     objective: ObjectiveConfig
     attention: str
     generate_prompts: list[list[int]] | None
@@ -255,7 +255,7 @@ def build_target_and_tokenizer(cfg, device, dtype, tp_group):
 def build_drafter(cfg, target, tokenizer, data, rank):
     """fp32 weights (the engines keep fp32 masters and compute in the training dtype). Without
     drafter.mask_token_id the mask token is chosen from the tokenizer and the training `data`
-    (drafter/mask_token.py) and recorded in the export's dflash_config; one given is checked against
+    (drafter/target/mask_token.py) and recorded in the export's dflash_config; one given is checked against
     the data."""
     if cfg.drafter.init_from:
         if not (Path(cfg.drafter.init_from) / "config.json").is_file():

@@ -22,10 +22,10 @@ holding every figure and exits 1 when a check failed.
                      forward over the tree, walk) without any host sync; the commit is the step's one.
   lossless           eval's lossless check on a random bf16 target (LM head scaled so its logits spread):
                      `ar` against ddtree and dflash drafting the `ar` text on 8 prompts, each first
-                     divergence classed a tie or not (drafter/lossless.py); fails on a verdict of "no".
+                     divergence classed a tie or not (drafter/serving/lossless.py); fails on a verdict of "no".
 
 On CUDA the syncs are what `torch.cuda.set_sync_debug_mode` reports; on the CPU what
-`drafter.host_sync.HostSyncCounter` counts, with the metric's DDTree built by the tensor backend
+`drafter.infra.host_sync.HostSyncCounter` counts, with the metric's DDTree built by the tensor backend
 (CUDA's; the CPU's compiled heap reads host tensors).
 
 FLOPs per training step are counted from the shapes (no profiler); a linear layer costs
@@ -59,19 +59,19 @@ from unittest import mock
 import numpy as np
 import torch
 
-from drafter import ddtree
-from drafter.ddtree import build_tree, committed_tokens, follow_tree, tree_verify_inputs
-from drafter.decode import generate, pick
-from drafter.host_sync import host_syncs
-from drafter.lossless import first_divergence, lossless_verdict, near_tie_share
-from drafter.draft_config import drafter_config
-from drafter.models import DFlashDraftModel, DraftCache, compiled_graph_count
 from drafter.config import ObjectiveConfig
-from drafter.objective import (attention_kernel, build_blocks, drafter_hidden, resolve_gamma,
+from drafter.data.sampler import BucketSampler, collate, make_buckets
+from drafter.infra.host_sync import host_syncs
+from drafter.models import DFlashDraftModel, DraftCache, compiled_graph_count
+from drafter.models.configure import drafter_config
+from drafter.serving import ddtree
+from drafter.serving.ddtree import build_tree, committed_tokens, follow_tree, tree_verify_inputs
+from drafter.serving.decode import generate, pick
+from drafter.serving.lossless import first_divergence, lossless_verdict, near_tie_share
+from drafter.target.cache import TargetCache
+from drafter.target.model import compute_dtype, context_features, feature_tap, random_qwen3
+from drafter.training.objective import (attention_kernel, build_blocks, drafter_hidden, resolve_gamma,
                                sample_anchors, training_step)
-from drafter.sampler import BucketSampler, collate, make_buckets
-from drafter.target import compute_dtype, context_features, feature_tap, random_qwen3
-from drafter.target_cache import TargetCache
 
 QWEN3_8B = dict(vocab_size=151_936, hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, intermediate_size=12_288, rope_theta=1e6,
@@ -378,7 +378,7 @@ def check_train_step_syncs(target, drafter, device, run) -> dict:
 
 
 def check_ddtree_step_syncs(target, drafter, device, run) -> dict:
-    """Two DDTree steps after a prefill, as drafter.decode's ddtree step runs them: everything up to
+    """Two DDTree steps after a prefill, as drafter.serving.decode's ddtree step runs them: everything up to
     the walk inside a region where a host sync raises; the commit after it."""
     gen = torch.Generator().manual_seed(3)
     prompt = torch.randint(0, target.config.vocab_size, (1, run["prompt_len"]), generator=gen).to(device)

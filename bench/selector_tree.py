@@ -14,7 +14,7 @@ the B prefixes of highest summed log-probability (`ddtree.build_conditional_tree
 came before.
 
 Both are replayed under teacher forcing on the eval set exactly as training's replayed tau is
-(`drafter/served.py`'s `scored_blocks` and `walks_of`: a verify at every response position, then
+(`drafter/serving/served.py`'s `scored_blocks` and `walks_of`: a verify at every response position, then
 serving walked response by response), on the same drafter forward, so the difference is the tree
 alone. Also printed: the selector's chain (what `dflash` serves for DFlash2) against the marginals'
 argmax chain. The "selector" rows are the drafter's own chain and tree (`chain_picks`, `block_trees`),
@@ -29,11 +29,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from drafter.ddtree import build_tree, teacher_forced_accept  # noqa: E402
+from drafter.data.sampler import collate  # noqa: E402
 from drafter.models import load_drafter  # noqa: E402
-from drafter.sampler import collate  # noqa: E402
-from drafter.served import mean_tau, scored_blocks, walks_of  # noqa: E402
-from drafter.target import context_features, load_target  # noqa: E402
+from drafter.serving.ddtree import build_tree, teacher_forced_accept  # noqa: E402
+from drafter.serving.served import mean_tau, scored_blocks, walks_of  # noqa: E402
+from drafter.target.model import context_features, load_target  # noqa: E402
 
 
 @torch.no_grad()

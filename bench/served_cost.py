@@ -6,7 +6,7 @@ A target and a drafter of the config's shapes (the toy target's architecture fro
 random weights) on one rank, one batch of the config's token budget (rows of --row-length tokens,
 the first --prompt-length unsupervised). Timed, best of --repeats:
   train step   target features + training forward + backward + AdamW step (the baseline)
-  replay       drafter/served.py's replayed_tau on the same batch (features included), at the
+  replay       drafter/serving/served.py's replayed_tau on the same batch (features included), at the
                config's train.tau_budgets: what each eval batch now adds
   generation   generation_tau on --prompt-length-token prompts, at the config's generate settings:
                a random drafter accepts nothing, so every step commits one token (the most steps a
@@ -18,18 +18,22 @@ and the share of the run's time they would take at the config's step counts:
 """
 import argparse
 import math
+import sys
 import time
+from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 
-from data.toy import TARGET_CONFIG, VOCAB_SIZE
-from drafter.config import load_config
-from drafter.draft_config import drafter_config
-from drafter.models import DFlashDraftModel
-from drafter.objective import training_step
-from drafter.served import generation_tau, replayed_tau
-from drafter.target import context_features, random_qwen3
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # data/toy.py's shapes, run from anywhere
+
+from data.toy import TARGET_CONFIG, VOCAB_SIZE  # noqa: E402
+from drafter.config import load_config  # noqa: E402
+from drafter.models import DFlashDraftModel  # noqa: E402
+from drafter.models.configure import drafter_config  # noqa: E402
+from drafter.serving.served import generation_tau, replayed_tau  # noqa: E402
+from drafter.target.model import context_features, random_qwen3  # noqa: E402
+from drafter.training.objective import training_step  # noqa: E402
 
 
 def best_time(fn, repeats: int) -> float:

@@ -14,7 +14,7 @@ Variants are named overrides of configs/toy.yaml: the objectives of issue 21 (`d
 `--variants objectives|drafters|objectives27|recipe|all` or a comma list. Every run is train.py in one
 process (world of one) under FSDP2, so that the Muon variant trains on the same engine as the others;
 runs differ only by the variant's overrides and run.seed (drafter initialisation, anchors, feature
-noise; the data order stays fixed). Replayed tau (drafter/served.py: serving replayed under teacher
+noise; the data order stays fixed). Replayed tau (drafter/serving/served.py: serving replayed under teacher
 forcing, equal to served tau at T=0 when the eval answers are the target's own) is read from each
 run's eval records; on the toy world the eval set is `artifacts/toy/heldout_data`, 512 held-out
 prompts with the target's greedy answers (the 32 bench answers of the training config leave a seed
@@ -89,7 +89,7 @@ def build_micro_target(directory: Path, steps: int = 150) -> None:
     import torch
 
     from data.toy import build_tokenizer
-    from drafter.target import random_qwen3
+    from drafter.target.model import random_qwen3
 
     target = random_qwen3(**MICRO_TARGET).train().requires_grad_(True)
     optimizer = torch.optim.AdamW(target.parameters(), lr=3e-3)
@@ -113,7 +113,7 @@ def build_micro_world(directory: Path, train_rows: int = 192, eval_rows: int = 6
     import torch
     import yaml
 
-    from drafter.target import load_target
+    from drafter.target.model import load_target
 
     if not (directory / "target" / "config.json").exists():
         build_micro_target(directory / "target")

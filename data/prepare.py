@@ -5,7 +5,7 @@
         [--max-length 3072] [--truncate] [--last-turn-only] [--drop-loops] [--num-proc 8]
 
 Inputs: JSONL, JSON (a list of rows), parquet files, directories of them, or hub dataset names; the
-row shapes, repairs and drop reasons are listed in `drafter/chat.py`. Bad rows never stop the run:
+row shapes, repairs and drop reasons are listed in `drafter/data/chat.py`. Bad rows never stop the run:
 each is counted by reason and the first few are printed with their file and line. A file that cannot
 be read as a whole (a `.json` list cut short, say) stops the run naming it, before anything is written.
 
@@ -46,7 +46,7 @@ from pathlib import Path
 import datasets
 import numpy as np
 
-from drafter import chat
+from drafter.data import chat
 
 RAW_FEATURES = datasets.Features({
     "messages": datasets.Value("string"),  # JSON: tool-call arguments have no fixed schema

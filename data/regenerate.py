@@ -7,7 +7,7 @@
     python data/regenerate.py --input chat.jsonl --out regen/chat.jsonl --backend local --target PATH
 
 Conversations are read with the same readers and shapes as `data/prepare.py` (see
-`drafter/chat.py`). Turn by turn, every assistant turn is replaced by the target's answer to the
+`drafter/data/chat.py`). Turn by turn, every assistant turn is replaced by the target's answer to the
 history so far (system and user turns kept, earlier answers already regenerated); a conversation
 that ends with a user turn gets an answer appended. Reasoning returned separately by the server
 (`reasoning_content`) is kept inline as a leading `<think>` block.
@@ -55,8 +55,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from drafter import chat
-from drafter.progress import progress_bar
+from drafter.data import chat
+from drafter.infra.progress import progress_bar
 
 EXAMPLES_PER_REASON = 5
 MAX_BACKOFF = 60.0  # seconds, before jitter
@@ -311,7 +311,7 @@ class LocalBackend:
         import torch
         from transformers import AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 
-        from drafter.target import load_target
+        from drafter.target.model import load_target
 
         class UntilStopped(StoppingCriteria):
             def __call__(self, input_ids, scores, **kwargs):

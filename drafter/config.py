@@ -12,11 +12,11 @@ from typing import Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from drafter.engine import ENGINES, OPTIMIZERS
 from drafter.errors import ConfigError
+from drafter.infra.engine import ENGINES, OPTIMIZERS
 from drafter.losses import LABELS, LOSSES, NORMALIZATIONS, POSITION_WEIGHTS, TRUNCATIONS
 from drafter.models import ARCHITECTURES
-from drafter.objective import ANCHOR_CANDIDATES, ATTENTION_KERNELS, resolve_gamma
+from drafter.training.objective import ANCHOR_CANDIDATES, ATTENTION_KERNELS, resolve_gamma
 
 __all__ = ["Config", "ConfigError", "DrafterVariant", "ObjectiveConfig", "load_config", "lr_factor", "noise_std"]
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -32,7 +32,7 @@ class RunConfig:
 @dataclass
 class TargetConfig:
     path: Optional[str] = None     # HF hub id or local dir; null -> a random Qwen3 of `random` shape
-    random: Optional[dict] = None  # drafter.target.random_qwen3 kwargs (tests, GPU check)
+    random: Optional[dict] = None  # drafter.target.model.random_qwen3 kwargs (tests, GPU check)
     dtype: str = "auto"            # auto: bf16 on GPU, fp32 on CPU
     tp_size: int = 1               # ranks sharing one tensor-parallel copy (consecutive, within a node)
     chat_template_kwargs: dict = field(default_factory=lambda: {"enable_thinking": False})
@@ -41,7 +41,7 @@ class TargetConfig:
 @dataclass
 class DrafterVariant:
     """What tells the drafter variants apart: the `drafter.*` keys beyond the sizes (docs/variants.md),
-    written to the export as `dflash` 0.1.0 reads them (drafter/draft_config.py).
+    written to the export as `dflash` 0.1.0 reads them (drafter/models/configure.py).
 
     layer_types: one of LAYER_TYPES per draft layer (None: all full_attention).
     sliding_window: the window of the sliding layers, in positions, the query's own included.
@@ -101,13 +101,13 @@ class DrafterConfig(DrafterVariant):
     num_layers: int = 5
     block_size: int = 16
     target_layer_ids: Optional[list[int]] = None  # null: evenly spaced from 1 to L-3
-    mask_token_id: Optional[int] = None           # null: chosen from the tokenizer and the data (drafter/mask_token.py)
+    mask_token_id: Optional[int] = None           # null: chosen from the tokenizer and the data (drafter/target/mask_token.py)
     init_from: Optional[str] = None               # an exported drafter/ dir to start from
 
 
 @dataclass
 class ObjectiveConfig:
-    """The `objective` section, which is also what the training step reads (drafter/objective.py):
+    """The `objective` section, which is also what the training step reads (drafter/training/objective.py):
     the loss's parts are the registered components of drafter/losses/."""
     num_anchors: int = 512           # per sequence
     anchors_per_batch: Optional[int] = None  # per micro-batch, all sequences together (drafter memory)
@@ -181,14 +181,14 @@ class TrainConfig:
     eval_every: int = 500
     eval_batches: int = 20           # per rank
     keep_last: int = 3
-    resume: str = "auto"             # auto | never | force | a checkpoint dir (see drafter/checkpoint.py)
+    resume: str = "auto"             # auto | never | force | a checkpoint dir (see drafter/infra/checkpoint.py)
     max_bad_steps: int = 5           # non-finite steps in a row before the run stops
     engine: str = "deepspeed"        # deepspeed (ZeRO from ds_config) | fsdp (torch FSDP2, the fsdp section)
     ds_config: str = "ds_configs/zero2.json"
     threads_per_rank: Optional[int] = None  # CPU only; null: cores / local ranks
     profile_timing: Optional[bool] = None   # per-stage timers; null: on where free (CPU), off on CUDA (syncs)
     dist_timeout_minutes: float = 30.0      # forming the world, and any one collective (a checkpoint save)
-    # Served tau (drafter/served.py): replayed on the held-out split at every eval; real generation
+    # Served tau (drafter/serving/served.py): replayed on the held-out split at every eval; real generation
     # of a fixed prompt set every generate_every steps and at the end.
     tau_budgets: list[int] = field(default_factory=lambda: [64])  # DDTree budgets of tau_/gen_tau_ddtree@B
     generate_every: int = 500        # 0: never

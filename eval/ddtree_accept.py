@@ -13,27 +13,27 @@ drafter's config (`dflash_config.target_path`, `chat_template_kwargs`); `--targe
 `--enable-thinking` override them. Writes the JSON report, prints a markdown table and saves two
 plots next to --out. Definitions: docs/design.md, "tau" (tau counts the bonus token; speedup is the
 ratio of decode time per output token to `ar`'s, prefill excluded). At temperature 0, `lossless`
-compares every method's tokens with `ar`'s (`drafter/lossless.py`): yes, ties-only (every divergence
+compares every method's tokens with `ar`'s (`drafter/serving/lossless.py`): yes, ties-only (every divergence
 starts where the target's top-2 logits were within --tie-tolerance: a floating-point tie) or no.
 
 A target with conv or recurrent layers (Qwen3.5, Qwen3-Next, Nemotron-H, LFM2) cannot verify a tree as
-one flat sequence (`drafter.decode.tree_verify_refusal`). There, at temperature 0, each `ddtree@N` row is
-the exact DDTree tau of `ar`'s own greedy text, replayed under teacher forcing (`drafter.served`: the
+one flat sequence (`drafter.serving.decode.tree_verify_refusal`). There, at temperature 0, each `ddtree@N` row is
+the exact DDTree tau of `ar`'s own greedy text, replayed under teacher forcing (`drafter.serving.served`: the
 tree of N nodes built from the drafter's block at each step's anchor, walked along the text) and
 labelled `replayed`, with no timing; above temperature 0 those rows are left out. A target whose cached
-multi-token forward does not continue its state (Jamba; `drafter.target_cache.probe_decoding`) gets
+multi-token forward does not continue its state (Jamba; `drafter.target.cache.probe_decoding`) gets
 its `dflash` row replayed the same way.
 
 --check-public N runs the public `dflash` 0.1.0 loop (`dflash_generate`, with the package's own
 DFlashDraftModel or DFlash2DraftModel loading the checkpoint's export) and ours on the first turn of the
-first N prompts of each benchmark and compares them step by step (`drafter.public_loop`): how many
+first N prompts of each benchmark and compares them step by step (`drafter.serving.public_loop`): how many
 decode identically (same drafts, same acceptance at every step), each loop's tau, and each other
 prompt's first difference, classified as a tie (both loops rank the same two tokens within
 --tie-tolerance of each other) or semantic. Its verdict reads like `lossless`: yes, ties-only or no.
 It runs on the first rank only, at temperature 0 and --tp 1.
 
 With --tp G, consecutive groups of G ranks each hold one copy of the target sharded by tensor
-parallelism (drafter/tensor_parallel.py); a group's members decode the same prompts in lockstep (the
+parallelism (drafter/target/tensor_parallel.py); a group's members decode the same prompts in lockstep (the
 sharded forwards are collectives, and their outputs are the same on every member), the groups split
 the prompts, and each group's first rank reports.
 """
@@ -47,19 +47,19 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoTokenizer
 
-from drafter.benchmarks import load_prompts
-from drafter.chat import prompt_token_ids
-from drafter.decode import (SAMPLING, STAGES, Method, generate, speculative_methods, stop_token_ids,
-                            tree_verify_refusal)
-from drafter.launch import LaunchError, init_distributed, launched_world_size, local_device
-from drafter.lossless import BF16_TIE_TOLERANCE, first_divergence, lossless_verdict, near_tie_share
+from drafter.data.benchmarks import load_prompts
+from drafter.data.chat import prompt_token_ids
+from drafter.infra.launch import LaunchError, init_distributed, launched_world_size, local_device
+from drafter.infra.progress import progress_bar
 from drafter.models import ARCHITECTURES, is_drafter_config, load_drafter
-from drafter.progress import progress_bar
-from drafter.public_loop import PublicAgreement, check_public, load_public
-from drafter.served import PromptShare, replay_steps
-from drafter.target import TargetError, compute_dtype, context_features
-from drafter.target_cache import probe_decoding
-from drafter.tensor_parallel import TensorParallelError, check_tensor_parallel, form_tp_group, load_tp_target
+from drafter.serving.decode import (SAMPLING, STAGES, Method, generate, speculative_methods, stop_token_ids,
+                            tree_verify_refusal)
+from drafter.serving.lossless import BF16_TIE_TOLERANCE, first_divergence, lossless_verdict, near_tie_share
+from drafter.serving.public_loop import PublicAgreement, check_public, load_public
+from drafter.serving.served import PromptShare, replay_steps
+from drafter.target.cache import probe_decoding
+from drafter.target.model import TargetError, compute_dtype, context_features
+from drafter.target.tensor_parallel import TensorParallelError, check_tensor_parallel, form_tp_group, load_tp_target
 
 
 def parse_args(argv=None):

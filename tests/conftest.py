@@ -7,9 +7,9 @@ import torch
 torch.set_num_threads(int(os.environ.get("TEST_TORCH_THREADS", "1")))
 
 from drafter.config import DrafterVariant
-from drafter.draft_config import drafter_config  # noqa: E402
 from drafter.models import DFlashDraftModel, drafter_class  # noqa: E402
-from drafter.target import input_embedding_scale, random_qwen3  # noqa: E402
+from drafter.models.configure import drafter_config  # noqa: E402
+from drafter.target.model import input_embedding_scale, random_qwen3  # noqa: E402
 
 MASK_ID = 255
 
@@ -46,8 +46,8 @@ def make_drafter(target, num_layers=2, block_size=8, seed=1, **kw) -> DFlashDraf
 def fit_drafter(drafter, target, input_ids, loss_mask, cfg, steps: int, lr: float) -> list[float]:
     """`steps` AdamW steps of the project's own training step (`training_step` on `context_features`,
     anchors seeded by the step): the losses. The drafter is left in eval mode."""
-    from drafter.objective import training_step
-    from drafter.target import context_features
+    from drafter.training.objective import training_step
+    from drafter.target.model import context_features
 
     features = context_features(target, input_ids, drafter.target_layer_ids)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=lr)
@@ -99,7 +99,7 @@ def train_on_greedy_text(target, variant: DrafterVariant = DrafterVariant()) -> 
     own training step (`training_step` on `context_features`) over the target's greedy continuations
     of 8 random prompts. Served on those prompts its tau is about 5 (DFlash, block 8); a random
     drafter's is 1."""
-    from drafter.decode import generate
+    from drafter.serving.decode import generate
     from drafter.config import ObjectiveConfig
 
     prompts = torch.randint(0, 250, (8, 8), generator=torch.Generator().manual_seed(20))

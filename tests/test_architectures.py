@@ -9,13 +9,13 @@ import torch
 
 from conftest import MASK_ID, VARIANTS, make_drafter
 from drafter import models
-from drafter.decode import Method, speculative_methods
 from drafter.config import DrafterVariant
-from drafter.draft_config import drafter_config
-from drafter.models import ARCHITECTURES, DFlashDraftModel, drafter_class, load_drafter
 from drafter.config import ObjectiveConfig
-from drafter.objective import training_step
-from drafter.target import context_features
+from drafter.models import ARCHITECTURES, DFlashDraftModel, drafter_class, load_drafter
+from drafter.models.configure import drafter_config
+from drafter.serving.decode import Method, speculative_methods
+from drafter.target.model import context_features
+from drafter.training.objective import training_step
 
 REPO = Path(__file__).resolve().parents[1]
 # What asking a drafter for its type looks like: an isinstance / hasattr on a drafter class or one of

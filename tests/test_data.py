@@ -1,4 +1,4 @@
-"""drafter/data.py: the thinking check against the training config and the group-wise held-out split,
+"""drafter/data/datasets.py: the thinking check against the training config and the group-wise held-out split,
 on datasets data/prepare.py writes from small files."""
 import json
 
@@ -7,7 +7,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from data import prepare
-from drafter.data import load_datasets
+from drafter.data.datasets import load_datasets
 from tests.tiny_tokenizer import save_tiny_tokenizer
 
 VOCAB = 320

@@ -11,13 +11,13 @@ import torch.nn.functional as F
 
 from conftest import MASK_ID, make_drafter
 from drafter.config import ConfigError, load_config
+from drafter.config import ObjectiveConfig
 from drafter.losses.acceptance import chain_acceptance, soft_tree_acceptance, tree_threshold
 from drafter.losses.divergences import teacher_rows
 from drafter.losses.lm_head import ChunkedLMHeadLoss, RowLossSpec, dense_row_loss, logit_softcap
 from drafter.losses.weights import dpace_weights, tree_accepted_depth, tree_weights, up_to_first_failure
-from drafter.config import ObjectiveConfig
-from drafter.objective import build_blocks, drafter_hidden, sample_anchors, training_step
-from drafter.target import context_features, features_and_final_hidden, random_qwen3
+from drafter.target.model import context_features, features_and_final_hidden, random_qwen3
+from drafter.training.objective import build_blocks, drafter_hidden, sample_anchors, training_step
 from runs import REPO
 from test_objective import padded_batch
 
@@ -251,7 +251,7 @@ def test_each_objective_learns_and_differs_from_the_default(target, variant):
 
 
 def test_the_objective_keys_define_the_run():
-    from drafter.checkpoint import run_identity
+    from drafter.infra.checkpoint import run_identity
     identity = run_identity(load_config(str(REPO / "configs" / "v3.yaml"), ["data.path=/x"]))
     for key in ("objective.labels", "objective.loss", "objective.position_weights", "objective.weight_smoothing",
                 "objective.tv_ce_weight", "objective.tree_temperature", "objective.truncate", "objective.normalize",
@@ -263,7 +263,7 @@ def test_muon_steps_the_matrices_and_adamw_the_rest():
     from omegaconf import OmegaConf
 
     from drafter.config import OptimConfig
-    from drafter.engine import build_optimizers
+    from drafter.infra.engine import build_optimizers
     drafter = make_drafter(random_qwen3(vocab_size=256, num_hidden_layers=4), num_layers=1)
     params = list(drafter.parameters())
     muon, adamw = build_optimizers(params, OmegaConf.structured(OptimConfig(name="muon")))
@@ -277,7 +277,7 @@ def test_muon_steps_the_matrices_and_adamw_the_rest():
 
 def test_muon_under_deepspeed_is_refused_by_name(tmp_path):
     """(train.py refuses it before the data or any model loads: tests/test_train.py.)"""
-    from drafter.engine import EngineConfigError, deepspeed_config
+    from drafter.infra.engine import EngineConfigError, deepspeed_config
     cfg = load_config(str(REPO / "configs" / "v3.yaml"), ["data.path=/x", "optim.name=muon"])
     with pytest.raises(EngineConfigError, match="optim.name=muon is not supported under train.engine=deepspeed"):
         deepspeed_config(str(REPO / "ds_configs" / "zero2.json"), cfg, 2, True, 64, on_cpu=False)

@@ -11,9 +11,9 @@ import pytest
 from torch.distributed import distributed_c10d as dist_c10d
 
 from conftest import make_drafter
-from drafter.benchmarks import REASON_BOXED, load_jsonl, load_prompts
-from drafter.target import random_qwen3
-from drafter.tensor_parallel import form_tp_group
+from drafter.data.benchmarks import REASON_BOXED, load_jsonl, load_prompts
+from drafter.target.model import random_qwen3
+from drafter.target.tensor_parallel import form_tp_group
 from eval import ddtree_accept
 from tiny_tokenizer import save_tiny_tokenizer
 

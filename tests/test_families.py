@@ -10,9 +10,9 @@ import torch.nn.functional as F
 
 from bench.gpu_check import ReplayDrafter
 from conftest import MASK_ID, make_drafter
-from drafter.decode import TreeVerifyUnsupported, generate
 from drafter.models import DraftCache
-from drafter.target import TargetError, context_features, decoder_layers, looped_layers, select_features
+from drafter.serving.decode import TreeVerifyUnsupported, generate
+from drafter.target.model import TargetError, context_features, decoder_layers, looped_layers, select_features
 from families import FAMILIES, RECURRENT, family_config, random_target
 
 # conv or recurrent mixers; chunked attention; compressors (DeepSeek-V4's own cache layers)
@@ -210,7 +210,7 @@ def test_a_multimodal_checkpoint_loads_through_its_wrapper(tmp_path):
     image-text-to-text only) loads as that wrapper; its decoder layers, embedding and head are found."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from drafter.target import load_target
+    from drafter.target.model import load_target
     config = AutoConfig.for_model("kimi_k25", text_config=family_config("deepseek_v3").to_dict(),
                                   vision_config=dict(num_hidden_layers=1, hidden_size=32, intermediate_size=32,
                                                      num_attention_heads=2))

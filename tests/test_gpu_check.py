@@ -4,7 +4,7 @@ import json
 import pytest
 
 from bench import gpu_check
-from drafter import objective
+from drafter.training import objective
 
 TINY = ["--tiny", "--warmup", "1", "--steps", "2"]
 

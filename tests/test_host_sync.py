@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from drafter.host_sync import HostSyncCounter, HostSyncError, host_syncs
+from drafter.infra.host_sync import HostSyncCounter, HostSyncError, host_syncs
 
 x = torch.arange(6.0)
 mask = x > 2

@@ -1,4 +1,4 @@
-"""The memory plan (drafter/memory_plan.py) against independent counts: the target's bytes from a model
+"""The memory plan (drafter/infra/memory_plan.py) against independent counts: the target's bytes from a model
 actually built, divided by the tp size; the drafter's state from an actually built drafter, sharded
 as each engine and ZeRO stage shards it; the optimizer state that torch's AdamW and Muon actually hold;
 distillation's tensors by hand from their shapes; the loss chunk's logits against the peak resident
@@ -12,11 +12,11 @@ import torch
 from omegaconf import OmegaConf
 
 from drafter.config import load_config
-from drafter.memory_plan import (GiB, MemoryPlanError, check_fits, plan_inputs, plan_memory, size_text,
+from drafter.infra.memory_plan import (GiB, MemoryPlanError, check_fits, plan_inputs, plan_memory, size_text,
                                  target_model_config)
-from drafter.draft_config import drafter_config
 from drafter.models import DFlashDraftModel, drafter_class
-from drafter.target import random_qwen3
+from drafter.models.configure import drafter_config
+from drafter.target.model import random_qwen3
 from runs import REPO
 
 RANDOM = {"vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 6, "num_attention_heads": 4,
@@ -83,7 +83,7 @@ def test_optimizer_state_is_what_torch_optimizers_hold_after_a_step(optimizer):
     """A DFlash2 drafter (3-D convolution kernels, which Muon leaves to AdamW, and 2-D selector
     codebooks) under FSDP2 on 4 ranks: the plan's optimizer state is a quarter of the bytes the
     optimizers of `build_optimizers` hold after one step (Muon: one momentum buffer per matrix)."""
-    from drafter.engine import build_optimizers
+    from drafter.infra.engine import build_optimizers
     cfg = config("train.engine=fsdp", f"optim.name={optimizer}", *DFLASH2)
     draft = drafter_config(random_qwen3(**RANDOM).config, num_layers=2, block_size=16, mask_token_id=0,
                            target_layer_ids=[1, 3], variant=OmegaConf.to_object(cfg.drafter))

@@ -7,10 +7,10 @@ from safetensors import safe_open
 from conftest import MASK_ID, VARIANTS, make_drafter
 from drafter.config import ConfigError
 from drafter.config import DrafterVariant
-from drafter.draft_config import drafter_config
 from drafter.models import (DFlash2DraftModel, DFlashDraftModel, DraftCache, LayerAttention, layer_attention,
                            load_drafter)
-from drafter.target import context_features, default_target_layer_ids, select_features
+from drafter.models.configure import drafter_config
+from drafter.target.model import context_features, default_target_layer_ids, select_features
 
 
 def test_default_layer_ids_match_reference_rule():

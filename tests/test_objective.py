@@ -5,24 +5,25 @@ import pytest
 import torch
 
 from conftest import MASK_ID, VARIANTS, fit_drafter, make_drafter
-from drafter import ddtree, objective
-from drafter.models import layers
 from drafter.config import ConfigError
-from drafter.ddtree import build_tree, teacher_forced_accept
-from drafter.host_sync import HostSyncCounter
-from drafter.draft_config import drafter_config
+from drafter.config import ObjectiveConfig
+from drafter.data.sampler import BucketSampler, collate, make_buckets
+from drafter.infra.host_sync import HostSyncCounter
 from drafter.losses.lm_head import dense_lm_head_loss, top_logprobs, weighted_data_ce
 from drafter.losses.weights import position_weights
-from drafter.metrics import finalize_metrics
+from drafter.models import layers
 from drafter.models import CandidateSelector, DraftCache, LayerAttention, compiled_graph_count
+from drafter.models.configure import drafter_config
 from drafter.models.dflash2 import SelectorRows, selector_loss, selector_metrics
-from drafter.config import ObjectiveConfig
-from drafter.objective import (ATTENTION_KERNELS, attention_kernel,
+from drafter.serving import ddtree
+from drafter.serving.ddtree import build_tree, teacher_forced_accept
+from drafter.target.model import context_features, random_qwen3_config
+from drafter.training import objective
+from drafter.training.metrics import finalize_metrics
+from drafter.training.objective import (ATTENTION_KERNELS, attention_kernel,
                                build_blocks, dense_block_mask, ddtree_accept_metric,
                                drafter_hidden, rank_metrics,
                                resolve_gamma, sample_anchors, sample_complete_blocks, training_step)
-from drafter.sampler import BucketSampler, collate, make_buckets
-from drafter.target import context_features, random_qwen3_config
 
 B = 8
 
@@ -389,7 +390,7 @@ def test_a_micro_step_waits_on_the_host_once(target, monkeypatch):
         loss.backward()
     assert len(counter.events) == 1, counter.events
     assert counter.events[0].startswith("aten._local_scalar_dense at ")
-    assert "drafter/objective.py" in counter.events[0]
+    assert "drafter/training/objective.py" in counter.events[0]
     assert metrics["anchor_ddtree@16"][1] == cfg.ddtree_blocks  # the metric saw its blocks
 
 

@@ -15,7 +15,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from data import prepare
-from drafter import chat
+from drafter.data import chat
 from tests.tiny_tokenizer import save_tiny_tokenizer
 
 END = "<|im_end|>"

@@ -1,4 +1,4 @@
-"""Served as measured (drafter/public_loop.py): the public `dflash` 0.1.0 loop, with its own model class
+"""Served as measured (drafter/serving/public_loop.py): the public `dflash` 0.1.0 loop, with its own model class
 loading our export, accepts exactly as our `dflash` decode, step by step, for every drafter variant;
 and the step comparison tells a rounding tie from a semantic difference."""
 import pytest
@@ -6,10 +6,10 @@ import torch
 
 from conftest import VARIANTS, randomize_
 from drafter.config import DrafterVariant
-from drafter.draft_config import drafter_config
 from drafter.models import DFlash2DraftModel, drafter_class
-from drafter.public_loop import LoopSteps, compare, load_public, our_steps, public_steps
-from drafter.target import random_qwen3
+from drafter.models.configure import drafter_config
+from drafter.serving.public_loop import LoopSteps, compare, load_public, our_steps, public_steps
+from drafter.target.model import random_qwen3
 
 pytest.importorskip("dflash.model")
 

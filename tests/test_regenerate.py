@@ -15,8 +15,8 @@ import torch
 from transformers import AutoTokenizer
 
 from data import regenerate
-from drafter import chat
-from drafter.target import random_qwen3
+from drafter.data import chat
+from drafter.target.model import random_qwen3
 from tests.tiny_tokenizer import save_tiny_tokenizer
 
 

@@ -1,4 +1,4 @@
-"""One live run per run directory (drafter/run_lock.py): a second run into a held directory stops
+"""One live run per run directory (drafter/infra/run_lock.py): a second run into a held directory stops
 naming the holder before any model loads, and a holder that was SIGKILLed blocks nothing."""
 import os
 import signal
@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from drafter.run_lock import RunDirectoryBusy, acquire
+from drafter.infra.run_lock import RunDirectoryBusy, acquire
 from runs import REPO, run_to_end, write_run
 
-HOLDER = "import sys, time; from drafter.run_lock import acquire; lock = acquire(sys.argv[1]); print('held', flush=True); time.sleep(600)"
+HOLDER = "import sys, time; from drafter.infra.run_lock import acquire; lock = acquire(sys.argv[1]); print('held', flush=True); time.sleep(600)"
 
 
 def test_the_lock_is_exclusive_until_released(tmp_path):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from data import plan as plan_cli
-from drafter.sampler import (BucketSampler, _run_cap_holds, collate, held_out_share, interleave_buckets,
+from drafter.data.sampler import (BucketSampler, _run_cap_holds, collate, held_out_share, interleave_buckets,
                              longest_run, make_buckets, make_loader, min_feasible_run, padded_length, plan_notes,
                              split_holdout)
 

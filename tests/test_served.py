@@ -1,4 +1,4 @@
-"""Served tau during training (drafter/served.py): the replay walk, replay == generate at T=0, and
+"""Served tau during training (drafter/serving/served.py): the replay walk, replay == generate at T=0, and
 generation split over ranks, bounded in time, off the training RNG streams."""
 import copy
 import json
@@ -11,14 +11,14 @@ import torch
 
 from conftest import fit_drafter, make_drafter
 from drafter.config import DrafterVariant
-from drafter.benchmarks import load_prompts
-from drafter.decode import generate
-from drafter.metrics import finalize_metrics
 from drafter.config import ObjectiveConfig
-from drafter.served import (PromptShare, anchor_acceptance, bench_prompts, every_anchor, generation_tau,
+from drafter.data.benchmarks import load_prompts
+from drafter.serving.decode import generate
+from drafter.serving.served import (PromptShare, anchor_acceptance, bench_prompts, every_anchor, generation_tau,
                             held_out_prompts, mean_tau, replay_steps, replayed_tau, response_spans,
                             serve_walk)
-from drafter.target import context_features
+from drafter.target.model import context_features
+from drafter.training.metrics import finalize_metrics
 from eval.ddtree_accept import summarize
 from tiny_tokenizer import build_tiny_tokenizer
 
@@ -207,7 +207,7 @@ class FakeClock:
 
 
 def test_no_prompt_starts_after_the_time_budget(world, monkeypatch):
-    import drafter.served as served
+    import drafter.serving.served as served
 
     target, drafter, responses, *_ = world
     prompts = [prompt for prompt, _, _ in responses]

@@ -1,4 +1,4 @@
-"""The serving loop (`drafter.decode.generate`) held to the training path, the public `dflash` loop and
+"""The serving loop (`drafter.serving.decode.generate`) held to the training path, the public `dflash` loop and
 the target's distribution, with a drafter that has learned something (conftest `trained`): with a
 random drafter every step accepts about nothing, and a loop that feeds the wrong context still
 passes a losslessness check."""
@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from conftest import MASK_ID, randomize_
-from drafter import decode
-from drafter.ddtree import build_tree, teacher_forced_accept
-from drafter.decode import generate
-from drafter.lossless import BF16_TIE_TOLERANCE, first_divergence, lossless_verdict, near_tie_share
-from drafter.draft_config import drafter_config
 from drafter.models import DFlashDraftModel
-from drafter.objective import build_blocks, drafter_hidden
-from drafter.public_loop import check_public, load_public
-from drafter.target import context_features, random_qwen3
+from drafter.models.configure import drafter_config
+from drafter.serving import decode
+from drafter.serving.ddtree import build_tree, teacher_forced_accept
+from drafter.serving.decode import generate
+from drafter.serving.lossless import BF16_TIE_TOLERANCE, first_divergence, lossless_verdict, near_tie_share
+from drafter.serving.public_loop import check_public, load_public
+from drafter.target.model import context_features, random_qwen3
+from drafter.training.objective import build_blocks, drafter_hidden
 
 SPECULATIVE = [("dflash", None), ("ddtree", 4), ("ddtree", 32)]
 

@@ -6,8 +6,9 @@ import torch
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 from data import toy
-from drafter import chat, world
-from drafter.benchmarks import load_jsonl
+from drafter.data import chat
+from drafter.data import world
+from drafter.data.benchmarks import load_jsonl
 
 STDLIB_SAMPLE = ["textwrap.py", "shlex.py", "bisect.py", "colorsys.py"]
 VOCAB = 400

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from drafter.config import ConfigError, load_config, lr_factor, noise_std
-from drafter.engine import EngineConfigError, deepspeed_config
-from drafter.launch import LaunchError, expand_hostlist, launcher_environment, slurm_environment
-from drafter.run_lock import RunDirectoryBusy, acquire
+from drafter.infra.engine import EngineConfigError, deepspeed_config
+from drafter.infra.launch import LaunchError, expand_hostlist, launcher_environment, slurm_environment
+from drafter.infra.run_lock import RunDirectoryBusy, acquire
 from runs import (REPO, descendants, kill_job, launch, records, run_to_end, shm_buffers, train_losses, wait_for_step,
                   write_run)
 
@@ -261,7 +261,7 @@ def test_a_setting_the_target_cannot_take_stops_train_py_in_one_line(tmp_path, o
 
 
 def test_the_start_up_table_names_every_sample_left_out():
-    from drafter.sampler import BucketSampler, plan_notes
+    from drafter.data.sampler import BucketSampler, plan_notes
     from train import bucket_summary
 
     lengths = np.concatenate([np.full(300, 100), [1500, 1800, 1800], [5000]])  # 3 over the budget, 1 too long
@@ -353,7 +353,7 @@ def test_too_many_nonfinite_steps_in_a_row_stop_at_the_last_good_checkpoint(tmp_
 
 
 def test_bad_prepared_data_is_rejected_up_front_naming_the_row(tmp_path):
-    from drafter.data import load_prepared
+    from drafter.data.datasets import load_prepared
     rows = {"input_ids": [[1, 2, 3], [4, 5], [6, 7]], "loss_mask": [[0, 1, 1], [1, 1], [1, 1]], "length": [3, 2, 2]}
     cases = {
         "length column": {**rows, "length": [3, 3, 2]},
@@ -417,7 +417,7 @@ def test_a_run_directory_belongs_to_one_run(tmp_path):
 
 
 def test_resume_truncates_the_metrics_past_the_checkpoint(tmp_path):
-    from drafter.tracking import truncate_metrics
+    from drafter.infra.tracking import truncate_metrics
     path = tmp_path / "metrics.jsonl"
     lines = [json.dumps({"kind": "train", "step": s, "loss": 1.0}) for s in range(1, 6)]
     lines.insert(3, json.dumps({"kind": "eval", "step": 3, "loss": 2.0}))

@@ -1,10 +1,10 @@
-"""drafter/world.py: a world build's stages resume after a kill, and an interrupted regeneration is never
+"""drafter/data/world.py: a world build's stages resume after a kill, and an interrupted regeneration is never
 taken for a finished one (its summary is written either way)."""
 import json
 
 import pytest
 
-from drafter import world
+from drafter.data import world
 
 
 def fake_regenerate(summary: dict):

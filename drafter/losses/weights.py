@@ -9,8 +9,8 @@ their `objective.position_weights` / `objective.truncate` names (drafter/losses/
 """
 import torch
 
-from drafter.ddtree import build_tree_from_logprobs, teacher_forced_accept
 from drafter.losses.lm_head import top_logprobs
+from drafter.serving.ddtree import build_tree_from_logprobs, teacher_forced_accept
 
 
 def position_weights(block_size: int, gamma: float, device: torch.device | str = "cpu") -> torch.Tensor:

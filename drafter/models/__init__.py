@@ -12,10 +12,10 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-from drafter.ddtree import DraftTree
 from drafter.models.dflash import DFlashDraftModel
 from drafter.models.dflash2 import CandidateSelector, DFlash2DraftModel
 from drafter.models.layers import DraftCache, LayerAttention, compiled_graph_count, layer_attention
+from drafter.serving.ddtree import DraftTree
 
 __all__ = ["ARCHITECTURES", "CandidateSelector", "DFlash2DraftModel", "DFlashDraftModel", "DraftCache", "DraftModel",
            "LayerAttention", "ServedDrafter", "architecture", "compiled_graph_count", "drafter_class",

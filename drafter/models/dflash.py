@@ -20,9 +20,9 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3PreTrainedModel, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
-from drafter.ddtree import DraftTree, build_tree
 from drafter.models.checks import check_drafter_config
 from drafter.models.layers import DFlashDecoderLayer, DraftCache, LayerInputs, layer_attention
+from drafter.serving.ddtree import DraftTree, build_tree
 
 
 class DFlashDraftModel(Qwen3PreTrainedModel):

@@ -2,7 +2,7 @@
 
 A tau is worth something only if serving reproduces it. `public_steps` runs the package's own
 `dflash_generate` with the package's own model class (DFlashDraftModel or DFlash2DraftModel, by the
-export's `architectures`; `load_public`) on our export; `our_steps` runs `drafter.decode.generate`
+export's `architectures`; `load_public`) on our export; `our_steps` runs `drafter.serving.decode.generate`
 with method "dflash". Both record each step through forward hooks: the block the target verified
 (root and drafted tokens), the two best tokens of the drafted path at every slot with their scores
 (what the path takes the argmax of: the logits, or a DFlash2 selector's scores after the slot's
@@ -33,7 +33,7 @@ from unittest import mock
 
 import torch
 
-from drafter.decode import generate
+from drafter.serving.decode import generate
 
 
 @dataclass

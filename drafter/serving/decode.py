@@ -6,7 +6,7 @@ token is the first output and the first root; each step commits the tokens accep
 plus the target's bonus token, at most up to `max_new_tokens` in all; a stop token among them ends
 generation after it. `acceptance_lengths` holds the tokens committed per target verify forward
 (tau, bonus included). At temperature 0 every method returns exactly the `ar` tokens (up to
-floating-point ties: `drafter/lossless.py` tells them from bugs).
+floating-point ties: `drafter/serving/lossless.py` tells them from bugs).
 
 Above temperature 0 both speculative methods default to sample-and-match, as the DFlash and DDTree
 papers and their reference loops do: the target samples one token at every verify row, and the walk
@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from drafter.ddtree import DraftTree, committed_tokens, follow_tree, tree_verify_inputs
+from drafter.infra.progress import StageTimer
 from drafter.models import DraftCache
-from drafter.progress import StageTimer
-from drafter.target import TargetError, feature_tap, model_type
-from drafter.target_cache import TargetCache, probe_decoding
+from drafter.serving.ddtree import DraftTree, committed_tokens, follow_tree, tree_verify_inputs
+from drafter.target.cache import TargetCache, probe_decoding
+from drafter.target.model import TargetError, feature_tap, model_type
 
 METHODS = ("ar", "dflash", "ddtree")
 SAMPLING = ("match", "rejection")
@@ -75,7 +75,7 @@ class Generation:
 
     `margins` (for `ar` only, empty otherwise): per output token, the target's top-1 minus top-2
     logit at the step that produced it; it tells a floating-point tie from a real divergence
-    (`drafter.lossless`).
+    (`drafter.serving.lossless`).
     """
     output_ids: list[int]
     acceptance_lengths: list[int]

@@ -34,9 +34,9 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 from transformers.utils import logging as transformers_logging
 
-from drafter.collectives import every_rank
-from drafter.nested import flatten
+from drafter.infra.collectives import every_rank
 from drafter.models import drafter_from_state_dict
+from drafter.nested import flatten
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 # Keys that may change when a run is resumed: how long it runs, logging, saving, evaluation, where

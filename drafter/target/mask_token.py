@@ -21,8 +21,8 @@ The candidates of 3 and 4 must be absent from the data that is given; 4 is only 
 import re
 from dataclasses import dataclass
 
+from drafter.data.datasets import token_ids_in, token_occurs
 from drafter.errors import ConfigError
-from drafter.data import token_ids_in, token_occurs
 
 ADDED_MASK = "<|MASK|>"
 RESERVED_NAME = re.compile(r"reserved|unused|place.?holder", re.IGNORECASE)

@@ -13,7 +13,7 @@ path (its argmax; a DFlash2 drafter's selector chain, each slot's predecessor th
 is the served chain while every pick is right) is the text's token, for `ddtree@B` the depth reached
 by walking the best-first tree of B nodes (the drafter's `block_trees`: the block's marginals,
 or a DFlash2 drafter's selector scores, as serving builds it) along the text. Then serving is replayed as
-`drafter.decode.generate` runs it, once per response, i.e. per maximal run [s, e) of supervised
+`drafter.serving.decode.generate` runs it, once per response, i.e. per maximal run [s, e) of supervised
 positions (one assistant turn; every turn is a response, as eval/ddtree_accept.py counts turns):
 the prefill yields token s, so the first step's anchor is p = s; a step at p commits
 min(accepted(p) + 1, e - 1 - p) tokens (the drafted tokens accepted and the bonus, cut at the turn's
@@ -40,13 +40,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from drafter.benchmarks import load_prompts
-from drafter.chat import prompt_token_ids
-from drafter.ddtree import teacher_forced_accept
-from drafter.decode import generate, speculative_methods, tree_verify_refusal
+from drafter.data.benchmarks import load_prompts
+from drafter.data.chat import prompt_token_ids
 from drafter.losses.lm_head import chunk_rows_for
-from drafter.objective import build_blocks, drafter_hidden
-from drafter.tensor_parallel import TPGroup
+from drafter.serving.ddtree import teacher_forced_accept
+from drafter.serving.decode import generate, speculative_methods, tree_verify_refusal
+from drafter.target.tensor_parallel import TPGroup
+from drafter.training.objective import build_blocks, drafter_hidden
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,7 +215,7 @@ def held_out_prompts(dataset, max_prompts: int, seed: int) -> list[list[int]]:
 
 def bench_prompts(spec: str, tokenizer, enable_thinking: bool, max_prompts: int) -> list[list[int]]:
     """Token ids of the first user turn (after any history) of up to `max_prompts` prompts of a
-    benchmark (`drafter.benchmarks.load_prompts`: a hub name or a JSONL file), rendered as
+    benchmark (`drafter.data.benchmarks.load_prompts`: a hub name or a JSONL file), rendered as
     eval/ddtree_accept.py renders them. Later turns of multi-turn prompts are not used."""
     _, prompts = load_prompts(spec, max_prompts)
     return [prompt_token_ids(tokenizer, list(p.history) + [{"role": "user", "content": p.turns[0]}],
@@ -257,7 +257,7 @@ def generation_tau(target, drafter, prompts: list[list[int]], share: PromptShare
                    tree_backend: str = "auto") -> dict[str, torch.Tensor]:
     """Served tau on this rank's share of `prompts` (prompts[share.index::share.count]) at temperature 0.
 
-    Each prompt is decoded by every method (`dflash`, `ddtree@B`) through `drafter.decode.generate`;
+    Each prompt is decoded by every method (`dflash`, `ddtree@B`) through `drafter.serving.decode.generate`;
     no prompt starts once `max_seconds` have passed (on the clock of the slowest member of a tensor-
     parallel group: `agreed_elapsed`), so a call lasts at most max_seconds plus one prompt. Returns
     {`gen_tau_dflash`, `gen_tau_ddtree@B`: [sum of per-response tau, responses], `gen_seconds`:

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from drafter.target import context_features, features_and_final_hidden, load_target
+from drafter.target.model import context_features, features_and_final_hidden, load_target
 
 SPLIT_DIM = {"colwise": -2, "packed_colwise": -2, "rowwise": -1}  # the weight dim each style splits
 SUMMED = ("rowwise", "moe_tp_experts")   # modules whose output is a partial sum over the group

@@ -30,7 +30,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DummyLayer, DynamicLayer, LinearAttentionCacheLayerMixin
 
-from drafter.target import TargetError, model_type
+from drafter.target.model import TargetError, model_type
 
 
 def is_state_layer(layer) -> bool:

@@ -20,12 +20,12 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import _DEFAULT_SPARSE_BLOCK_SIZE, create_block_mask
 
 from drafter.errors import ConfigError
-from drafter.ddtree import build_tree_from_logprobs, teacher_forced_accept
 from drafter.losses import block_loss
 from drafter.losses.lm_head import chunk_rows_for, logit_softcap, top_logprobs
 from drafter.losses.weights import position_weights
-from drafter.metrics import sum_count
 from drafter.models.layers import FlexMask, LayerAttention, compile_dynamic
+from drafter.serving.ddtree import build_tree_from_logprobs, teacher_forced_accept
+from drafter.training.metrics import sum_count
 
 if TYPE_CHECKING:
     from drafter.config import ObjectiveConfig
@@ -237,7 +237,7 @@ def rank_metrics(label_rank: torch.Tensor, blocks: Blocks) -> dict[str, torch.Te
         would commit there = 1 (bonus) + the number of leading slots whose label is the drafter's
         top-1; blocks cut short by the sequence end count only their supervised slots. This is not
         DFlash tau: serving visits one anchor every L tokens, so anchors inside long accepted runs
-        weigh L times less there (drafter/served.py replays serving: tau_dflash).
+        weigh L times less there (drafter/serving/served.py replays serving: tau_dflash).
     anchor_top4_streak / anchor_top8_streak: the same where a slot counts as accepted if its label is
         in the drafter's top-4 / top-8, an optimistic stand-in for a tree with 4 / 8 children everywhere.
     """
@@ -263,7 +263,7 @@ def ddtree_accept_metric(topk_logprobs, topk_ids, labels, budget: int,
     marginals (top-k per position suffices: no depth holds more than B nodes) and walk it along the
     labels; the value is the tokens that verify would commit (accepted depth + 1 bonus). Averaged over
     random anchors it overstates DDTree tau as `anchor_streak` overstates DFlash tau (see rank_metrics);
-    drafter/served.py's tau_ddtree@B is the served figure. Blocks where `valid` [blocks] is False
+    drafter/serving/served.py's tau_ddtree@B is the served figure. Blocks where `valid` [blocks] is False
     count for nothing.
     """
     if labels.shape[0] == 0:

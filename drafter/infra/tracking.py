@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from drafter.collectives import all_reduce_sum, comm_device
+from drafter.data.sampler import bucket_table, plan_notes
+from drafter.infra.collectives import all_reduce_sum, comm_device
 from drafter.nested import flatten
-from drafter.metrics import finalize_metrics
-from drafter.sampler import bucket_table, plan_notes
+from drafter.training.metrics import finalize_metrics
 
 
 def human_duration(seconds: float) -> str:

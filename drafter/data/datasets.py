@@ -8,7 +8,7 @@ import datasets
 import numpy as np
 import pyarrow.compute as pc
 
-from drafter.sampler import split_holdout
+from drafter.data.sampler import split_holdout
 
 TRAINING_COLUMNS = ["input_ids", "loss_mask", "length"]
 
