@@ -33,7 +33,7 @@ from drafter.config import ConfigError, ObjectiveConfig, load_config, lr_factor,
 from drafter.data.datasets import DataError, load_datasets
 from drafter.data.sampler import held_out_share, make_loader, plan_notes, sampler_from_config
 from drafter.infra.checkpoint import (ResumeError, TrainerState, agree_on_checkpoint, check_resumable, load_checkpoint,
-                                remove_partial_saves, run_identity, save_checkpoint, set_aside_previous_run)
+                                      remove_partial_saves, run_identity, save_checkpoint, set_aside_previous_run)
 from drafter.infra.collectives import all_reduce_sum, any_rank
 from drafter.infra.engine import build_engine, engine_settings
 from drafter.infra.launch import LaunchError, init_distributed, remove_cpu_allreduce_buffer
@@ -49,7 +49,7 @@ from drafter.target.cache import probe_decoding
 from drafter.target.mask_token import check_given_mask_token, choose_mask_token
 from drafter.target.model import TargetError, compute_dtype, input_embedding_scale, random_qwen3
 from drafter.target.tensor_parallel import (TargetFeatures, TensorParallelError, check_tensor_parallel, form_tp_group,
-                                     load_tp_target, shard_target)
+                                            load_tp_target, shard_target)
 from drafter.training.metrics import finalize_metrics
 from drafter.training.objective import attention_kernel, training_step
 

@@ -71,7 +71,7 @@ from drafter.serving.lossless import first_divergence, lossless_verdict, near_ti
 from drafter.target.cache import TargetCache
 from drafter.target.model import compute_dtype, context_features, feature_tap, random_qwen3
 from drafter.training.objective import (attention_kernel, build_blocks, drafter_hidden, resolve_gamma,
-                               sample_anchors, training_step)
+                                        sample_anchors, training_step)
 
 QWEN3_8B = dict(vocab_size=151_936, hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, intermediate_size=12_288, rope_theta=1e6,

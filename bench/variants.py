@@ -5,6 +5,8 @@
     python bench/variants.py --variants drafters --seeds 0,1
     python bench/variants.py --steps 60 --eval-every 20 --variants default,tree [key.sub=value ...]
     python bench/variants.py --world micro --jobs 2     # no toy world: a random target's own greedy text
+    python bench/variants.py --world smollm2 --steps 60 --seeds 0,1 --variants default,dpace
+                                                        # the real world (python data/smollm2.py first)
 
 Variants are named overrides of configs/toy.yaml: the objectives of issue 21 (`default`, `target-kl`,
 `target-ce`, `dpace`, `tree`, `muon`), the drafters of issue 20 (`dflash2`, `sliding`,
@@ -21,6 +23,10 @@ prompts with the target's greedy answers (the 32 bench answers of the training c
 spread larger than the differences between variants). Prints, per variant, the mean and standard
 error over seeds of tau_dflash and tau_ddtree@B at the last eval, and writes OUT/summary.json and
 OUT/tau_vs_steps.png (mean +- standard error against steps).
+
+`--world smollm2` trains on the SmolLM2-135M-Instruct world (configs/smollm2.yaml): the replayed tau
+of the training eval is on the held-out chat bench, and each run's final drafter is replayed on the
+HumanEval code bench too (`--also-eval`, columns `bench_code_data:tau_*`).
 
 `--world micro` builds, in OUT/micro, a 4-layer Qwen3 target trained for 150 steps on sequences
 x_t = (x_{t-1} + x_{t-2}) mod 64, its greedy continuations of fresh prompts (192 train, 64 eval rows)
@@ -173,6 +179,41 @@ def run_variant(cfg: Path, out: Path, variant: str, seed: int, args, overrides: 
     return eval_records(run)
 
 
+def replayed_on(run: Path, data_path: str, threads: int) -> dict[str, float]:
+    """Replayed tau (tau_dflash, tau_ddtree@B at the run's tau_budgets) of a run's final drafter on the
+    prepared set at `data_path`, computed as the training eval computes it (drafter/serving/served.py);
+    cached in the run directory."""
+    cached = run / f"replayed_{Path(data_path).name}.json"
+    if cached.exists():
+        return json.loads(cached.read_text())
+    import datasets
+    import torch
+    from omegaconf import OmegaConf
+
+    from drafter.data.sampler import collate
+    from drafter.models import load_drafter
+    from drafter.serving.served import replayed_tau
+    from drafter.target.model import context_features, load_target
+    from drafter.training.metrics import finalize_metrics
+
+    torch.set_num_threads(threads)
+    config = OmegaConf.load(run / "checkpoints" / "latest" / "config.yaml")
+    drafter = load_drafter(run / "checkpoints" / "latest" / "drafter", dtype=torch.float32).eval()
+    target = load_target(config.target.path, "cpu", torch.float32)
+    rows = datasets.load_from_disk(data_path)
+    summed = {}
+    with torch.no_grad():
+        for first in range(0, len(rows), 8):
+            batch = collate(rows.select(range(first, min(first + 8, len(rows)))), bucket=0)
+            features = context_features(target, batch["input_ids"], drafter.target_layer_ids)
+            for k, v in replayed_tau(drafter, target, features, batch["input_ids"], batch["loss_mask"],
+                                     list(config.train.tau_budgets), "dense").items():
+                summed[k] = summed.get(k, 0) + v.double()
+    result = finalize_metrics(summed)
+    cached.write_text(json.dumps(result))
+    return result
+
+
 def mean_and_se(values: list[float]) -> tuple[float, float]:
     values = np.asarray(values, dtype=float)
     se = values.std(ddof=1) / math.sqrt(len(values)) if len(values) > 1 else math.nan
@@ -215,8 +256,12 @@ def plot(summary: dict, metrics: list[str], path: Path) -> None:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world", choices=["toy", "micro"], default="toy")
-    parser.add_argument("--cfg", default=None, help="default: configs/toy.yaml (toy), OUT/micro/micro.yaml (micro)")
+    parser.add_argument("--world", choices=["toy", "smollm2", "micro"], default="toy")
+    parser.add_argument("--cfg", default=None, help="default: configs/toy.yaml (toy), configs/smollm2.yaml "
+                                                    "(smollm2), OUT/micro/micro.yaml (micro)")
+    parser.add_argument("--also-eval", default=None,
+                        help="a second prepared held-out set: each run's final drafter is replayed on it too "
+                             "(default on smollm2: artifacts/smollm2/bench_code_data, the code bench)")
     parser.add_argument("--variants", default="objectives",
                         help="objectives | drafters | objectives27 | recipe | all | a comma list")
     parser.add_argument("--seeds", default="0,1,2")
@@ -239,6 +284,11 @@ def main():
         cfg = Path(args.cfg).resolve()
     elif args.world == "micro":
         cfg = build_micro_world(out / "micro")
+    elif args.world == "smollm2":
+        cfg = REPO / "configs" / "smollm2.yaml"
+        if not (REPO / "artifacts" / "smollm2" / "bench_chat_data").exists():
+            sys.exit("no SmolLM2 world: run `python data/smollm2.py` first")
+        args.also_eval = args.also_eval or str(REPO / "artifacts" / "smollm2" / "bench_code_data")
     else:
         cfg = REPO / "configs" / "toy.yaml"
         if not (REPO / "artifacts" / "toy" / "heldout_data").exists():
@@ -248,6 +298,9 @@ def main():
     def one(job):
         variant, seed = job
         records = run_variant(cfg, out, variant, seed, args, overrides)
+        if args.also_eval:
+            records[-1].update({f"{Path(args.also_eval).name}:{k}": v for k, v in
+                                replayed_on(out / variant / f"seed{seed}", args.also_eval, args.threads).items()})
         print(f"  {variant:10s} seed {seed}: step {records[-1]['step']} tau_dflash {records[-1]['tau_dflash']:.3f}",
               flush=True)
         return records
@@ -256,7 +309,9 @@ def main():
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         done = dict(zip(jobs, pool.map(one, jobs)))
     evals = {variant: {seed: done[variant, seed] for seed in seeds} for variant in variants}
-    metrics = ["tau_dflash"] + sorted(k for k in evals[variants[0]][seeds[0]][-1] if k.startswith("tau_ddtree@"))
+    last = evals[variants[0]][seeds[0]][-1]
+    metrics = ["tau_dflash"] + sorted(k for k in last if k.startswith("tau_ddtree@"))
+    metrics += sorted(k for k in last if ":tau_" in k)
     summary = summarise(evals, metrics)
     (out / "summary.json").write_text(json.dumps({"config": str(cfg), "steps": args.steps, "seeds": seeds,
                                                   "overrides": overrides, "summary": summary}, indent=1))

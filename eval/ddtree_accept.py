@@ -53,7 +53,7 @@ from drafter.infra.launch import LaunchError, init_distributed, launched_world_s
 from drafter.infra.progress import progress_bar
 from drafter.models import ARCHITECTURES, is_drafter_config, load_drafter
 from drafter.serving.decode import (SAMPLING, STAGES, Method, generate, speculative_methods, stop_token_ids,
-                            tree_verify_refusal)
+                                    tree_verify_refusal)
 from drafter.serving.lossless import BF16_TIE_TOLERANCE, first_divergence, lossless_verdict, near_tie_share
 from drafter.serving.public_loop import PublicAgreement, check_public, load_public
 from drafter.serving.served import PromptShare, replay_steps

@@ -9,8 +9,9 @@ from bench.gpu_check import ReplayDrafter
 from bench.tree_build import heapq_tree, topk_logprobs, trees_equal
 from conftest import make_drafter
 from drafter.serving import ddtree
-from drafter.serving.ddtree import (build_tree, build_tree_from_logprobs, committed_tokens, compiled_backend_available,
-                            fixed_point, follow_tree, teacher_forced_accept, tree_verify_inputs, tree_visibility)
+from drafter.serving.ddtree import (build_tree, build_tree_from_logprobs, committed_tokens,
+                                    compiled_backend_available, fixed_point, follow_tree, teacher_forced_accept,
+                                    tree_verify_inputs, tree_visibility)
 from drafter.serving.decode import generate, speculative_sample
 from drafter.target.cache import TargetCache
 from drafter.target.model import feature_tap

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from drafter.config import load_config
 from drafter.infra.memory_plan import (GiB, MemoryPlanError, check_fits, plan_inputs, plan_memory, size_text,
-                                 target_model_config)
+                                       target_model_config)
 from drafter.models import DFlashDraftModel, drafter_class
 from drafter.models.configure import drafter_config
 from drafter.target.model import random_qwen3

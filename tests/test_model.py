@@ -8,7 +8,7 @@ from conftest import MASK_ID, VARIANTS, make_drafter
 from drafter.config import ConfigError
 from drafter.config import DrafterVariant
 from drafter.models import (DFlash2DraftModel, DFlashDraftModel, DraftCache, LayerAttention, layer_attention,
-                           load_drafter)
+                            load_drafter)
 from drafter.models.configure import drafter_config
 from drafter.target.model import context_features, default_target_layer_ids, select_features
 

@@ -19,11 +19,9 @@ from drafter.serving import ddtree
 from drafter.serving.ddtree import build_tree, teacher_forced_accept
 from drafter.target.model import context_features, random_qwen3_config
 from drafter.training import objective
-from drafter.training.metrics import finalize_metrics
-from drafter.training.objective import (ATTENTION_KERNELS, attention_kernel,
-                               build_blocks, dense_block_mask, ddtree_accept_metric,
-                               drafter_hidden, rank_metrics,
-                               resolve_gamma, sample_anchors, sample_complete_blocks, training_step)
+from drafter.training.metrics import ddtree_accept_metric, finalize_metrics, rank_metrics, sample_complete_blocks
+from drafter.training.objective import (ATTENTION_KERNELS, attention_kernel, build_blocks, dense_block_mask,
+                                        drafter_hidden, resolve_gamma, sample_anchors, training_step)
 
 B = 8
 

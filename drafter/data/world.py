@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]  # drafter/data/world.py -> the repo
 
 Stage = tuple[Callable[[Path], None], str]  # (build out/..., the output that marks it done)
 

@@ -36,7 +36,7 @@ def chunk_rows_for(vocab_size: int, chunk_bytes: int = 256 * 2**20) -> int:
 
 
 def rows_per_chunk(labels: str, chunk_rows: int) -> int:
-    """Rows of one chunk of `ChunkedRowLoss`: a chunk of target labels holds both sides' logits, so
+    """Rows of one chunk of `ChunkedLMHeadLoss`: a chunk of target labels holds both sides' logits, so
     it takes half the rows."""
     return chunk_rows if labels == "data" else max(1, chunk_rows // 2)
 

@@ -21,11 +21,10 @@ from torch.nn.attention.flex_attention import _DEFAULT_SPARSE_BLOCK_SIZE, create
 
 from drafter.errors import ConfigError
 from drafter.losses import block_loss
-from drafter.losses.lm_head import chunk_rows_for, logit_softcap, top_logprobs
+from drafter.losses.lm_head import chunk_rows_for, logit_softcap
 from drafter.losses.weights import position_weights
 from drafter.models.layers import FlexMask, LayerAttention, compile_dynamic
-from drafter.serving.ddtree import build_tree_from_logprobs, teacher_forced_accept
-from drafter.training.metrics import sum_count
+from drafter.training.metrics import block_metrics
 
 if TYPE_CHECKING:
     from drafter.config import ObjectiveConfig
@@ -190,23 +189,12 @@ def training_step(drafter, target, features, input_ids, loss_mask, cfg: "Objecti
                                     cfg.anchor_candidates)
     blocks = build_blocks(input_ids, loss_mask, anchors, valid, drafter.block_size, drafter.mask_token_id, gamma)
     hidden = drafter_hidden(drafter, target, features, blocks, attention)
-
     # Every slot after the anchor is a row (unsupervised ones weigh 0): static shapes, no host sync.
-    b, num_blocks, block_size, width = hidden.shape
     head = target.get_output_embeddings().weight
     chunk_rows = chunk_rows_for(head.shape[0], cfg.chunk_bytes)
     loss, ranks = block_loss(hidden, head, blocks, final_hidden, cfg, chunk_rows, logit_softcap(target))
-
-    label_rank = torch.full_like(blocks.labels, torch.iinfo(torch.long).max)
-    label_rank[..., 1:] = ranks.view(b, num_blocks, block_size - 1)
-    metrics = rank_metrics(label_rank, blocks)
-    sampled, sampled_valid = sample_complete_blocks(blocks, cfg.ddtree_blocks, generator)
-    k = min(cfg.ddtree_budget, head.shape[0])
-    topk_logprobs, topk_ids = top_logprobs(
-        hidden.detach().reshape(-1, block_size, width)[sampled, 1:].reshape(-1, width), head, k, chunk_rows)
-    metrics[f"anchor_ddtree@{cfg.ddtree_budget}"] = ddtree_accept_metric(
-        topk_logprobs.view(len(sampled), block_size - 1, k), topk_ids.view(len(sampled), block_size - 1, k),
-        blocks.labels.view(-1, block_size)[sampled, 1:], cfg.ddtree_budget, sampled_valid)
+    metrics = block_metrics(hidden.detach(), head, blocks, ranks, cfg.ddtree_budget, cfg.ddtree_blocks, generator,
+                            chunk_rows)
     auxiliary = drafter.auxiliary_loss(hidden, blocks, head, chunk_rows)
     if auxiliary is not None:  # DFlash2's selector loss
         auxiliary_loss, auxiliary_metrics = auxiliary
@@ -214,59 +202,3 @@ def training_step(drafter, target, features, input_ids, loss_mask, cfg: "Objecti
         loss = loss + cfg.selector_alpha * auxiliary_loss
     metrics["loss"] = torch.stack([loss.detach(), loss.new_ones(())])
     return loss, metrics
-
-
-def sample_complete_blocks(blocks: Blocks, count: int, generator: torch.Generator):
-    """(index [n], valid [n]), n = min(count, number of blocks): flat indices of distinct blocks drawn
-    uniformly from those whose slots 1..B-1 are all supervised; `valid` is False where fewer than n
-    such blocks exist (those indices are other blocks). Static shapes: no host sync."""
-    complete = (blocks.weights[..., 1:] > 0).all(-1).view(-1)
-    scores = torch.rand(complete.shape, generator=generator, device=generator.device)
-    scores = scores.to(complete.device, non_blocking=True).masked_fill(~complete, -1.0)
-    top_scores, index = scores.topk(min(count, len(complete)))
-    return index, top_scores >= 0
-
-
-def rank_metrics(label_rank: torch.Tensor, blocks: Blocks) -> dict[str, torch.Tensor]:
-    """Teacher-forced metrics from each slot's label rank in the drafter's distribution.
-
-    acc / top4_acc / top8_acc: P(label is the drafter's top-1 / in its top-4 / top-8), over supervised
-        slots, overall and per block position (`acc_pos` etc. hold a [sum, count] row per slot 1..B-1).
-        Ranks order ties as argmax does (lower token id first), so a label tied with a lower id is a miss.
-    anchor_streak: mean over the step's random anchors of the tokens one greedy single-path verify
-        would commit there = 1 (bonus) + the number of leading slots whose label is the drafter's
-        top-1; blocks cut short by the sequence end count only their supervised slots. This is not
-        DFlash tau: serving visits one anchor every L tokens, so anchors inside long accepted runs
-        weigh L times less there (drafter/serving/served.py replays serving: tau_dflash).
-    anchor_top4_streak / anchor_top8_streak: the same where a slot counts as accepted if its label is
-        in the drafter's top-4 / top-8, an optimistic stand-in for a tree with 4 / 8 children everywhere.
-    """
-    supervised = blocks.weights[..., 1:] > 0
-    rank = label_rank[..., 1:]
-    metrics = {}
-    for name, k in (("acc", 1), ("top4_acc", 4), ("top8_acc", 8)):
-        hit = (rank < k) & supervised
-        metrics[name] = sum_count(hit, supervised)
-        metrics[f"{name}_pos"] = torch.stack([hit.float().sum((0, 1)), supervised.float().sum((0, 1))], 1)
-    for name, k in (("anchor_streak", 1), ("anchor_top4_streak", 4), ("anchor_top8_streak", 8)):
-        accepted = ((rank < k) & supervised).long().cumprod(-1).sum(-1)
-        metrics[name] = sum_count(accepted + 1, blocks.valid)
-    return metrics
-
-
-def ddtree_accept_metric(topk_logprobs, topk_ids, labels, budget: int,
-                         valid: torch.Tensor | None = None) -> torch.Tensor:
-    """anchor_ddtree@B: exact teacher-forced DDTree acceptance at budget B per random anchor, as
-    [sum, count].
-
-    For each sampled complete block, build the best-first tree of B nodes from the block's per-position
-    marginals (top-k per position suffices: no depth holds more than B nodes) and walk it along the
-    labels; the value is the tokens that verify would commit (accepted depth + 1 bonus). Averaged over
-    random anchors it overstates DDTree tau as `anchor_streak` overstates DFlash tau (see rank_metrics);
-    drafter/serving/served.py's tau_ddtree@B is the served figure. Blocks where `valid` [blocks] is False
-    count for nothing.
-    """
-    if labels.shape[0] == 0:
-        return topk_logprobs.new_zeros(2)
-    committed = teacher_forced_accept(build_tree_from_logprobs(topk_logprobs, topk_ids, budget), labels)
-    return sum_count(committed, torch.ones_like(committed, dtype=torch.bool) if valid is None else valid)
