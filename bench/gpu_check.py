@@ -421,8 +421,8 @@ class ReplayDrafter:
         self.block_size, self.mask_token_id = drafter.block_size, drafter.mask_token_id
         self.target_layer_ids, self.drafts_marginals = drafter.target_layer_ids, drafter.drafts_marginals
 
-    def draft_states(self, target, ctx_features, block_ids, cache):
-        hidden, logits = self.drafter.draft_states(target, ctx_features, block_ids, cache)
+    def draft_states(self, target, ctx_features, block_ids, cache, depth=None):
+        hidden, logits = self.drafter.draft_states(target, ctx_features, block_ids, cache, depth)
         start = cache.length
         proposal = torch.zeros_like(logits)
         for k in range(logits.shape[1]):

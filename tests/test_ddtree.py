@@ -344,3 +344,51 @@ def test_the_conditional_tree_is_the_best_b_prefixes_by_enumeration():
                     break
                 deepest = d
             assert int(accepted[i]) == deepest, (budget, i)
+
+
+@pytest.mark.parametrize("arch", ["dflash", "dflash2"])
+@pytest.mark.parametrize("kind", ["normal", "tied"])
+def test_a_budget_b_tree_needs_only_the_first_b_slots(target, arch, kind):
+    """ddtree@B drafts the LM head over min(B, L) slots only (`draft_states(depth=)`): no node of a
+    B-node tree is deeper than B, and the tree the drafter builds from those slots is the one all L
+    give, node for node (tokens, parents, depths, pop order), for DFlash's marginal tree (both
+    backends) and DFlash2's selector tree, with logits tied on purpose too."""
+    from conftest import VARIANTS
+    drafter = make_drafter(target, block_size=8, variant=VARIANTS["dflash2"] if arch == "dflash2" else
+                           VARIANTS["full"])
+    gen = torch.Generator().manual_seed(5)
+    blocks, slots = 24, drafter.block_size - 1
+    hidden = torch.randn(blocks, slots, target.config.hidden_size, generator=gen)
+    logits = torch.randn(blocks, slots, target.config.vocab_size, generator=gen) * 3
+    if kind == "tied":
+        logits = logits.round()  # many exact ties between tokens, slots and prefixes
+    roots = torch.randint(0, 250, (blocks,), generator=gen)
+    backends = (["tensor"] + ["compiled"] * compiled_backend_available()) if arch == "dflash" else ["auto"]
+    for budget in (1, 2, 3, 5, 6, 7, 9):
+        depth = min(budget, slots)
+        for backend in backends:
+            whole = drafter.block_trees(hidden, logits, roots, budget, backend)
+            cut = drafter.block_trees(hidden[:, :depth], logits[:, :depth], roots, budget, backend)
+            assert trees_equal(whole, cut), (arch, kind, budget, backend)
+            assert int(whole.depths.max()) <= depth
+
+
+def test_ddtree_decodes_the_same_with_the_lm_head_over_fewer_slots(trained, monkeypatch):
+    """The served ddtree@B with the LM head cut to B slots commits the same tokens, step for step, as
+    with the LM head over every slot (the drafter asked for all of them). The drafter is a trained one,
+    so that its trees reach their full depth."""
+    from drafter.models import DFlashDraftModel
+
+    def decode(budget):
+        return [generate(trained.target, p[None], 24, method="ddtree", drafter=trained.drafter, budget=budget)
+                for p in trained.prompts[:3]]
+
+    cut = {budget: decode(budget) for budget in (2, 3)}
+    whole_states = DFlashDraftModel.draft_states
+    monkeypatch.setattr(DFlashDraftModel, "draft_states",
+                        lambda self, t, c, b, cache, depth=None: whole_states(self, t, c, b, cache))
+    for budget, runs in cut.items():
+        whole = decode(budget)
+        assert [r.output_ids for r in runs] == [r.output_ids for r in whole]
+        assert [r.acceptance_lengths for r in runs] == [r.acceptance_lengths for r in whole]
+        assert max(max(r.acceptance_lengths) for r in runs) == budget + 1  # trees accepted to full depth

@@ -32,7 +32,7 @@ class ServedDrafter(Protocol):
     target_layer_ids: list[int]
     drafts_marginals: bool  # its chain is its marginals' argmax (what rejection sampling assumes)
 
-    def draft_states(self, target, ctx_features, block_ids, cache: DraftCache
+    def draft_states(self, target, ctx_features, block_ids, cache: DraftCache, depth: int | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def draft_chain(self, target, ctx_features, block_ids, cache: DraftCache) -> torch.Tensor: ...

@@ -132,10 +132,14 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         return hidden[:, 0]
 
     @torch.no_grad()
-    def draft_states(self, target, ctx_features, block_ids, cache: DraftCache):
-        """Inference: (states [b, B-1, H], fp32 logits [b, B-1, V]) of block positions 1..B-1
-        (arguments: `draft_hidden`), what `block_trees` builds a tree from."""
+    def draft_states(self, target, ctx_features, block_ids, cache: DraftCache, depth: int | None = None):
+        """Inference: (states [b, D, H], fp32 logits [b, D, V]) of block positions 1..D, D = `depth`
+        (None: all B-1), what `block_trees` builds a tree from (arguments: `draft_hidden`). The whole
+        block is drafted either way; only the LM head, the draft step's largest cost, skips the later
+        slots. A tree of N nodes is at most N deep, so ddtree@N asks for min(N, B-1) slots and gets
+        the tree all B-1 would give (`tests/test_ddtree.py`)."""
         hidden = self.draft_hidden(target, ctx_features, block_ids, cache)[:, 1:]
+        hidden = hidden if depth is None else hidden[:, :depth]
         return hidden, target.get_output_embeddings()(hidden.to(target.dtype)).float()
 
     @torch.no_grad()

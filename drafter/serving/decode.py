@@ -197,7 +197,8 @@ class _Steps:
     def ddtree(self, root: int, start: int, context):
         with self.timer("draft"):
             block = self.block(root, self.drafter.block_size)
-            hidden, logits = self.drafter.draft_states(self.target, context, block, self.draft_cache)
+            depth = min(self.budget, self.drafter.block_size - 1)  # no deeper node fits the budget
+            hidden, logits = self.drafter.draft_states(self.target, context, block, self.draft_cache, depth)
         with self.timer("tree_build"):  # the drafter's own tree: marginals, or a DFlash2 selector's scores
             tree = self.drafter.block_trees(hidden, logits, block[:, 0], self.budget, self.tree_backend)
             tree = DraftTree(tree.tokens[0], tree.parents[0], tree.depths[0], tree.depth_limit)
