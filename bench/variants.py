@@ -39,6 +39,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -179,13 +180,21 @@ def run_variant(cfg: Path, out: Path, variant: str, seed: int, args, overrides: 
     return eval_records(run)
 
 
+REPLAY_LOCK = threading.Lock()  # transformers' loading is not thread-safe (its meta-device context is global)
+
+
 def replayed_on(run: Path, data_path: str, threads: int) -> dict[str, float]:
     """Replayed tau (tau_dflash, tau_ddtree@B at the run's tau_budgets) of a run's final drafter on the
     prepared set at `data_path`, computed as the training eval computes it (drafter/serving/served.py);
-    cached in the run directory."""
+    cached in the run directory. One at a time: the runs' jobs are threads of this process."""
     cached = run / f"replayed_{Path(data_path).name}.json"
-    if cached.exists():
-        return json.loads(cached.read_text())
+    with REPLAY_LOCK:
+        if not cached.exists():
+            cached.write_text(json.dumps(replay(run, data_path, threads)))
+    return json.loads(cached.read_text())
+
+
+def replay(run: Path, data_path: str, threads: int) -> dict[str, float]:
     import datasets
     import torch
     from omegaconf import OmegaConf
@@ -209,9 +218,7 @@ def replayed_on(run: Path, data_path: str, threads: int) -> dict[str, float]:
             for k, v in replayed_tau(drafter, target, features, batch["input_ids"], batch["loss_mask"],
                                      list(config.train.tau_budgets), "dense").items():
                 summed[k] = summed.get(k, 0) + v.double()
-    result = finalize_metrics(summed)
-    cached.write_text(json.dumps(result))
-    return result
+    return finalize_metrics(summed)
 
 
 def mean_and_se(values: list[float]) -> tuple[float, float]:
