@@ -392,7 +392,8 @@ def check_ddtree_step_syncs(target, drafter, device, run) -> dict:
             with host_syncs(device, forbid=True):
                 block = torch.full((1, drafter.block_size), drafter.mask_token_id, device=device)
                 block[0, 0] = root
-                logits = drafter.draft_logits(target, context, block, draft_cache)[0]
+                depth = min(run["budget"], drafter.block_size - 1)  # as decode's ddtree step drafts
+                logits = drafter.draft_states(target, context, block, draft_cache, depth)[1][0]
                 tree = build_tree(logits, run["budget"], "tensor")
                 input_ids, position_ids, visible = tree_verify_inputs(tree, block[0, 0], start)
                 mask = cache.tree_attention_mask(visible, position_ids[0] - start, start, target.dtype)

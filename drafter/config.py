@@ -14,7 +14,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from drafter.errors import ConfigError
 from drafter.infra.engine import ENGINES, OPTIMIZERS
-from drafter.losses import LABELS, LOSSES, NORMALIZATIONS, POSITION_WEIGHTS, TRUNCATIONS
+from drafter.losses import BLOCK_LOSSES, DIVERGENCES, LABELS, NORMALIZATIONS, POSITION_WEIGHTS, TRUNCATIONS
 from drafter.models import ARCHITECTURES
 from drafter.training.objective import ANCHOR_CANDIDATES, ATTENTION_KERNELS, resolve_gamma
 
@@ -250,19 +250,21 @@ def load_config(path: str, overrides: list[str] = ()) -> DictConfig:
 
 
 DTYPE_ALIASES = {"auto": "auto", "bf16": "bf16", "bfloat16": "bf16", "fp32": "fp32", "float32": "fp32"}
-CHOICES = {  # each from the registry that implements the choice
-    "objective.attention": ("auto", *ATTENTION_KERNELS),
-    "objective.labels": LABELS,
-    "objective.loss": LOSSES,
-    "objective.position_weights": tuple(POSITION_WEIGHTS),
-    "objective.truncate": tuple(TRUNCATIONS),
-    "objective.normalize": tuple(NORMALIZATIONS),
-    "objective.anchor_candidates": ANCHOR_CANDIDATES,
-    "train.engine": ENGINES,
-    "optim.name": OPTIMIZERS,
-    "wandb.mode": (None, "online", "offline", "disabled"),
-}
-POSITIVE = ("target.tp_size", "drafter.num_layers", "objective.num_anchors", "objective.ddtree_budget", "optim.grad_accum",
+def choices() -> dict[str, tuple]:
+    """Each key's allowed values, read from the registry that implements them when a config is
+    checked (so that a part registered at run time, as a test registers an architecture, is accepted)."""
+    return {"objective.attention": ("auto", *ATTENTION_KERNELS),
+            "objective.labels": LABELS,
+            "objective.loss": (*DIVERGENCES, *BLOCK_LOSSES),
+            "objective.position_weights": tuple(POSITION_WEIGHTS),
+            "objective.truncate": tuple(TRUNCATIONS),
+            "objective.normalize": tuple(NORMALIZATIONS),
+            "objective.anchor_candidates": ANCHOR_CANDIDATES,
+            "train.engine": ENGINES,
+            "optim.name": OPTIMIZERS,
+            "wandb.mode": (None, "online", "offline", "disabled")}
+POSITIVE = ("target.tp_size", "drafter.num_layers", "objective.num_anchors", "objective.ddtree_budget",
+            "objective.chunk_bytes", "optim.grad_accum",
             "data.max_length", "data.num_buckets", "data.tokens_per_batch", "data.max_run",
             "data.prefetch_factor", "train.epochs", "train.log_every", "train.save_every",
             "train.eval_every", "train.eval_batches", "train.keep_last", "train.max_bad_steps",
@@ -285,9 +287,9 @@ def validate(cfg) -> list[str]:
         problems.append(f"target.dtype={cfg.target.dtype!r} is not one of auto, bf16 (bfloat16), fp32 (float32)")
     else:
         cfg.target.dtype = dtype
-    for key, choices in CHOICES.items():
-        if get(key) not in choices:
-            names = ", ".join("null" if c is None else c for c in choices)
+    for key, allowed in choices().items():
+        if get(key) not in allowed:
+            names = ", ".join("null" if c is None else c for c in allowed)
             problems.append(f"{key}={get(key)!r} is not one of {names}")
     for key in POSITIVE + POSITIVE_OR_NULL:
         value = get(key)

@@ -120,3 +120,18 @@ def test_speculative_methods_list_dflash_then_each_tree_budget():
     assert [str(m) for m in speculative_methods([16, 32])] == ["dflash", "ddtree@16", "ddtree@32"]
     with pytest.raises(ValueError, match="tree budgets must be >= 1"):
         speculative_methods([0])
+
+
+def test_a_loss_part_registered_at_run_time_is_a_config_choice(monkeypatch, tmp_path):
+    """The config's allowed values are read from the registries when a config is checked: a position
+    weight registered by a user's code is accepted (and trains), an unknown one is refused by name."""
+    from drafter import losses
+    from drafter.config import ConfigError, load_config
+    yaml = tmp_path / "run.yaml"
+    yaml.write_text("data: {path: /x}\ntarget: {path: /t}\n")
+    with pytest.raises(ConfigError, match="objective.position_weights='flat' is not one of exp, dpace, tree"):
+        load_config(str(yaml), ["objective.position_weights=flat"])
+    monkeypatch.setitem(losses.POSITION_WEIGHTS, "flat", lambda rows, cfg: rows.supervised.float())
+    assert load_config(str(yaml), ["objective.position_weights=flat"]).objective.position_weights == "flat"
+    with pytest.raises(ConfigError, match="objective.chunk_bytes=0 must be > 0"):
+        load_config(str(yaml), ["objective.chunk_bytes=0"])

@@ -29,6 +29,8 @@ def test_a_state_round_trips_and_names_its_format(tmp_path):
 
 def test_an_unversioned_state_of_the_earlier_trainers_still_reads(tmp_path):
     assert TrainerState.read(write(tmp_path, UNVERSIONED)) == TrainerState(**UNVERSIONED)
+    named = {"format": TRAINER_STATE_FORMAT, "version": 1, **UNVERSIONED}  # version 1 said in so many words
+    assert TrainerState.read(write(tmp_path, named)) == TrainerState(**UNVERSIONED)
 
 
 @pytest.mark.parametrize("written_as, match", [

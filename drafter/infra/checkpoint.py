@@ -92,7 +92,7 @@ class TrainerState:
             raise ResumeError(f"{path}: not a trainer state (a JSON object)")
         written_as = (saved.pop("format", None), saved.pop("version", None))
         known = written_as == (None, None) or (written_as[0] == TRAINER_STATE_FORMAT and written_as[1] in
-                                               range(2, TRAINER_STATE_VERSION + 1))
+                                               range(1, TRAINER_STATE_VERSION + 1))
         if not known:
             raise ResumeError(f"{path}: trainer state written as {written_as[0]!r} version {written_as[1]!r}; this "
                               f"trainer reads {TRAINER_STATE_FORMAT} versions 1-{TRAINER_STATE_VERSION} "
@@ -167,7 +167,14 @@ def agree_on_checkpoint(resume: str, out_dir: str) -> tuple[Path | None, dict | 
             + (f"missing {', '.join(missing)}. " if missing else "another rank cannot see its files. ")
             + "run.out_dir must be on a filesystem every node shares (and the world size the one saved).",
             per_rank=True)
-    return path, TrainerState.read(path / "trainer_state.json")
+    try:
+        state, problem = TrainerState.read(path / "trainer_state.json"), None
+    except ResumeError as error:
+        state, problem = None, str(error)
+    if not every_rank(problem is None):  # a rank that cannot read it must not leave the others waiting
+        raise ResumeError(problem or f"rank {dist.get_rank()}: another rank cannot read {path}/trainer_state.json",
+                          per_rank=True)
+    return path, state
 
 
 def check_resumable(saved: "TrainerState", identity: dict, data_position: dict, resume: str, path: Path) -> list[str]:

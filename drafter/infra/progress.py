@@ -12,7 +12,6 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 
-import torch
 from tqdm import tqdm
 
 TERMINAL_INTERVAL, LOG_INTERVAL = 1.0, 30.0  # seconds between redraws
@@ -30,7 +29,7 @@ class StageTimer:
     asynchronous: with `synchronize` the device is synchronised around each stage, so the time is
     the stage's own. `enabled=False` times nothing (where a synchronisation would cost too much)."""
 
-    def __init__(self, device: torch.device, synchronize: bool = False, enabled: bool = True):
+    def __init__(self, device, synchronize: bool = False, enabled: bool = True):
         self.synchronize = synchronize and device.type == "cuda"
         self.enabled = enabled
         self.seconds: dict[str, float] = defaultdict(float)
@@ -41,9 +40,14 @@ class StageTimer:
             yield
             return
         if self.synchronize:
-            torch.cuda.synchronize()
+            _cuda_synchronize()
         start = time.perf_counter()
         yield
         if self.synchronize:
-            torch.cuda.synchronize()
+            _cuda_synchronize()
         self.seconds[stage] += time.perf_counter() - start
+
+
+def _cuda_synchronize():
+    import torch  # only where a GPU is timed: the server-only jobs of data/regenerate.py never load torch
+    torch.cuda.synchronize()

@@ -33,6 +33,8 @@ from drafter.losses.lm_head import (ChunkedLMHeadLoss, RowLossSpec, chunk_peak_b
                                     weighted_data_ce)
 from drafter.losses.weights import dpace_weights, tree_accepted_depth, tree_weights, up_to_first_failure
 
+__all__ = ["BLOCK_LOSSES", "DIVERGENCES", "LABELS", "NORMALIZATIONS", "POSITION_WEIGHTS", "TRUNCATIONS", "SlotRows",
+           "block_loss", "loss_chunk_peak_bytes", "one_pass_loss", "row_loss_spec"]
 LABELS = ("data", "target")
 
 
@@ -71,7 +73,6 @@ def tree(rows: SlotRows, cfg) -> torch.Tensor:
 
 # name -> (SlotRows, cfg) -> the slots' losses [N, L], weighted by 1 on every supervised slot
 BLOCK_LOSSES: dict[str, Callable] = {"expected_chain": expected_chain, "expected_tree": expected_tree}
-LOSSES = (*DIVERGENCES, *BLOCK_LOSSES)
 # name -> (SlotRows, cfg) -> weights [N, L]
 POSITION_WEIGHTS: dict[str, Callable] = {"exp": lambda rows, cfg: rows.weights, "dpace": dpace, "tree": tree}
 # name -> SlotRows -> a mask to multiply the weights by, or None

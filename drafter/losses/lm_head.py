@@ -80,7 +80,8 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
         the lower id): rank 0 means argmax returns the label;
       hard_labels: the data token, or the target's argmax with target labels;
       hard_logprob: the drafter's log-probability of that hard label;
-      drafter_argmax: the token serving drafts there.
+      drafter_argmax: the token serving drafts there (these two without row_weights only: the folded
+        default needs neither and leaves them unset).
     The gradient d loss_r / d hidden_r = (d loss_r / d logits_r) @ W is kept from the forward pass
     (scaled by w_r / sum w when the weights are given); backward scales it by the incoming gradient.
     The chunks are fixed by the shapes alone: no host synchronisation.
@@ -106,14 +107,16 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
             chunk = slice(start, start + chunk_rows)
             logits = (hidden[chunk] @ head_weight.T).float()
             ranks[chunk] = label_rank(logits, data_labels[chunk])
-            drafter_argmax[chunk] = logits.argmax(-1)
+            if not folded:  # what the weights and the cut of the other objectives are computed from
+                drafter_argmax[chunk] = logits.argmax(-1)
             log_q = drafter_logprobs(logits, folded)
             del logits
             if spec.labels == "target":
                 log_t = teacher_logits(teacher_hidden[chunk], head_weight, spec.softcap).log_softmax(-1)
                 hard_labels[chunk] = log_t.argmax(-1)
             hard = hard_labels[chunk, None]
-            hard_logprob[chunk] = log_q.gather(1, hard)[:, 0]
+            if not folded:
+                hard_logprob[chunk] = log_q.gather(1, hard)[:, 0]
             row_loss, direction = divergence.rows(log_q, log_t, hard, spec, need_grad)
             if folded:
                 w = row_weights[chunk].float()

@@ -240,7 +240,7 @@ class DecodeSettings:
 
 
 class TreeVerifyUnsupported(TargetError):
-    """DDTree cannot verify a tree exactly on this target (see target_cache.TargetCache.tree_refusal)."""
+    """DDTree cannot verify a tree exactly on this target (see drafter.target.cache.TargetCache.tree_refusal)."""
 
 
 def tree_verify_refusal(target) -> str | None:

@@ -6,7 +6,7 @@ One training forward over a right-padded batch [b, T]:
      (same-position labels; slot 0 gets no loss);
   3. run all blocks of the batch in one drafter forward under the block mask: a block sees the context
      strictly before its anchor, its own block bidirectionally, nothing else (a sliding or causal
-     layer, `model.LayerAttention`, sees less of both);
+     layer, `models.layers.LayerAttention`, sees less of both);
   4. loss = sum_k w_k CE_k / sum_k w_k with w_k = exp(-(k-1)/gamma), computed in row chunks so the
      full anchors x block x vocab logits never exist at once (drafter/losses/: the target's labels, KL
      and TV, prediction-dependent weights, the first-failure cut, the expected accepted lengths of a
