@@ -64,17 +64,22 @@ def architecture(name: str) -> type[DFlashDraftModel]:
     return ARCHITECTURES[name]
 
 
+def export_classes() -> dict[str, type[DFlashDraftModel]]:
+    """The registered classes by their export name (config.json's `architectures`), read live."""
+    return {cls.__name__: cls for cls in ARCHITECTURES.values()}
+
+
 def drafter_class(config: Qwen3Config) -> type[DFlashDraftModel]:
     """The class a drafter config is for, by its `architectures` (as the serving stacks pick it);
     a config that names none of ours is DFlash, as `dflash` 0.1.0 reads it."""
-    by_export_name = {cls.__name__: cls for cls in ARCHITECTURES.values()}
+    by_export_name = export_classes()
     named = [by_export_name[name] for name in (config.architectures or []) if name in by_export_name]
     return named[0] if named else DFlashDraftModel
 
 
 def is_drafter_config(config_dict: dict) -> bool:
     """Whether an exported config.json (as a dict) is one of our architectures'."""
-    return bool({cls.__name__ for cls in ARCHITECTURES.values()} & set(config_dict.get("architectures") or []))
+    return bool(export_classes().keys() & set(config_dict.get("architectures") or []))
 
 
 def load_drafter(directory, **kwargs) -> DFlashDraftModel:
