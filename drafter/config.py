@@ -123,6 +123,7 @@ class ObjectiveConfig:
                                    # (their own slot weighting: position_weights stays exp, gamma unused)
     tv_ce_weight: float = 0.1      # loss=tv: w of w CE + (1 - w) TV (DSpark's 0.1)
     tree_temperature: float = 1.0  # loss=expected_tree: surrogate temperature in nats (budget: ddtree_budget)
+    block_ce_weight: float = 0.1   # loss=expected_*: + w x CE under exp weights (0: the block loss alone)
     position_weights: str = "exp"  # exp: exp(-(k-1)/gamma) | dpace | tree (drafter/losses/weights.py)
     weight_smoothing: float = 0.5  # a of the dpace and tree weights
     truncate: str = "none"         # none | first_failure: a block's slots after its first argmax miss weigh 0
@@ -271,7 +272,8 @@ POSITIVE = ("target.tp_size", "drafter.num_layers", "objective.num_anchors", "ob
             "train.generate_max_prompts", "train.generate_max_new_tokens")
 POSITIVE_OR_NULL = ("objective.anchors_per_batch", "objective.gamma", "train.max_steps", "train.schedule_steps",
                     "train.threads_per_rank")
-NON_NEGATIVE = ("run.seed", "objective.ddtree_blocks", "objective.selector_alpha", "optim.weight_decay", "optim.grad_clip", "train.generate_every",
+NON_NEGATIVE = ("run.seed", "objective.ddtree_blocks", "objective.selector_alpha", "objective.block_ce_weight",
+                "optim.weight_decay", "optim.grad_clip", "train.generate_every",
                 "noise.start", "noise.end", "noise.warmup_steps", "data.num_workers", "data.seed")
 FRACTIONS = ("optim.warmup_ratio", "optim.min_lr_ratio", "objective.weight_smoothing",
              "objective.tv_ce_weight")  # in [0, 1]

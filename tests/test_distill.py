@@ -426,8 +426,10 @@ BLOCK_OBJECTIVES = {"first-failure": dict(truncate="first_failure"),
                     "target-tv-first-failure": dict(labels="target", loss="tv", truncate="first_failure"),
                     "count": dict(normalize="count"),
                     "expected-chain": dict(loss="expected_chain"),
+                    "expected-chain-alone": dict(loss="expected_chain", block_ce_weight=0.0),
                     "expected-chain-count": dict(loss="expected_chain", normalize="count", truncate="first_failure"),
-                    "expected-tree": dict(loss="expected_tree", ddtree_budget=24, tree_temperature=0.5)}
+                    "expected-tree": dict(loss="expected_tree", ddtree_budget=24, tree_temperature=0.5,
+                                          block_ce_weight=0.7)}
 
 
 @pytest.mark.parametrize("variant", list(BLOCK_OBJECTIVES))
@@ -435,8 +437,9 @@ def test_cut_normaliser_and_block_losses_match_the_full_logits(trained, variant)
     """training_step (chunked rows, 10 a chunk) of a drafter that has learned something (its chains
     and trees accept a few slots) against the dense logits of the same blocks: the first-failure cut
     from their argmax, the supervised count, the expected chain length as products of label
-    probabilities, the tree surrogate on the dense label log-probabilities; the losses and gradients
-    agree, so nothing past the cut and no threshold carries gradient."""
+    probabilities, the tree surrogate on the dense label log-probabilities, each block loss plus
+    block_ce_weight x the exp-weighted CE; the losses and gradients agree, so nothing past the cut
+    and no threshold carries gradient."""
     objective = BLOCK_OBJECTIVES[variant]
     target, drafter = trained.target, copy.deepcopy(trained.drafter).requires_grad_(True)
     ids = trained.sequences
@@ -469,14 +472,20 @@ def test_cut_normaliser_and_block_losses_match_the_full_logits(trained, variant)
         weights = supervised.float()
     else:
         rows = -label_logprob
+    keep = torch.ones_like(supervised)
     if cfg.truncate == "first_failure":
         hit = (log_q.argmax(-1) == labels).long()
         first_miss = torch.where(hit.min(-1).values.bool(), B - 1, (1 - hit).argmax(-1))  # index of the first miss
         keep = torch.arange(B - 1)[None] <= first_miss[:, None]
         assert not keep.all() and keep[:, 1:].any()  # cuts, some after a hit
+
+    def mean(rows, weights):
         weights = weights * keep
-    denominator = weights.sum() if cfg.normalize == "weights" else supervised.sum()
-    expected = (rows * weights).sum() / denominator
+        return (rows * weights).sum() / (weights.sum() if cfg.normalize == "weights" else supervised.sum())
+
+    expected = mean(rows, weights)
+    if cfg.loss.startswith("expected_"):
+        expected = expected + cfg.block_ce_weight * mean(-label_logprob, blocks.weights[..., 1:].reshape(-1, B - 1))
     torch.testing.assert_close(step_loss, expected, rtol=1e-5, atol=1e-6)
     for got, want in zip(step_grads, torch.autograd.grad(expected, list(drafter.parameters()))):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)

@@ -13,7 +13,9 @@ registered parts, each chosen by name:
 The batch loss is sum_r w_r loss_r / (sum_r w_r, or the number of supervised rows), the weights
 carrying no gradient. A block loss spreads minus the block's expected accepted length over its slots
 as minus the chance that the verify accepts through each one, so it is normalised as the row losses
-are: the loss is minus the expected fraction of the supervised slots accepted, in [-1, 0].
+are: the loss is minus the expected fraction of the supervised slots accepted, in [-1, 0]. Its
+gradient is a product of the slots' label probabilities, ~(1/V)^k from a random start, so
+`block_ce_weight` x the default objective (data-or-target CE under exp weights) is added to it.
 
 `lm_head.ChunkedLMHeadLoss` computes every row's loss and its gradient w.r.t. the drafter's hidden
 state in the forward pass, a chunk of rows at a time, from the hidden states (the drafter's and the
@@ -122,13 +124,18 @@ def block_loss(hidden, head, blocks, final_hidden, cfg, chunk_rows: int, softcap
     rows = SlotRows(row_loss.view(shape), fixed.view(shape), fixed.view(shape) > 0, hard_labels.view(shape),
                     hard_logprob.view(shape), drafter_argmax.view(shape),
                     hidden.detach()[:, :, 1:].reshape(-1, block_size - 1, width), head, chunk_rows)
-    if cfg.loss in BLOCK_LOSSES:
-        slot_loss, weights = BLOCK_LOSSES[cfg.loss](rows, cfg), rows.supervised.float()
-    else:
-        slot_loss, weights = rows.loss, POSITION_WEIGHTS[cfg.position_weights](rows, cfg)
     cut = TRUNCATIONS[cfg.truncate](rows)
+    if cfg.loss not in BLOCK_LOSSES:
+        return weighted_mean(rows.loss, POSITION_WEIGHTS[cfg.position_weights](rows, cfg), cut, rows, cfg), ranks
+    loss = weighted_mean(BLOCK_LOSSES[cfg.loss](rows, cfg), rows.supervised.float(), cut, rows, cfg)
+    if cfg.block_ce_weight > 0:  # from a random start a block loss's gradient is ~0: CE gets it going
+        loss = loss + cfg.block_ce_weight * weighted_mean(rows.loss, rows.weights, cut, rows, cfg)
+    return loss, ranks
+
+
+def weighted_mean(slot_loss: torch.Tensor, weights: torch.Tensor, cut, rows: SlotRows, cfg) -> torch.Tensor:
+    """sum w l / the normaliser, over the slots the cut keeps (`cut`: a mask, or None)."""
     if cut is not None:
         weights = weights * cut
-    weights = weights.reshape(-1)
     denominator = NORMALIZATIONS[cfg.normalize](weights, rows.supervised)
-    return (slot_loss.reshape(-1) * weights).sum() / denominator.clamp_min(1e-12), ranks
+    return (slot_loss * weights).sum() / denominator.clamp_min(1e-12)
