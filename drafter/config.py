@@ -298,8 +298,11 @@ def validate(cfg) -> list[str]:
         if (value is not None or key in POSITIVE) and not (value is not None and value > 0):
             problems.append(f"{key}={value!r} must be > 0" + (" (or null)" if key in POSITIVE_OR_NULL else ""))
     for key in NON_NEGATIVE:
-        if get(key) < 0:
+        if not get(key) >= 0:  # NaN too
             problems.append(f"{key}={get(key)!r} must be >= 0")
+    for key in ("objective.selector_alpha", "objective.block_ce_weight"):
+        if get(key) == math.inf:
+            problems.append(f"{key}=inf must be finite (a loss term's weight)")
     for key in FRACTIONS:
         if not 0 <= get(key) <= 1:
             problems.append(f"{key}={get(key)!r} must be in [0, 1]")

@@ -254,8 +254,8 @@ def test_the_objective_keys_define_the_run():
     from drafter.infra.checkpoint import run_identity
     identity = run_identity(load_config(str(REPO / "configs" / "v3.yaml"), ["data.path=/x"]))
     for key in ("objective.labels", "objective.loss", "objective.position_weights", "objective.weight_smoothing",
-                "objective.tv_ce_weight", "objective.tree_temperature", "objective.truncate", "objective.normalize",
-                "objective.anchor_candidates"):
+                "objective.tv_ce_weight", "objective.tree_temperature", "objective.block_ce_weight",
+                "objective.truncate", "objective.normalize", "objective.anchor_candidates"):
         assert key in identity, key
 
 
