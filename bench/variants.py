@@ -22,7 +22,8 @@ forcing, equal to served tau at T=0 when the eval answers are the target's own) 
 run's eval records; on the toy world the eval set is `artifacts/toy/heldout_data`, 512 held-out
 prompts with the target's greedy answers (the 32 bench answers of the training config leave a seed
 spread larger than the differences between variants). Prints, per variant, the mean and standard
-error over seeds of tau_dflash and tau_ddtree@B at the last eval, and writes OUT/summary.json and
+error over seeds of tau_dflash, tau_ddtree@B and the held-out slot accuracy (acc) at the last eval,
+then each variant minus the default paired by seed, and writes OUT/summary.json and
 OUT/tau_vs_steps.png (mean +- standard error against steps).
 
 `--world smollm2` trains on the SmolLM2-135M-Instruct world (configs/smollm2.yaml): the replayed tau
@@ -273,7 +274,7 @@ def plot(summary: dict, metrics: list[str], path: Path) -> None:
             ax.plot(curve["steps"], mean, marker="o", label=variant)
             ax.fill_between(curve["steps"], mean - se, mean + se, alpha=0.2)
         ax.set_xlabel("optimizer step")
-        ax.set_ylabel(f"replayed {metric}")
+        ax.set_ylabel("held-out slot accuracy" if metric == "acc" else f"replayed {metric}")
         ax.grid(alpha=0.3)
     np.atleast_1d(axes)[0].legend()
     fig.tight_layout()
