@@ -45,13 +45,13 @@ demo-real: $(STAMP)
 	$(PY) eval/plot_run.py runs/smollm2
 
 # The real world's longer recipe: the same config on 4x the answers (1,024 training prompts, its own
-# world directory) for 400 steps, evaluated as demo-real is (docs/results.md gives its time).
+# world directory) for 240 steps (2x the demo's), evaluated as demo-real is (docs/results.md gives its time).
 REAL_LONG := artifacts/smollm2_long
 demo-real-long: $(STAMP)
 	$(PY) data/smollm2.py --out $(REAL_LONG) --train-prompts 1024
-	.venv/bin/deepspeed --num_gpus 2 train.py --cfg configs/smollm2.yaml run.out_dir=runs/smollm2_long \
+	.venv/bin/deepspeed --num_gpus 2 train.py --cfg configs/smollm2.yaml run.out_dir=runs/smollm2_long target.path=$(REAL_LONG)/target \
 		data.path=$(REAL_LONG)/train_data data.eval_path=$(REAL_LONG)/bench_chat_data \
-		train.generate_prompts=$(REAL_LONG)/bench_chat.jsonl train.max_steps=400 train.save_every=100 train.eval_every=100
+		train.generate_prompts=$(REAL_LONG)/bench_chat.jsonl train.max_steps=240 train.save_every=120 train.eval_every=120
 	.venv/bin/torchrun --nproc_per_node 2 eval/ddtree_accept.py --ckpt runs/smollm2_long/checkpoints/latest \
 		--bench $(REAL_LONG)/bench_chat.jsonl,$(REAL_LONG)/bench_code.jsonl --max-samples 8 \
 		--budgets 8,16,32,64 --max-new-tokens 96 --save-samples --out runs/smollm2_long/eval.json
