@@ -5,6 +5,7 @@ distillation's tensors by hand from their shapes; the loss chunk's logits agains
 memory of the loss actually run; the fit check names the changes that would fit."""
 import ctypes
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -200,3 +201,10 @@ def test_data_plan_refuses_what_train_py_refuses_by_name(capsys):
         main(["--cfg", str(REPO / "configs" / "v3.yaml"), "--gpu-memory", "80GB", "--memory-only", "target.path=null",
               "optim.name=muon"])
     assert "optim.name=muon is not supported under train.engine=deepspeed" in capsys.readouterr().err
+
+
+def test_a_missing_local_target_directory_is_named_as_one_not_as_a_malformed_hub_id(tmp_path):
+    from drafter.errors import ConfigError
+    for path in [str(tmp_path / "world" / "target"), "artifacts/no_world/target", "./target"]:
+        with pytest.raises(ConfigError, match=rf"target.path={re.escape(path)}: no such directory$"):
+            target_model_config(path, None)
