@@ -47,6 +47,7 @@ import datasets
 import numpy as np
 
 from drafter.data import chat
+from drafter.errors import missing_local_path
 
 RAW_FEATURES = datasets.Features({
     "messages": datasets.Value("string"),  # JSON: tool-call arguments have no fixed schema
@@ -96,7 +97,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="drop rows with an answer whose tail repeats a short n-gram (default: keep, counted)")
     parser.add_argument("--num-proc", type=int, default=min(8, os.cpu_count() or 1))
     parser.add_argument("--cache-dir", default=None, help="datasets cache (default: the HF cache)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if missing_local_path(args.target):
+        parser.error(f"--target {args.target}: no such directory")
+    return args
 
 
 def conversation_rows(inputs: list[str]):

@@ -49,6 +49,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from drafter.data.benchmarks import load_prompts
 from drafter.data.chat import prompt_token_ids
+from drafter.errors import missing_local_path
 from drafter.infra.launch import LaunchError, init_distributed, launched_world_size, local_device
 from drafter.infra.progress import progress_bar
 from drafter.models import ARCHITECTURES, is_drafter_config, load_drafter
@@ -98,7 +99,10 @@ def parse_args(argv=None):
                         help="also decode the first N prompts of each benchmark with the public dflash 0.1.0 "
                              "loop and compare it with ours step by step (module docstring)")
     args = parser.parse_args(argv)
-    args.budgets = [int(b) for b in args.budgets.split(",") if b]
+    try:
+        args.budgets = [int(b) for b in args.budgets.split(",") if b]
+    except ValueError:
+        parser.error(f"--budgets {args.budgets!r}: comma-separated positive integers, e.g. 16,32,64")
     if any(b < 1 for b in args.budgets):
         parser.error("--budgets must be positive integers")
     if args.max_samples is not None and args.max_samples < 1:
@@ -129,7 +133,11 @@ def target_path_of(args) -> str:
     recorded = json.loads((directory / "config.json").read_text()).get("dflash_config", {}).get("target_path")
     if not (args.target or recorded):
         raise ValueError(f"{directory}/config.json records no dflash_config.target_path: pass --target")
-    return args.target or recorded
+    path = args.target or recorded
+    if missing_local_path(path):
+        where = "--target" if args.target else f"the target path {directory}/config.json records,"
+        raise FileNotFoundError(f"{where} {path}: no such directory" + ("" if args.target else " (pass --target)"))
+    return path
 
 
 def tensor_parallel_group(args, target_path: str, world: int, device: torch.device):
@@ -137,7 +145,7 @@ def tensor_parallel_group(args, target_path: str, world: int, device: torch.devi
     try:
         check_tensor_parallel(AutoConfig.from_pretrained(target_path), args.tp,
                               int(os.environ.get("LOCAL_WORLD_SIZE", world)), world, key="--tp")
-    except TensorParallelError as error:
+    except (TensorParallelError, OSError, ValueError) as error:  # also a hub id that cannot be fetched
         raise SystemExit(f"error: {error}") from None
     return form_tp_group(args.tp, backend="nccl" if device.type == "cuda" else None)
 
@@ -489,20 +497,29 @@ def save_plots(results: dict, out: Path) -> list[Path]:
     return [histogram, budget_plot]
 
 
+def load_prompt_sets(bench: str, max_samples: int | None) -> dict[str, list]:
+    """--bench's prompt sets by name (a ValueError names the entry, file and row that cannot be read)."""
+    prompt_sets = {}
+    for spec in filter(None, bench.split(",")):
+        name, prompts = load_prompts(spec, max_samples)
+        if name in prompt_sets:
+            raise ValueError(f"--bench: two entries are named {name!r}; rename a file")
+        prompt_sets[name] = prompts
+    return prompt_sets
+
+
 def main(argv=None) -> dict | None:
     args = parse_args(argv)
     rank, world, device = setup_distributed(args.gather_timeout)
-    target_path = target_path_of(args)
+    try:  # what the flags name, checked before any model loads
+        target_path = target_path_of(args)
+        prompt_sets = load_prompt_sets(args.bench, args.max_samples)
+    except (FileNotFoundError, ValueError) as error:
+        raise SystemExit(f"error: {error}") from None
     tp_group = tensor_parallel_group(args, target_path, world, device)
     share = PromptShare.of(tp_group, world)  # the groups split the prompts, as generation in training does
     torch.manual_seed(args.seed + share.index)  # a group's members sample alike, in lockstep
     evaluator = Evaluator(args, device, target_path, tp_group)
-    prompt_sets = {}
-    for spec in filter(None, args.bench.split(",")):
-        name, prompts = load_prompts(spec, args.max_samples)
-        if name in prompt_sets:
-            raise ValueError(f"--bench: two entries are named {name!r}; rename a file")
-        prompt_sets[name] = prompts
     records = {}
     for name, prompts in prompt_sets.items():
         if rank == 0:

@@ -280,3 +280,37 @@ def test_two_ranks_gather_the_same_report_and_so_does_a_tp2_target(checkpoint, t
             assert [(s["source"], s["turn"], s["output_ids"], s["acceptance_lengths"]) for s in theirs["samples"]] == [
                 (s["source"], s["turn"], s["output_ids"], s["acceptance_lengths"]) for s in summary["samples"]]
             assert theirs["lossless"] == "yes" and theirs["tau"] == summary["tau"]
+
+
+def test_flags_that_cannot_work_stop_eval_with_one_line_before_any_model_loads(checkpoint, tmp_path, capsys):
+    ckpt = str(checkpoint / "ckpt")
+    moved = make_drafter(random_qwen3(vocab_size=384, seed=3), block_size=4, target_path=str(tmp_path / "gone" / "t"))
+    moved.save_pretrained(tmp_path / "moved")
+    cases = [(["--ckpt", str(tmp_path / "nowhere")], "no DFlashDraftModel or DFlash2DraftModel config.json"),
+             (["--ckpt", str(tmp_path / "moved")], f"records, {tmp_path}/gone/t: no such directory (pass --target)"),
+             (["--ckpt", ckpt, "--target", "./no/target"], "--target ./no/target: no such directory"),
+             (["--ckpt", ckpt, "--bench", str(tmp_path / "none.jsonl")], "none.jsonl"),
+             (["--ckpt", ckpt, "--budgets", "8,x"], "--budgets '8,x': comma-separated positive integers")]
+    for flags, message in cases:
+        with pytest.raises(SystemExit) as stopped:
+            ddtree_accept.main(flags + ["--out", str(tmp_path / "r.json")])
+        said = str(stopped.value.code) + capsys.readouterr().err
+        assert message in said and "Traceback" not in said, flags
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_a_missing_local_target_directory_is_named_as_one_by_every_tool(tmp_path, capsys):
+    """transformers calls a missing path of three parts a malformed hub id; each tool says it is missing."""
+    from data import prepare, regenerate
+    from drafter.target.model import TargetError, load_target, target_config
+    missing = str(tmp_path / "world" / "target")
+    for load in (lambda: load_target(missing, "cpu", ddtree_accept.torch.float32), lambda: target_config(missing, None)):
+        with pytest.raises(TargetError, match=f"target {re.escape(missing)}: no such directory$"):
+            load()
+    for parse in (lambda: prepare.parse_args(["--input", "x.jsonl", "--target", missing, "--out", "o"]),
+                  lambda: regenerate.parse_args(["--input", "x.jsonl", "--out", "o.jsonl", "--backend", "local",
+                                                 "--target", missing])):
+        with pytest.raises(SystemExit):
+            parse()
+        assert f"--target {missing}: no such directory" in capsys.readouterr().err
+    assert prepare.parse_args(["--input", "x", "--target", "org/model", "--out", "o"]).target == "org/model"  # a hub id

@@ -22,7 +22,6 @@ D-PACE's).
 """
 import math
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
@@ -197,18 +196,13 @@ def target_model_config(path: str | None, random: dict | None):
         return target_config(None, random)
     from transformers import AutoConfig
 
-    from drafter.errors import ConfigError
+    from drafter.errors import ConfigError, missing_local_path
+    if missing_local_path(path):
+        raise ConfigError(f"target.path={path}: no such directory")
     try:
         return AutoConfig.from_pretrained(path)
-    except (OSError, ValueError) as error:  # no such directory or hub id; a model type transformers lacks
-        if not_a_hub_id(path) and not Path(path).exists():  # transformers would call it a malformed repo id
-            raise ConfigError(f"target.path={path}: no such directory") from None
+    except (OSError, ValueError) as error:  # no such hub id; a model type transformers lacks
         raise ConfigError(f"target.path={path}: {error}") from None
-
-
-def not_a_hub_id(path: str) -> bool:
-    """A hub id is 'name' or 'namespace/name': more parts, or a leading '.', '/' or '~', mean a local path."""
-    return path.count("/") > 1 or path.startswith((".", "/", "~"))
 
 
 def plan_inputs(cfg, model_config, world_size: int, ds_config: dict | None, dtype_bytes: int) -> PlanInputs:

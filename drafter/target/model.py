@@ -20,6 +20,8 @@ from torch import nn
 from transformers import (AutoModelForCausalLM, AutoModelForImageTextToText, Qwen3Config, Qwen3ForCausalLM,
                           masking_utils)
 
+from drafter.errors import missing_local_path
+
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
           "float16": torch.float16}
@@ -41,6 +43,7 @@ def load_target(path: str, device: torch.device | str, dtype: torch.dtype) -> nn
     """Load a HF causal LM frozen: eval mode, no grad, in `dtype` on `device`. A multimodal checkpoint
     that transformers maps to image-text-to-text only (Kimi-K2.5) loads as that model: its decoder,
     embedding and LM head are found the same way."""
+    check_target_path(path)
     try:
         target = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except ValueError as error:
@@ -83,7 +86,15 @@ def target_config(path: str | None, random: dict | None):
     if path is None:
         return random_qwen3_config(**{k: v for k, v in (random or {}).items() if k != "seed"})
     from transformers import AutoConfig
+    check_target_path(path)
     return AutoConfig.from_pretrained(path).get_text_config()
+
+
+def check_target_path(path: str) -> None:
+    """A TargetError for a local target directory that does not exist (transformers would report a
+    path of three parts as a malformed hub id)."""
+    if missing_local_path(path):
+        raise TargetError(f"target {path}: no such directory")
 
 
 def model_type(target: nn.Module) -> str:
