@@ -236,7 +236,8 @@ def load_config(path: str, overrides: list[str] = ()) -> DictConfig:
         OmegaConf.to_container(cfg, throw_on_missing=True)
     except OmegaConfBaseException as error:
         key = getattr(error, "full_key", None) or "?"
-        raise ConfigError(f"{path}: bad config key '{key}': {error.msg if hasattr(error, 'msg') else error}") from None
+        reason = str(getattr(error, "msg", error)).splitlines()[0]  # OmegaConf appends the key and types
+        raise ConfigError(f"{path}: bad config key '{key}': {reason}") from None
     problems = validate(cfg)
     if problems:
         raise ConfigError(f"{path}: " + "; ".join(problems))

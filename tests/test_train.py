@@ -324,6 +324,14 @@ def test_invalid_values_are_refused_naming_the_key(override, message):
         load_config(str(REPO / "configs" / "v3.yaml"), ["data.path=/x", override])
 
 
+def test_a_value_or_key_the_schema_refuses_is_one_line_naming_the_key():
+    for override, reason in [("optim.lr=abc", "'optim.lr': Value 'abc' of type 'str' could not be converted to Float"),
+                             ("objective.nonexistent=1", "'objective.nonexistent': Key 'nonexistent' not in")]:
+        with pytest.raises(ConfigError) as refused:
+            load_config(str(REPO / "configs" / "v3.yaml"), ["data.path=/x", override])
+        assert reason in str(refused.value) and "\n" not in str(refused.value)
+
+
 def test_dtype_aliases_and_several_problems_at_once():
     assert load_config(str(REPO / "configs" / "v3.yaml"), ["data.path=/x", "target.dtype=bfloat16"]).target.dtype == "bf16"
     assert load_config(str(REPO / "configs" / "v3.yaml"), ["data.path=/x", "target.dtype=float32"]).target.dtype == "fp32"

@@ -20,7 +20,10 @@ class DataError(ValueError):
 def load_prepared(path: str, vocab_size: int) -> datasets.Dataset:
     """A data/prepare.py output, checked up front (columns, lengths, token ids) so that bad data stops
     the run at start-up with the row named, not hours in."""
-    dataset = datasets.load_from_disk(path)
+    try:
+        dataset = datasets.load_from_disk(path)
+    except FileNotFoundError as error:  # datasets' words for a directory that holds no saved dataset
+        raise DataError(f"{path}: {error} (make it with data/prepare.py)") from None
     missing = set(TRAINING_COLUMNS) - set(dataset.column_names)
     if missing:
         raise DataError(f"{path}: missing columns {sorted(missing)} (make it with data/prepare.py)")
@@ -90,8 +93,11 @@ def load_datasets(data_cfg, vocab_size: int, chat_template_kwargs):
     """(train, eval) prepared datasets with input_ids / loss_mask / length columns. Thinking is
     checked against `chat_template_kwargs` (the config's target.chat_template_kwargs); without
     data.eval_path the eval split holds out whole groups (see sampler.split_holdout)."""
-    paths = [data_cfg.path] + ([data_cfg.eval_path] if data_cfg.eval_path else [])
-    for path in paths:
+    paths = {"data.path": data_cfg.path, "data.eval_path": data_cfg.eval_path}
+    for key, path in paths.items():
+        if path is not None and not Path(path).is_dir():
+            raise DataError(f"{key}={path}: no such directory (make it with data/prepare.py)")
+    for path in filter(None, paths.values()):
         check_prepared_thinking(path, chat_template_kwargs)
     train = load_prepared(data_cfg.path, vocab_size)
     if data_cfg.eval_path:
