@@ -1,0 +1,101 @@
+"""The accuracy floor a drafter must pass to be reading anything: count-based predictors of each block
+slot, fitted on the training set and scored on the held-out set, beside a run's held-out slot accuracy.
+
+    python bench/floor.py --train artifacts/smollm2/train_data --eval artifacts/smollm2/bench_chat_data \\
+        [--run runs/smollm2] [--block-size 16]
+
+For a block anchored at p (p and p+1 supervised, as training draws anchors), slot k's label is x_{p+k}.
+Two predictors that read no target feature:
+- unigram: the commonest supervised token of the training set, at every slot;
+- anchor: the commonest x_{p+k} after the anchor token x_p in the training set (a skip-k bigram; the
+  unigram where the anchor token was never seen).
+A drafter whose held-out slot accuracy (`--run`: the last eval of its metrics.jsonl) sits at the
+unigram column predicts the answers' commonest token; below the anchor column it has not yet learned
+even what the anchor token alone says. Both are counted over every anchor of the held-out rows, the
+run's accuracy over the anchors its eval drew.
+"""
+import argparse
+import json
+from pathlib import Path
+
+import datasets
+import numpy as np
+
+
+def anchor_pairs(dataset, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(x_p, x_{p+k}) over every anchor p of every row whose slot k is supervised."""
+    anchors, labels = [], []
+    for row in dataset.select_columns(["input_ids", "loss_mask"]).with_format("numpy"):
+        ids, mask = row["input_ids"].astype(np.int64), row["loss_mask"].astype(bool)
+        n = len(ids) - k
+        if n < 1:
+            continue
+        p = np.flatnonzero(mask[:n] & mask[1:n + 1] & mask[k:])
+        anchors.append(ids[p])
+        labels.append(ids[p + k])
+    return (np.concatenate(anchors), np.concatenate(labels)) if anchors else (np.zeros(0, int), np.zeros(0, int))
+
+
+def commonest_next(anchors: np.ndarray, labels: np.ndarray) -> dict[int, int]:
+    """For each anchor token, its commonest label (ties: the smallest token id)."""
+    pairs, counts = np.unique(np.stack([anchors, labels], 1), axis=0, return_counts=True)
+    order = np.lexsort((pairs[:, 1], -counts, pairs[:, 0]))  # by anchor, then most counted, then id
+    pairs = pairs[order]
+    first = np.ones(len(pairs), dtype=bool)
+    first[1:] = pairs[1:, 0] != pairs[:-1, 0]
+    return dict(zip(pairs[first, 0].tolist(), pairs[first, 1].tolist()))
+
+
+def slot_floors(train, held_out, block_size: int) -> list[dict]:
+    """Per slot 1..block_size-1: the unigram and anchor predictors' held-out accuracy and the anchor count."""
+    _, every_label = anchor_pairs(train, 1)
+    values, counts = np.unique(every_label, return_counts=True)
+    unigram = int(values[np.argmax(counts)]) if len(values) else -1
+    rows = []
+    for k in range(1, block_size):
+        table = commonest_next(*anchor_pairs(train, k))
+        anchors, labels = anchor_pairs(held_out, k)
+        guess = np.array([table.get(a, unigram) for a in anchors.tolist()], dtype=np.int64)
+        rows.append({"slot": k, "anchors": int(len(labels)),
+                     "unigram": float((labels == unigram).mean()) if len(labels) else float("nan"),
+                     "anchor": float((guess == labels).mean()) if len(labels) else float("nan")})
+    return rows
+
+
+def last_eval_accuracy(run: Path) -> tuple[int, list[float]] | None:
+    """(step, held-out accuracy per slot) of the last eval record of a run's metrics.jsonl."""
+    last = None
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record.get("kind") == "eval" and "acc_pos" in record:
+            last = (record["step"], record["acc_pos"])
+    return last
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--train", required=True, help="prepared training set (data/prepare.py output)")
+    parser.add_argument("--eval", required=True, help="prepared held-out set")
+    parser.add_argument("--run", type=Path, help="a training run directory: its last eval's slot accuracy")
+    parser.add_argument("--block-size", type=int, default=16)
+    args = parser.parse_args(argv)
+    if args.block_size < 2:
+        parser.error("--block-size must be >= 2")
+    for path in (args.train, args.eval):
+        if not Path(path).is_dir():
+            parser.error(f"{path}: no such directory (make it with data/prepare.py)")
+    rows = slot_floors(datasets.load_from_disk(args.train), datasets.load_from_disk(args.eval), args.block_size)
+    measured = last_eval_accuracy(args.run) if args.run else None
+    if args.run and measured is None:
+        parser.error(f"{args.run}/metrics.jsonl holds no eval record with acc_pos")
+    header = "| slot | held-out anchors | unigram | anchor |" + (f" run, step {measured[0]} |" if measured else "")
+    print(header)
+    print("|" + "---:|" * (header.count("|") - 1))
+    for row in rows:
+        run_cell = f" {measured[1][row['slot'] - 1]:.3f} |" if measured and row["slot"] <= len(measured[1]) else ""
+        print(f"| {row['slot']} | {row['anchors']} | {row['unigram']:.3f} | {row['anchor']:.3f} |{run_cell}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
