@@ -49,8 +49,10 @@ def commonest_next(anchors: np.ndarray, labels: np.ndarray) -> dict[int, int]:
 def slot_floors(train, held_out, block_size: int) -> list[dict]:
     """Per slot 1..block_size-1: the unigram and anchor predictors' held-out accuracy and the anchor count."""
     _, every_label = anchor_pairs(train, 1)
+    if not len(every_label):
+        raise ValueError("the training set has no anchor (no two supervised tokens in a row)")
     values, counts = np.unique(every_label, return_counts=True)
-    unigram = int(values[np.argmax(counts)]) if len(values) else -1
+    unigram = int(values[np.argmax(counts)])
     rows = []
     for k in range(1, block_size):
         table = commonest_next(*anchor_pairs(train, k))
@@ -65,9 +67,12 @@ def slot_floors(train, held_out, block_size: int) -> list[dict]:
 def last_eval_accuracy(run: Path) -> tuple[int, list[float]] | None:
     """(step, held-out accuracy per slot) of the last eval record of a run's metrics.jsonl."""
     last = None
-    for line in (run / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if record.get("kind") == "eval" and "acc_pos" in record:
+    for line in (run / "metrics.jsonl").read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:  # a line cut short by a kill
+            continue
+        if isinstance(record, dict) and record.get("kind") == "eval" and "acc_pos" in record:
             last = (record["step"], record["acc_pos"])
     return last
 
@@ -81,10 +86,13 @@ def main(argv=None) -> list[dict]:
     args = parser.parse_args(argv)
     if args.block_size < 2:
         parser.error("--block-size must be >= 2")
-    for path in (args.train, args.eval):
-        if not Path(path).is_dir():
-            parser.error(f"{path}: no such directory (make it with data/prepare.py)")
-    rows = slot_floors(datasets.load_from_disk(args.train), datasets.load_from_disk(args.eval), args.block_size)
+    if args.run and not (args.run / "metrics.jsonl").is_file():
+        parser.error(f"--run {args.run}: no metrics.jsonl there (a train.py run directory holds one)")
+    try:
+        train, held_out = (datasets.load_from_disk(path) for path in (args.train, args.eval))
+        rows = slot_floors(train, held_out, args.block_size)
+    except (OSError, ValueError, KeyError) as error:  # no dataset there, or not a prepared one
+        parser.error(f"--train {args.train} / --eval {args.eval}: {error}")
     measured = last_eval_accuracy(args.run) if args.run else None
     if args.run and measured is None:
         parser.error(f"{args.run}/metrics.jsonl holds no eval record with acc_pos")

@@ -47,7 +47,7 @@ import datasets
 import numpy as np
 
 from drafter.data import chat
-from drafter.errors import missing_local_path
+from drafter.errors import model_path_problem
 
 RAW_FEATURES = datasets.Features({
     "messages": datasets.Value("string"),  # JSON: tool-call arguments have no fixed schema
@@ -98,8 +98,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--num-proc", type=int, default=min(8, os.cpu_count() or 1))
     parser.add_argument("--cache-dir", default=None, help="datasets cache (default: the HF cache)")
     args = parser.parse_args(argv)
-    if missing_local_path(args.target):
-        parser.error(f"--target {args.target}: no such directory")
+    if problem := model_path_problem(args.target):
+        parser.error(f"--target {args.target}: {problem}")
     return args
 
 

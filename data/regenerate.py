@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from drafter.data import chat
-from drafter.errors import missing_local_path
+from drafter.errors import model_path_problem
 from drafter.infra.progress import progress_bar
 
 EXAMPLES_PER_REASON = 5
@@ -95,8 +95,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--model is required with --backend server")
     if args.backend == "local" and not args.target:
         parser.error("--target is required with --backend local")
-    if args.backend == "local" and missing_local_path(args.target):
-        parser.error(f"--target {args.target}: no such directory")
+    if args.backend == "local" and (problem := model_path_problem(args.target)):
+        parser.error(f"--target {args.target}: {problem}")
     for flag in ("concurrency", "batch_size", "max_tokens"):  # 0 workers would wait for ever
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")

@@ -233,10 +233,11 @@ def load_config(path: str, overrides: list[str] = ()) -> DictConfig:
     schema = OmegaConf.structured(Config)
     try:
         cfg = OmegaConf.merge(schema, OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides)))
-        OmegaConf.to_container(cfg, throw_on_missing=True)
+        OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # ${...} that cannot resolve too
     except OmegaConfBaseException as error:
         key = getattr(error, "full_key", None) or "?"
-        reason = str(getattr(error, "msg", error)).splitlines()[0]  # OmegaConf appends the key and types
+        lines = str(getattr(error, "msg", None) or error).splitlines()  # OmegaConf appends the key and types
+        reason = lines[0] if lines and lines[0].strip() else type(error).__name__
         raise ConfigError(f"{path}: bad config key '{key}': {reason}") from None
     problems = validate(cfg)
     if problems:

@@ -5,10 +5,15 @@ class ConfigError(ValueError):
     """A config value, flag or file choice that cannot work, named by its key."""
 
 
-def missing_local_path(path: str) -> bool:
-    """Whether `path` names a local directory that does not exist. A hub id is 'name' or
-    'namespace/name': more parts, or a leading '.', '/' or '~', mean a local path, which transformers
-    would report as a malformed hub id rather than as missing."""
+def model_path_problem(path: str) -> str | None:
+    """Why `path`, a model directory or hub id, cannot be loaded as a local directory, or None. A hub id
+    is 'name' or 'namespace/name': more parts, or a leading '.', '/' or '~', mean a local path, which
+    transformers would report as a malformed hub id rather than as missing (nor does it expand '~')."""
     from pathlib import Path
-    local = path.count("/") > 1 or path.startswith((".", "/", "~"))
-    return local and not Path(path).exists()
+    if path.startswith("~"):
+        return "a leading '~' is not expanded here: give the path without it"
+    if not (path.count("/") > 1 or path.startswith((".", "/"))):
+        return None  # a hub id, or a directory in the working directory: transformers says which
+    if not Path(path).exists():
+        return "no such directory"
+    return None if Path(path).is_dir() else "not a directory"

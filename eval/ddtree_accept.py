@@ -49,7 +49,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from drafter.data.benchmarks import load_prompts
 from drafter.data.chat import prompt_token_ids
-from drafter.errors import missing_local_path
+from drafter.errors import model_path_problem
 from drafter.infra.launch import LaunchError, init_distributed, launched_world_size, local_device
 from drafter.infra.progress import progress_bar
 from drafter.models import ARCHITECTURES, is_drafter_config, load_drafter
@@ -105,6 +105,12 @@ def parse_args(argv=None):
         parser.error(f"--budgets {args.budgets!r}: comma-separated positive integers, e.g. 16,32,64")
     if any(b < 1 for b in args.budgets):
         parser.error("--budgets must be positive integers")
+    if len(set(args.budgets)) < len(args.budgets):
+        parser.error(f"--budgets {','.join(map(str, args.budgets))}: a budget is listed twice")
+    if not any(args.bench.split(",")):
+        parser.error("--bench names no benchmark")
+    if args.target == "":
+        parser.error("--target is empty (leave it out for the target the checkpoint records)")
     if args.max_samples is not None and args.max_samples < 1:
         parser.error("--max-samples must be >= 1")
     if args.tp < 1:
@@ -117,11 +123,22 @@ def parse_args(argv=None):
     return args
 
 
+def read_config(path: Path) -> dict:
+    """A config.json as a dict, or a ValueError that names the file."""
+    try:
+        config = json.loads(path.read_text())
+    except (UnicodeDecodeError, ValueError) as error:
+        raise ValueError(f"{path}: not a JSON config ({error})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: not a JSON config (a {type(config).__name__}, not an object)")
+    return config
+
+
 def drafter_dir(ckpt: str) -> Path:
     """`ckpt` itself when it is a drafter dir, else its `drafter/` subdir."""
     for candidate in (Path(ckpt), Path(ckpt) / "drafter"):
         config = candidate / "config.json"
-        if config.is_file() and is_drafter_config(json.loads(config.read_text())):
+        if config.is_file() and is_drafter_config(read_config(config)):
             return candidate
     names = " or ".join(cls.__name__ for cls in ARCHITECTURES.values())
     raise FileNotFoundError(f"{ckpt}: no {names} config.json here or in {ckpt}/drafter")
@@ -130,13 +147,13 @@ def drafter_dir(ckpt: str) -> Path:
 def target_path_of(args) -> str:
     """--target, or the target the drafter's config records."""
     directory = drafter_dir(args.ckpt)
-    recorded = json.loads((directory / "config.json").read_text()).get("dflash_config", {}).get("target_path")
+    recorded = (read_config(directory / "config.json").get("dflash_config") or {}).get("target_path")
     if not (args.target or recorded):
         raise ValueError(f"{directory}/config.json records no dflash_config.target_path: pass --target")
     path = args.target or recorded
-    if missing_local_path(path):
+    if problem := model_path_problem(path):
         where = "--target" if args.target else f"the target path {directory}/config.json records,"
-        raise FileNotFoundError(f"{where} {path}: no such directory" + ("" if args.target else " (pass --target)"))
+        raise FileNotFoundError(f"{where} {path}: {problem}" + ("" if args.target else " (pass --target)"))
     return path
 
 
@@ -514,7 +531,7 @@ def main(argv=None) -> dict | None:
     try:  # what the flags name, checked before any model loads
         target_path = target_path_of(args)
         prompt_sets = load_prompt_sets(args.bench, args.max_samples)
-    except (FileNotFoundError, ValueError) as error:
+    except (OSError, ValueError) as error:  # also a hub benchmark that cannot be fetched
         raise SystemExit(f"error: {error}") from None
     tp_group = tensor_parallel_group(args, target_path, world, device)
     share = PromptShare.of(tp_group, world)  # the groups split the prompts, as generation in training does

@@ -93,12 +93,15 @@ def test_a_dataset_without_groups_holds_out_rows_with_a_warning(tmp_path):
     assert np.isin(held["length"], [3]).all()
 
 
-def test_a_missing_or_unprepared_data_directory_is_a_data_error_naming_the_key(target, tmp_path):
+def test_a_missing_or_unprepared_data_directory_is_a_data_error_naming_the_key(target, tmp_path, monkeypatch):
     from drafter.data.datasets import DataError
     good = prepared(target, tmp_path, "good", [conversation(i, "g") for i in range(4)], "--no-thinking")
     (tmp_path / "empty").mkdir()
     for cfg, message in [(data_cfg(str(tmp_path / "a" / "b")), f"data.path={tmp_path}/a/b: no such directory"),
                          (data_cfg(good, eval_path="held"), "data.eval_path=held: no such directory"),
+                         (data_cfg(good + "/stats.json"), "stats.json: not a directory"),
                          (data_cfg(str(tmp_path / "empty")), "neither a `Dataset` directory")]:
         with pytest.raises(DataError, match=message):
             load_datasets(cfg, VOCAB, {"enable_thinking": False})
+    monkeypatch.setenv("HOME", str(tmp_path))  # datasets reads '~' as the home directory: so does the check
+    assert len(load_datasets(data_cfg("~/good", eval_path="~/good"), VOCAB, {"enable_thinking": False})[0]) == 4

@@ -286,11 +286,21 @@ def test_flags_that_cannot_work_stop_eval_with_one_line_before_any_model_loads(c
     ckpt = str(checkpoint / "ckpt")
     moved = make_drafter(random_qwen3(vocab_size=384, seed=3), block_size=4, target_path=str(tmp_path / "gone" / "t"))
     moved.save_pretrained(tmp_path / "moved")
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text('{"architectures": ["DFlashDraftModel"], ')  # cut short
+    unrecorded = json.loads((tmp_path / "moved" / "config.json").read_text())
+    (tmp_path / "unrecorded").mkdir()
+    (tmp_path / "unrecorded" / "config.json").write_text(json.dumps({**unrecorded, "dflash_config": None}))
     cases = [(["--ckpt", str(tmp_path / "nowhere")], "no DFlashDraftModel or DFlash2DraftModel config.json"),
              (["--ckpt", str(tmp_path / "moved")], f"records, {tmp_path}/gone/t: no such directory (pass --target)"),
              (["--ckpt", ckpt, "--target", "./no/target"], "--target ./no/target: no such directory"),
              (["--ckpt", ckpt, "--bench", str(tmp_path / "none.jsonl")], "none.jsonl"),
-             (["--ckpt", ckpt, "--budgets", "8,x"], "--budgets '8,x': comma-separated positive integers")]
+             (["--ckpt", ckpt, "--budgets", "8,x"], "--budgets '8,x': comma-separated positive integers"),
+             (["--ckpt", ckpt, "--budgets", "16,8,16"], "--budgets 16,8,16: a budget is listed twice"),
+             (["--ckpt", ckpt, "--bench", ","], "--bench names no benchmark"),
+             (["--ckpt", ckpt, "--target", ""], "--target is empty"),
+             (["--ckpt", str(tmp_path / "broken")], "broken/config.json: not a JSON config"),
+             (["--ckpt", str(tmp_path / "unrecorded")], "records no dflash_config.target_path: pass --target")]
     for flags, message in cases:
         with pytest.raises(SystemExit) as stopped:
             ddtree_accept.main(flags + ["--out", str(tmp_path / "r.json")])
@@ -307,6 +317,10 @@ def test_a_missing_local_target_directory_is_named_as_one_by_every_tool(tmp_path
     for load in (lambda: load_target(missing, "cpu", ddtree_accept.torch.float32), lambda: target_config(missing, None)):
         with pytest.raises(TargetError, match=f"target {re.escape(missing)}: no such directory$"):
             load()
+    (tmp_path / "weights.bin").write_text("")
+    for path, reason in [(str(tmp_path / "weights.bin"), "not a directory"), ("~/model", "a leading '~' is not expanded")]:
+        with pytest.raises(TargetError, match=re.escape(f"target {path}: {reason}")):
+            target_config(path, None)
     for parse in (lambda: prepare.parse_args(["--input", "x.jsonl", "--target", missing, "--out", "o"]),
                   lambda: regenerate.parse_args(["--input", "x.jsonl", "--out", "o.jsonl", "--backend", "local",
                                                  "--target", missing])):

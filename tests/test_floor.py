@@ -29,10 +29,12 @@ def test_unigram_and_anchor_predictors_by_hand(tmp_path, capsys):
     held.save_to_disk(str(tmp_path / "held"))
     run = tmp_path / "run"
     run.mkdir()
-    (run / "metrics.jsonl").write_text('{"kind": "eval", "step": 5, "acc_pos": [0.25, 0.5]}\n'
-                                     '{"kind": "train", "step": 6, "acc_pos": [0.0, 0.0]}\n')
+    (run / "metrics.jsonl").write_text('{"kind": "eval", "step": 5, "acc_pos": [0.25, 0.5]}\n\n'
+                                     '{"kind": "train", "step": 6, "acc_pos": [0.0, 0.0]}\n{"kind": "ev')  # cut by a kill
     floor.main(["--train", str(tmp_path / "train"), "--eval", str(tmp_path / "held"), "--run", str(run),
                 "--block-size", "3"])
     assert "| 2 | 1 | 0.000 | 1.000 | 0.500 |" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         floor.main(["--train", str(tmp_path / "none"), "--eval", str(tmp_path / "held")])
+    with pytest.raises(ValueError, match="no anchor"):  # a floor of nothing is no floor
+        floor.slot_floors(rows([[0, 5, 6]], prompt_len=3), held, block_size=2)

@@ -326,7 +326,9 @@ def test_invalid_values_are_refused_naming_the_key(override, message):
 
 def test_a_value_or_key_the_schema_refuses_is_one_line_naming_the_key():
     for override, reason in [("optim.lr=abc", "'optim.lr': Value 'abc' of type 'str' could not be converted to Float"),
-                             ("objective.nonexistent=1", "'objective.nonexistent': Key 'nonexistent' not in")]:
+                             ("objective.nonexistent=1", "'objective.nonexistent': Key 'nonexistent' not in"),
+                             ("optim=3", "int is not a subclass of OptimConfig"),
+                             ("optim.lr=${nope}", "'optim.lr': Interpolation key 'nope' not found")]:
         with pytest.raises(ConfigError) as refused:
             load_config(str(REPO / "configs" / "v3.yaml"), ["data.path=/x", override])
         assert reason in str(refused.value) and "\n" not in str(refused.value)

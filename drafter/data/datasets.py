@@ -24,6 +24,8 @@ def load_prepared(path: str, vocab_size: int) -> datasets.Dataset:
         dataset = datasets.load_from_disk(path)
     except FileNotFoundError as error:  # datasets' words for a directory that holds no saved dataset
         raise DataError(f"{path}: {error} (make it with data/prepare.py)") from None
+    except IndexError:  # datasets cannot read back a dataset saved with no rows
+        raise DataError(f"{path}: a saved dataset with no rows (data/prepare.py keeps at least one)") from None
     missing = set(TRAINING_COLUMNS) - set(dataset.column_names)
     if missing:
         raise DataError(f"{path}: missing columns {sorted(missing)} (make it with data/prepare.py)")
@@ -95,8 +97,10 @@ def load_datasets(data_cfg, vocab_size: int, chat_template_kwargs):
     data.eval_path the eval split holds out whole groups (see sampler.split_holdout)."""
     paths = {"data.path": data_cfg.path, "data.eval_path": data_cfg.eval_path}
     for key, path in paths.items():
-        if path is not None and not Path(path).is_dir():
-            raise DataError(f"{key}={path}: no such directory (make it with data/prepare.py)")
+        local = None if path is None or "://" in path else Path(path).expanduser()  # as load_from_disk reads it
+        if local is not None and not local.is_dir():
+            reason = "not a directory" if local.exists() else "no such directory"
+            raise DataError(f"{key}={path}: {reason} (make it with data/prepare.py)")
     for path in filter(None, paths.values()):
         check_prepared_thinking(path, chat_template_kwargs)
     train = load_prepared(data_cfg.path, vocab_size)

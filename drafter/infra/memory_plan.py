@@ -196,9 +196,9 @@ def target_model_config(path: str | None, random: dict | None):
         return target_config(None, random)
     from transformers import AutoConfig
 
-    from drafter.errors import ConfigError, missing_local_path
-    if missing_local_path(path):
-        raise ConfigError(f"target.path={path}: no such directory")
+    from drafter.errors import ConfigError, model_path_problem
+    if problem := model_path_problem(path):
+        raise ConfigError(f"target.path={path}: {problem}")
     try:
         return AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as error:  # no such hub id; a model type transformers lacks

@@ -20,7 +20,7 @@ from torch import nn
 from transformers import (AutoModelForCausalLM, AutoModelForImageTextToText, Qwen3Config, Qwen3ForCausalLM,
                           masking_utils)
 
-from drafter.errors import missing_local_path
+from drafter.errors import model_path_problem
 
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
@@ -91,10 +91,9 @@ def target_config(path: str | None, random: dict | None):
 
 
 def check_target_path(path: str) -> None:
-    """A TargetError for a local target directory that does not exist (transformers would report a
-    path of three parts as a malformed hub id)."""
-    if missing_local_path(path):
-        raise TargetError(f"target {path}: no such directory")
+    """A TargetError for a local target path that cannot load (`model_path_problem`)."""
+    if problem := model_path_problem(path):
+        raise TargetError(f"target {path}: {problem}")
 
 
 def model_type(target: nn.Module) -> str:
