@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from drafter.config import Config, ConfigError
 from drafter.data.sampler import BucketSampler, bucket_table, plan_notes, sampler_from_config, split_holdout
@@ -143,7 +144,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("overrides", nargs="*", help="OmegaConf dotlist overrides, e.g. data.tokens_per_batch=32768")
     args = parser.parse_args(argv)
 
-    cfg = OmegaConf.merge(OmegaConf.load(args.cfg), OmegaConf.from_dotlist(args.overrides))
+    try:
+        cfg = OmegaConf.merge(OmegaConf.load(args.cfg), OmegaConf.from_dotlist(args.overrides))
+    except (OSError, OmegaConfBaseException) as error:
+        parser.error(f"--cfg {args.cfg}: {str(error).splitlines()[0]}")
     memory = None
     if args.gpu_memory:
         try:
@@ -158,14 +162,15 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--memory-only needs --gpu-memory")
     data_cfg = cfg.data
     groups = None
-    if args.lengths:
-        lengths = read_lengths_file(args.lengths)
-    elif args.dataset:
-        lengths, groups = read_dataset(args.dataset)
-    elif not OmegaConf.is_missing(data_cfg, "path"):
-        lengths, groups = read_dataset(data_cfg.path)
-    else:
+    if not (args.lengths or args.dataset or not OmegaConf.is_missing(data_cfg, "path")):
         parser.error("give --lengths or --dataset, or set data.path in the config")
+    try:
+        if args.lengths:
+            lengths = read_lengths_file(args.lengths)
+        else:
+            lengths, groups = read_dataset(args.dataset or data_cfg.path)
+    except (OSError, ValueError) as error:  # no such file or dataset, or one without lengths
+        parser.error(str(error))
 
     held_out = 0
     if data_cfg.eval_path is None:
