@@ -20,17 +20,22 @@ from pathlib import Path
 
 import datasets
 import numpy as np
+import torch
+
+from drafter.training.objective import anchor_candidates
 
 
 def anchor_pairs(dataset, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """(x_p, x_{p+k}) over every anchor p of every row whose slot k is supervised."""
+    """(x_p, x_{p+k}) over every anchor p (training's rule: `anchor_candidates`) of every row whose slot k
+    is supervised."""
     anchors, labels = [], []
     for row in dataset.select_columns(["input_ids", "loss_mask"]).with_format("numpy"):
         ids, mask = row["input_ids"].astype(np.int64), row["loss_mask"].astype(bool)
         n = len(ids) - k
         if n < 1:
             continue
-        p = np.flatnonzero(mask[:n] & mask[1:n + 1] & mask[k:])
+        allowed = anchor_candidates(torch.from_numpy(mask)[None])[0].numpy()
+        p = np.flatnonzero(allowed[:n] & mask[k:])
         anchors.append(ids[p])
         labels.append(ids[p + k])
     return (np.concatenate(anchors), np.concatenate(labels)) if anchors else (np.zeros(0, int), np.zeros(0, int))
@@ -48,14 +53,15 @@ def commonest_next(anchors: np.ndarray, labels: np.ndarray) -> dict[int, int]:
 
 def slot_floors(train, held_out, block_size: int) -> list[dict]:
     """Per slot 1..block_size-1: the unigram and anchor predictors' held-out accuracy and the anchor count."""
-    _, every_label = anchor_pairs(train, 1)
+    train_pairs = {k: anchor_pairs(train, k) for k in range(1, block_size)}
+    every_label = train_pairs[1][1]
     if not len(every_label):
         raise ValueError("the training set has no anchor (no two supervised tokens in a row)")
     values, counts = np.unique(every_label, return_counts=True)
     unigram = int(values[np.argmax(counts)])
     rows = []
     for k in range(1, block_size):
-        table = commonest_next(*anchor_pairs(train, k))
+        table = commonest_next(*train_pairs[k])
         anchors, labels = anchor_pairs(held_out, k)
         guess = np.array([table.get(a, unigram) for a in anchors.tolist()], dtype=np.int64)
         rows.append({"slot": k, "anchors": int(len(labels)),

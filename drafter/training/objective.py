@@ -44,6 +44,18 @@ def resolve_gamma(gamma: float | None, block_size: int) -> float:
 ANCHOR_CANDIDATES = ("pair", "supervised")
 
 
+def anchor_candidates(loss_mask: torch.Tensor, candidates: str = "pair") -> torch.Tensor:
+    """bool [b, T]: the positions that may anchor a block under `candidates` (see `sample_anchors`)."""
+    if candidates not in ANCHOR_CANDIDATES:
+        raise ValueError(f"anchor candidates {candidates!r} not in {ANCHOR_CANDIDATES}")
+    mask = loss_mask.bool()
+    allowed = mask.clone()
+    if candidates == "pair":
+        allowed[:, :-1] &= mask[:, 1:]
+        allowed[:, -1] = False
+    return allowed
+
+
 def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator,
                    anchors_per_batch: int | None = None, candidates: str = "pair"):
     """Up to `num_anchors` distinct anchors per sequence, sorted: (anchors [b, A], valid [b, A]).
@@ -61,12 +73,7 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.G
     if anchors_per_batch is not None:
         num_anchors = max(1, min(num_anchors, anchors_per_batch // loss_mask.shape[0]))
     mask = loss_mask.bool()
-    if candidates not in ANCHOR_CANDIDATES:
-        raise ValueError(f"anchor candidates {candidates!r} not in {ANCHOR_CANDIDATES}")
-    allowed = mask.clone()
-    if candidates == "pair":
-        allowed[:, :-1] &= mask[:, 1:]
-        allowed[:, -1] = False
+    allowed = anchor_candidates(mask, candidates)
     scores = torch.rand(mask.shape, generator=generator, device=generator.device)
     scores = scores.to(mask.device, non_blocking=True).masked_fill(~allowed, -1.0)
     count = min(num_anchors, int(allowed.sum(1).max()))
