@@ -25,9 +25,8 @@ from pathlib import Path
 
 import numpy as np
 from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
-from drafter.config import Config, ConfigError
+from drafter.config import CONFIG_FILE_ERRORS, Config, ConfigError, config_error_reason
 from drafter.data.sampler import BucketSampler, bucket_table, plan_notes, sampler_from_config, split_holdout
 from drafter.infra.engine import deepspeed_config
 from drafter.infra.memory_plan import GiB, fitting_changes, plan_inputs, plan_memory, target_model_config
@@ -146,8 +145,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     try:
         cfg = OmegaConf.merge(OmegaConf.load(args.cfg), OmegaConf.from_dotlist(args.overrides))
-    except (OSError, OmegaConfBaseException) as error:
-        parser.error(f"--cfg {args.cfg}: {str(error).splitlines()[0]}")
+    except OSError as error:
+        parser.error(f"--cfg {args.cfg}: {error}")
+    except CONFIG_FILE_ERRORS as error:
+        parser.error(f"--cfg {args.cfg}: {config_error_reason(error)}")
     memory = None
     if args.gpu_memory:
         try:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+import yaml
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -228,17 +229,29 @@ class Config:
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
+CONFIG_FILE_ERRORS = (OmegaConfBaseException, yaml.YAMLError)  # what loading and merging a config raise
+
+
+def config_error_reason(error: Exception) -> str:
+    """One line for a CONFIG_FILE_ERRORS error: YAML's where and what, or the first line of OmegaConf's
+    message (it appends the key and types on lines of their own)."""
+    if isinstance(error, yaml.YAMLError):
+        return "not valid YAML: " + " ".join(str(error).split())
+    lines = str(getattr(error, "msg", None) or error).splitlines()
+    return lines[0] if lines and lines[0].strip() else type(error).__name__
+
+
 def load_config(path: str, overrides: list[str] = ()) -> DictConfig:
     """YAML at `path` + `key.sub=value` overrides, validated against `Config`; names the run."""
     schema = OmegaConf.structured(Config)
     try:
         cfg = OmegaConf.merge(schema, OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides)))
         OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # ${...} that cannot resolve too
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path}: {config_error_reason(error)}") from None
     except OmegaConfBaseException as error:
         key = getattr(error, "full_key", None) or "?"
-        lines = str(getattr(error, "msg", None) or error).splitlines()  # OmegaConf appends the key and types
-        reason = lines[0] if lines and lines[0].strip() else type(error).__name__
-        raise ConfigError(f"{path}: bad config key '{key}': {reason}") from None
+        raise ConfigError(f"{path}: bad config key '{key}': {config_error_reason(error)}") from None
     problems = validate(cfg)
     if problems:
         raise ConfigError(f"{path}: " + "; ".join(problems))

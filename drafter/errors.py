@@ -1,4 +1,5 @@
 """The error a user's setting causes: train.py, eval and the data tools report it in one line."""
+from pathlib import Path
 
 
 class ConfigError(ValueError):
@@ -9,7 +10,6 @@ def model_path_problem(path: str) -> str | None:
     """Why `path`, a model directory or hub id, cannot be loaded as a local directory, or None. A hub id
     is 'name' or 'namespace/name': more parts, or a leading '.', '/' or '~', mean a local path, which
     transformers would report as a malformed hub id rather than as missing (nor does it expand '~')."""
-    from pathlib import Path
     if path.startswith("~"):
         return "a leading '~' is not expanded here: give the path without it"
     if not (path.count("/") > 1 or path.startswith((".", "/"))):

@@ -213,8 +213,10 @@ def test_a_missing_local_target_directory_is_named_as_one_not_as_a_malformed_hub
 def test_data_plan_names_a_config_or_dataset_it_cannot_read_in_one_line(capsys, tmp_path):
     from data.plan import main
     (tmp_path / "lengths.txt").write_text("12\nabc\n")
+    (tmp_path / "broken.yaml").write_text("data: [1\n")
     cfg = str(REPO / "configs" / "smollm2.yaml")
     for argv, message in [(["--cfg", str(tmp_path / "none.yaml")], "none.yaml: [Errno 2] No such file"),
+                          (["--cfg", str(tmp_path / "broken.yaml")], "broken.yaml: not valid YAML: while parsing"),
                           (["--cfg", cfg, f"data.path={tmp_path}/none"], f"Directory {tmp_path}/none not found"),
                           (["--cfg", cfg, "--dataset", str(tmp_path)], "neither a `Dataset` directory"),
                           (["--cfg", cfg, "--lengths", str(tmp_path / "lengths.txt")], "line 2: 'abc' is not")]:

@@ -324,7 +324,11 @@ def test_invalid_values_are_refused_naming_the_key(override, message):
         load_config(str(REPO / "configs" / "v3.yaml"), ["data.path=/x", override])
 
 
-def test_a_value_or_key_the_schema_refuses_is_one_line_naming_the_key():
+def test_a_value_or_key_the_schema_refuses_is_one_line_naming_the_key(tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("data: [1\n")
+    with pytest.raises(ConfigError, match=r"broken.yaml: not valid YAML: .*line 2, column 1$"):
+        load_config(str(broken))
     for override, reason in [("optim.lr=abc", "'optim.lr': Value 'abc' of type 'str' could not be converted to Float"),
                              ("objective.nonexistent=1", "'objective.nonexistent': Key 'nonexistent' not in"),
                              ("optim=3", "int is not a subclass of OptimConfig"),
