@@ -7,6 +7,7 @@
     python train.py          none of them: a world of one on a free local port
 
 The first launcher found wins, in that order, so `srun torchrun ...` (one torchrun per node) works too.
+A launched rank exits when its launcher dies (drafter/infra/launcher_watch.py).
 """
 import datetime
 import os
@@ -18,6 +19,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from drafter.infra.launcher_watch import exit_with_launcher
 
 
 class LaunchError(RuntimeError):
@@ -118,6 +121,8 @@ def init_distributed(timeout_minutes: float = 30.0, backend: str | None = None) 
     """(rank, world size, device) after forming the world of whichever launcher started this process;
     `backend` None: NCCL on GPUs, gloo on CPUs (a CPU-only group, gloo, on any device)."""
     launcher, variables = launcher_environment()
+    if launcher != "single process":
+        exit_with_launcher()  # before anything that can wait on other ranks
     os.environ.update(variables)
     device = local_device()
     world_size = int(os.environ["WORLD_SIZE"])
