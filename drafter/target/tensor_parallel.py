@@ -24,7 +24,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
+
+from drafter.data.sampler import PAD_TOKEN_ID
 
 from drafter.target.model import context_features, features_and_final_hidden, load_target
 
@@ -32,6 +35,7 @@ SPLIT_DIM = {"colwise": -2, "packed_colwise": -2, "rowwise": -1}  # the weight d
 SUMMED = ("rowwise", "moe_tp_experts")   # modules whose output is a partial sum over the group
 WHOLE = ("replicated_with_grad_allreduce",)  # kept whole (its gradient all-reduce is for training it)
 # config keys of the widths a group splits: heads, channels
+FEATURE_WIDTH_MULTIPLE = 16  # 16 fp32 lanes (AVX-512); a multiple of 8 (AVX2) as well
 SPLIT_WIDTHS = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size")
 
 
@@ -161,10 +165,11 @@ class TargetFeatures:
     def __init__(self, target: nn.Module, group: TPGroup, device: torch.device, final_hidden: bool = False):
         self.target, self.group, self.device, self.final_hidden = target, group, device, final_hidden
 
-    def __call__(self, input_ids: torch.Tensor | None, layer_ids: list[int]):
+    def __call__(self, input_ids: torch.Tensor | None, layer_ids: list[int], lengths=None):
         """(features [b, T, K*H], final hidden states [b, T, H] or None without `final_hidden`).
         Collective over the group: every member calls it the same number of times; a member with no
-        batch this time passes None (and gets (None, None))."""
+        batch this time passes None (and gets (None, None)). `lengths` (the rows' real lengths) is
+        what a feature store reads rows by; the target does not need it."""
         if self.group.size == 1:
             return self._target_pass(input_ids, layer_ids)
         shapes = self._gather(torch.tensor(input_ids.shape if input_ids is not None else (0, 0), device=self.device))
@@ -180,9 +185,15 @@ class TargetFeatures:
         return mine
 
     def _target_pass(self, input_ids: torch.Tensor, layer_ids: list[int]):
+        """The target's forward on the batch right-padded to a multiple of FEATURE_WIDTH_MULTIPLE: the CPU
+        kernels' vectorised tails make a row's features depend on its batch's width otherwise, and
+        then a row's features stored once (data/features.py) could not equal those of every batch it is in."""
+        width = input_ids.shape[1]
+        ids = F.pad(input_ids, (0, -width % FEATURE_WIDTH_MULTIPLE), value=PAD_TOKEN_ID)
         if self.final_hidden:
-            return features_and_final_hidden(self.target, input_ids, layer_ids)
-        return context_features(self.target, input_ids, layer_ids), None
+            features, final = features_and_final_hidden(self.target, ids, layer_ids)
+            return features[:, :width].contiguous(), final[:, :width].contiguous()
+        return context_features(self.target, ids, layer_ids)[:, :width].contiguous(), None
 
     def most_in_group(self, count: int) -> int:
         """The largest `count` of the group's members (how many calls each member makes)."""

@@ -1,0 +1,257 @@
+"""Write the target's context features of a prepared dataset once, for training to read in place of the
+target's forward (`data.features=DIR`; the format: drafter/data/feature_store.py).
+
+    python data/features.py --cfg configs/toy.yaml --data data/toy --out features/toy [--dtype fp32|bf16]
+    torchrun --nproc_per_node 8 data/features.py --cfg configs/v3.yaml --data data/qwen3-8b --out /fast/features
+    deepspeed --num_gpus 8 data/features.py ...          # or srun: each rank writes its share of the shards
+
+The features are those training reads: the drafter's target_layer_ids as the config resolves them (or
+--layers), from training's own feature pass (drafter/target/tensor_parallel.py's TargetFeatures), for
+every row up to data.max_length. Before writing, the plan (tokens x layers x hidden x dtype bytes) and
+the free disk are printed, and a store that will not fit is refused. A dump killed at any point resumes
+when run again with the same arguments: whole shards that check out are kept, the rest rewritten. An
+--out that holds files a dump does not write is refused (nothing there is touched), and so is a second
+dump into a directory one is writing (the run lock).
+"""
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+from safetensors.torch import save_file
+
+from drafter.config import ConfigError, load_config
+from drafter.data.datasets import DataError, check_prepared_thinking, load_prepared
+from drafter.data.feature_store import (DTYPE_NAMES, FORMAT, HEAD, INDEX, OWN_FILES, STORE_DTYPES, TARGET_DIR,
+                                        FeatureStoreError, identity_digest, identity_mismatch, row_key, shard_name,
+                                        shard_problem, store_identity, write_shard)
+from drafter.data.sampler import collate
+from drafter.infra.launch import LaunchError, init_distributed
+from drafter.infra.memory_plan import size_text
+from drafter.infra.progress import progress_bar
+from drafter.infra.run_lock import RunDirectoryBusy, hold_run_directory
+from drafter.models.configure import drafter_config
+from drafter.target.model import TargetError, compute_dtype, input_embedding_scale, load_target, random_qwen3
+from drafter.target.tensor_parallel import TargetFeatures, form_tp_group
+
+SHARD_BYTES = 2 * 2**30  # about this much of features per shard
+USER_ERRORS = (ConfigError, DataError, LaunchError, TargetError, RunDirectoryBusy)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cfg", required=True, help="the training config (target, drafter and data sections)")
+    parser.add_argument("--data", required=True, help="the prepared dataset (data/prepare.py): data.path")
+    parser.add_argument("--out", required=True, help="the store's directory (new, or a dump of the same store to resume)")
+    parser.add_argument("--dtype", choices=sorted(STORE_DTYPES), default="fp32",
+                        help="fp32: training from the store equals training online, bit for bit")
+    parser.add_argument("--layers", type=int, nargs="+", help="drafter.target_layer_ids (default: the config's)")
+    parser.add_argument("--shard-rows", type=int, help="rows per shard (default: about 2 GiB of features each)")
+    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed
+    parser.add_argument("overrides", nargs="*", help="key.sub=value")
+    args = parser.parse_args(argv)
+    overrides = [f"data.path={args.data}", *args.overrides]
+    if args.layers:
+        overrides.append(f"drafter.target_layer_ids=[{','.join(map(str, args.layers))}]")
+    try:
+        cfg = load_config(args.cfg, overrides)
+    except (ConfigError, FileNotFoundError) as error:
+        sys.exit(f"config error: {error}")
+    try:
+        rank, world_size, device = init_distributed(cfg.train.dist_timeout_minutes)
+    except LaunchError as error:
+        sys.exit(f"launch error: {error}")
+    try:
+        check_out_dir(Path(args.out))
+        with hold_run_directory(args.out):
+            dump(cfg, args, rank, world_size, device)
+        return 0
+    except USER_ERRORS as error:
+        if rank == 0 or getattr(error, "per_rank", False):
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        dist.destroy_process_group()
+
+
+def check_out_dir(out: Path):
+    """--out is new, empty, or a store's directory: anything a dump does not write refuses it."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise FeatureStoreError(f"--out {out}: not a directory")
+    foreign = sorted(p.name for p in out.iterdir()
+                     if p.name not in OWN_FILES and not (p.name.startswith("shard-") and
+                                                         p.name.endswith((".safetensors", ".safetensors.tmp"))))
+    if foreign:
+        raise FeatureStoreError(f"--out {out} holds files a feature dump does not write ({', '.join(foreign[:3])}"
+                                f"{', ...' if len(foreign) > 3 else ''}): give the store a directory of its own "
+                                "(nothing was changed)")
+
+
+def load_dump_target(cfg, device, dtype):
+    """(the whole frozen target, its tokenizer or None for a random target)."""
+    if cfg.target.path is None:
+        return random_qwen3(**cfg.target.random).to(dtype).to(device), None
+    from transformers import AutoTokenizer
+    return load_target(cfg.target.path, device, dtype), AutoTokenizer.from_pretrained(cfg.target.path)
+
+
+def shard_plan(lengths: np.ndarray, included: np.ndarray, bytes_per_token: int, shard_rows: int | None):
+    """[(first row, rows)] covering the dataset in order."""
+    if shard_rows is None:
+        mean = max(1.0, float(lengths[included].mean()) if included.any() else 1.0)
+        shard_rows = max(1, int(SHARD_BYTES // (mean * bytes_per_token)))
+    return [(first, min(shard_rows, len(lengths) - first)) for first in range(0, len(lengths), shard_rows)]
+
+
+def dump(cfg, args, rank, world_size, device):
+    out = Path(args.out)
+    dtype = compute_dtype(cfg.target.dtype, device)
+    store_dtype = STORE_DTYPES[args.dtype]
+    check_prepared_thinking(cfg.data.path, cfg.target.chat_template_kwargs)
+    target, tokenizer = load_dump_target(cfg, device, dtype)
+    text = target.config.get_text_config()
+    dataset = load_prepared(cfg.data.path, text.vocab_size)
+    layer_ids = drafter_config(text, num_layers=cfg.drafter.num_layers, block_size=cfg.drafter.block_size,
+                               mask_token_id=0, target_layer_ids=cfg.drafter.target_layer_ids,
+                               variant=OmegaConf.to_object(cfg.drafter)).dflash_config["target_layer_ids"]
+    identity = store_identity(cfg, dataset, layer_ids, args.dtype)
+    digest = identity_digest(identity)
+    lengths = np.asarray(dataset["length"])
+    included = lengths <= cfg.data.max_length
+    bytes_per_token = len(layer_ids) * text.hidden_size * store_dtype.itemsize
+    shards = shard_plan(lengths, included, bytes_per_token, args.shard_rows)
+    names = [shard_name(i, len(shards)) for i in range(len(shards))]
+    done = [shard_problem(out / name, digest, first, rows) is None for name, (first, rows) in zip(names, shards)]
+    head_bytes = (text.vocab_size * text.hidden_size * 2) * dtype.itemsize
+    tokens = int(lengths[included].sum())
+    todo_bytes = sum(int(lengths[first:first + rows][included[first:first + rows]].sum()) * bytes_per_token
+                     for (first, rows), whole in zip(shards, done) if not whole) + head_bytes
+    free = shutil.disk_usage(out).free
+    if rank == 0:
+        print(f"feature store {out}: {included.sum():,} rows, {tokens:,} tokens x {len(layer_ids)} layers "
+              f"{layer_ids} x {text.hidden_size} hidden x {store_dtype.itemsize} B ({args.dtype}) = "
+              f"{size_text(tokens * bytes_per_token)} + embedding and LM head {size_text(head_bytes)}, in "
+              f"{len(shards)} shards ({sum(done)} already whole); {(~included).sum()} rows over data.max_length="
+              f"{cfg.data.max_length} left out; to write {size_text(todo_bytes)}, free on its disk {size_text(free)}",
+              flush=True)
+    if todo_bytes > free:
+        raise FeatureStoreError(f"--out {out}: the store needs {size_text(todo_bytes)} more and its disk has "
+                                f"{size_text(free)} free: free space or choose another --out")
+    index = {"format": FORMAT, "identity": identity, "hidden_size": text.hidden_size, "complete": False,
+             "shards": [{"file": name, "first_row": first, "rows": rows} for name, (first, rows) in zip(names, shards)]}
+    if rank == 0:
+        start_index(out, index)
+        write_head(out, target, tokenizer, dtype)
+    dist.barrier()
+    features = TargetFeatures(target, form_tp_group(1), device)
+    for i in range(rank, len(shards), world_size):  # what a killed dump of this store left half written
+        (out / (names[i] + ".tmp")).unlink(missing_ok=True)
+    mine = [i for i in range(rank, len(shards), world_size) if not done[i]]
+    rows_todo = sum(int(included[shards[i][0]:sum(shards[i])].sum()) for i in mine)
+    bar = progress_bar(total=rows_todo, desc=f"rank {rank} features", unit="row", enabled=rank == 0)
+    started, written_tokens = time.perf_counter(), 0
+    for i in mine:
+        first, rows = shards[i]
+        written_tokens += write_one_shard(out / names[i], dataset, first, rows, included, features, layer_ids,
+                                          store_dtype, cfg.data.tokens_per_batch, digest, bar)
+        bar.set_postfix_str(f"{written_tokens / (time.perf_counter() - started):,.0f} tokens/s", refresh=False)
+    bar.close()
+    dist.barrier()
+    if rank == 0:
+        finish_index(out, index, digest)
+
+
+def start_index(out: Path, index: dict):
+    """Write the index (not complete); a directory holding another store's index is refused by field."""
+    path = out / INDEX
+    if path.exists():
+        existing = json.loads(path.read_text())
+        problem = identity_mismatch(existing.get("identity", {}), index["identity"])
+        planned = [{k: shard[k] for k in ("file", "first_row", "rows")} for shard in existing.get("shards", [])]
+        if problem is None and planned != index["shards"]:
+            problem = "shards: another plan (--shard-rows or the dataset differ)"
+        if problem:
+            raise FeatureStoreError(f"--out {out} holds another feature store ({problem}); give this one its own "
+                                    "directory (nothing was changed)")
+    write_json(path, index)
+
+
+def finish_index(out: Path, index: dict, digest: str):
+    for shard in index["shards"]:
+        if problem := shard_problem(out / shard["file"], digest, shard["first_row"], shard["rows"]):
+            raise FeatureStoreError(f"{out / shard['file']}: {problem} after the dump")
+        shard["bytes"] = (out / shard["file"]).stat().st_size
+    write_json(out / INDEX, {**index, "complete": True})
+    print(f"feature store {out}: complete ({len(index['shards'])} shards)", flush=True)
+
+
+def write_json(path: Path, value: dict):
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value, indent=1))
+    os.replace(tmp, path)
+
+
+def write_head(out: Path, target, tokenizer, dtype):
+    """The target's input embedding and LM head, its config and tokenizer: all training reads of it."""
+    head = {"embedding": target.get_input_embeddings().weight.detach().cpu().contiguous(),
+            "lm_head": target.get_output_embeddings().weight.detach().cpu().contiguous()}
+    if head["embedding"].data_ptr() == head["lm_head"].data_ptr():  # tied: safetensors refuses shared memory
+        head["lm_head"] = head["lm_head"].clone()
+    tmp = out / (HEAD + ".tmp")
+    save_file(head, str(tmp), metadata={"input_embedding_scale": str(input_embedding_scale(target)),
+                                        "dtype": DTYPE_NAMES.get(dtype, str(dtype))})
+    os.replace(tmp, out / HEAD)
+    target.config.save_pretrained(out / TARGET_DIR)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out / TARGET_DIR)
+
+
+@torch.no_grad()
+def write_one_shard(path: Path, dataset, first: int, rows: int, included, features, layer_ids, store_dtype,
+                    tokens_per_batch: int, digest: str, bar) -> int:
+    """Features of rows [first, first + rows) (those up to data.max_length), batched by the token budget; returns
+    the tokens written."""
+    members = [first + i for i in range(rows) if included[first + i]]
+    parts, offsets, keys = [], [0], []
+    for batch_rows in token_batches(members, dataset, tokens_per_batch):
+        records = [dataset[r] for r in batch_rows]
+        batch = collate(records, bucket=0)
+        computed, _ = features(batch["input_ids"].to(features.device), layer_ids)
+        for j, record in enumerate(records):
+            length = len(record["input_ids"])
+            parts.append(computed[j, :length].to(store_dtype).cpu())
+            offsets.append(offsets[-1] + length)
+            keys.append(row_key(record["input_ids"]))
+        bar.update(len(batch_rows))
+    width = len(layer_ids) * features.target.config.get_text_config().hidden_size
+    stacked = torch.cat(parts) if parts else torch.zeros((0, width), dtype=store_dtype)
+    write_shard(path, stacked, torch.tensor(offsets, dtype=torch.int64), torch.tensor(keys, dtype=torch.int64),
+                {"identity": digest, "first_row": str(first), "rows": str(rows)})
+    return offsets[-1]
+
+
+def token_batches(members: list[int], dataset, tokens_per_batch: int):
+    """Consecutive rows, as many as fit the token budget at their longest (one at least)."""
+    lengths = dataset.select(members)["length"] if members else []
+    batch, longest = [], 0
+    for row, length in zip(members, lengths):
+        if batch and (len(batch) + 1) * max(longest, length) > tokens_per_batch:
+            yield batch
+            batch, longest = [], 0
+        batch.append(row)
+        longest = max(longest, length)
+    if batch:
+        yield batch
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""The offline feature store (data/features.py, drafter/data/feature_store.py): the features it holds are
+training's own, bit for bit, on any batch; the plan, resume and the refusals of a dump; the refusals of
+a store that does not match the run or is not whole. Through the launchers (slow): a two-rank dump, and
+training from the store equal to training online."""
+import json
+import os
+import shutil
+from collections import namedtuple
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from data import features as features_cli
+from drafter.config import load_config
+from drafter.data.feature_store import FeatureStore, FeatureStoreError, store_refusal
+from drafter.data.sampler import collate
+from drafter.infra.run_lock import acquire
+from drafter.target.model import random_qwen3
+from drafter.target.tensor_parallel import TargetFeatures, form_tp_group
+from runs import write_run
+
+
+def dump(cfg: Path, out: Path, *extra: str) -> int:
+    return features_cli.main(["--cfg", str(cfg), "--data", str(cfg.parent / "data"), "--out", str(out), *extra])
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("store")
+    cfg = write_run(tmp)
+    assert dump(cfg, tmp / "store", "--shard-rows", "40") == 0
+    return cfg, tmp / "store"
+
+
+def test_stored_features_are_the_online_features_of_any_batch(store):
+    """Rows batched as training batches them (widths not a multiple of 16 among them) get exactly what
+    the target's feature pass gives that batch."""
+    cfg, out = store
+    settings = load_config(str(cfg))
+    target = random_qwen3(**settings.target.random)
+    online = TargetFeatures(target, form_tp_group(1), torch.device("cpu"))
+    stored = FeatureStore(str(out))
+    rows = datasets.load_from_disk(str(cfg.parent / "data"))
+    # a row alone whose length ends in the last 8 of a 16-wide chunk is padded to a width that is not
+    # a multiple of 16: the CPU kernels' vector tails then reach its real positions
+    tails = [i for i, length in enumerate(rows["length"]) if 0 < length % 16 <= 8][:3]
+    for members in ([0, 1, 2], *([i] for i in tails), [7, 30, 90, 150], [100, 3]):
+        batch = collate([rows[i] for i in members], bucket=0)
+        expected, _ = online(batch["input_ids"], stored.layer_ids)
+        got = stored.features(batch["input_ids"], batch["lengths"])
+        for i, length in enumerate(batch["lengths"].tolist()):
+            assert torch.equal(got[i, :length], expected[i, :length]), (members, i)
+
+
+def test_the_plan_is_printed_and_a_killed_dump_resumes_keeping_whole_shards(store, tmp_path, capsys):
+    cfg, whole = store
+    out = tmp_path / "store"
+    shutil.copytree(whole, out)
+    (out / "run.lock").unlink()
+    shards = sorted(out.glob("shard-*.safetensors"))
+    assert len(shards) == 4
+    kept = shards[0].stat().st_mtime_ns
+    with open(shards[1], "r+b") as f:  # as a kill -9 mid-write could not leave it (rename), but a bad disk could
+        f.truncate(shards[1].stat().st_size - 100)
+    shards[2].unlink()
+    index = json.loads((out / "index.json").read_text())
+    (out / "index.json").write_text(json.dumps({**index, "complete": False}))
+    (out / (shards[3].name + ".tmp")).write_bytes(b"half")  # what a killed dump leaves
+    with pytest.raises(FeatureStoreError, match="dump has not finished"):
+        FeatureStore(str(out))
+    capsys.readouterr()
+    assert dump(cfg, out, "--shard-rows", "40") == 0
+    printed = capsys.readouterr().out
+    tokens = sum(datasets.load_from_disk(str(cfg.parent / "data"))["length"])
+    assert f"160 rows, {tokens:,} tokens x 1 layers [2] x 64 hidden x 4 B (fp32)" in printed
+    assert "in 4 shards (2 already whole)" in printed and "free on its disk" in printed
+    assert shards[0].stat().st_mtime_ns == kept  # skipped, not rewritten
+    assert FeatureStore(str(out)).rows.keys() == FeatureStore(str(whole)).rows.keys()
+    for shard in shards:
+        rewritten, first = load_file(shard), load_file(whole / shard.name)
+        assert all(torch.equal(rewritten[k], first[k]) for k in first), shard.name
+    assert not list(out.glob("*.tmp"))
+
+
+def test_a_dump_refuses_foreign_files_a_full_disk_and_a_busy_directory(store, tmp_path, capsys, monkeypatch):
+    cfg, _ = store
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    assert dump(cfg, foreign) == 2
+    assert "holds files a feature dump does not write (notes.txt)" in capsys.readouterr().err
+    assert sorted(p.name for p in foreign.iterdir()) == ["notes.txt"]  # nothing written, nothing deleted
+
+    busy = tmp_path / "busy"
+    with acquire(str(busy)):  # a dump already writing there
+        assert dump(cfg, busy) == 2
+    assert "is in use by another live run" in capsys.readouterr().err
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(features_cli.shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 1000, 1000))
+    small = tmp_path / "small"
+    assert dump(cfg, small) == 2
+    assert "needs 2.56 MiB more and its disk has 0.00 MiB free" in capsys.readouterr().err
+    assert not list(small.glob("shard-*")) and not (small / "index.json").exists()
+
+
+def test_a_store_that_is_not_whole_is_refused_naming_the_file(store, tmp_path):
+    _, whole = store
+    out = tmp_path / "store"
+    shutil.copytree(whole, out)
+    shard = out / "shard-00002-of-00004.safetensors"
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 1)
+    with pytest.raises(FeatureStoreError, match=f"shard {shard}: truncated"):
+        FeatureStore(str(out))
+    shard.unlink()
+    with pytest.raises(FeatureStoreError, match=f"shard {shard}: missing"):
+        FeatureStore(str(out))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("drafter.target_layer_ids=[1]", "layer_ids (drafter.target_layer_ids): the store has [2], this run [1]"),
+    ("target.dtype=bf16", "dtype (target.dtype): the store has 'fp32', this run 'bf16'"),
+    ("target.random.seed=3", "target.random: the store has {"),
+    ("data.max_length=256", "data.max_length (data.max_length): the store has 128, this run 256"),
+])
+def test_a_store_that_disagrees_with_the_run_is_refused_naming_the_field(store, override, message):
+    cfg, out = store
+    settings = load_config(str(cfg), [override])
+    layer_ids = list(settings.drafter.target_layer_ids or [2])
+    dtype = torch.bfloat16 if "bf16" in override else torch.float32
+    assert message in store_refusal(FeatureStore(str(out)), settings, layer_ids, dtype)
+    assert store_refusal(FeatureStore(str(out)), load_config(str(cfg)), [2], torch.float32) is None
+
+
+def test_another_dataset_is_refused(store, tmp_path):
+    cfg, out = store
+    rows = datasets.load_from_disk(str(cfg.parent / "data"))
+    rows.select(range(159)).save_to_disk(str(tmp_path / "fewer"))
+    settings = load_config(str(cfg), [f"data.path={tmp_path / 'fewer'}"])
+    assert "dataset (data.path): the store has" in store_refusal(FeatureStore(str(out)), settings, [2], torch.float32)
