@@ -9,7 +9,9 @@
 config -> distributed init -> data -> resume decision -> target -> drafter -> engine -> loop ->
 checkpoints. Every rank holds a frozen copy of the target (or, at target.tp_size G, its share of a copy
 that G consecutive ranks hold together: drafter/target/tensor_parallel.py) and gets its own batch's
-features; only the drafter is trained, through the engine interface of drafter/infra/engine.py.
+features; only the drafter is trained, through the engine interface of drafter/infra/engine.py. With
+data.features (a store written by data/features.py) the features are read from the store instead, and
+of the target only its embedding and LM head load (docs/features.md).
 """
 import argparse
 import hashlib
@@ -31,12 +33,14 @@ from transformers import AutoTokenizer
 
 from drafter.config import ConfigError, ObjectiveConfig, load_config, lr_factor, noise_std
 from drafter.data.datasets import DataError, load_datasets
+from drafter.data.feature_store import (FeatureStore, StoreFeatures, load_stored_head, store_model_config,
+                                        store_refusal)
 from drafter.data.sampler import held_out_share, make_loader, plan_notes, sampler_from_config
 from drafter.infra.checkpoint import (ResumeError, TrainerState, agree_on_checkpoint, check_resumable, load_checkpoint,
                                       remove_partial_saves, run_identity, save_checkpoint, set_aside_previous_run)
 from drafter.infra.collectives import all_reduce_sum, any_rank
 from drafter.infra.engine import build_engine, engine_settings
-from drafter.infra.launch import LaunchError, init_distributed, remove_cpu_allreduce_buffer
+from drafter.infra.launch import LaunchError, init_distributed, remove_cpu_allreduce_buffer, set_cpu_threads
 from drafter.infra.memory_plan import MemoryPlanError, check_fits, plan_inputs, plan_memory, target_model_config
 from drafter.infra.progress import StageTimer
 from drafter.infra.run_lock import RunDirectoryBusy, hold_run_directory
@@ -90,7 +94,7 @@ def main(argv=None):
 
 def train(cfg, rank, world_size, device) -> int:
     if device.type == "cpu":
-        set_cpu_threads(cfg)
+        set_cpu_threads(cfg.train.threads_per_rank)
     stop = StopRequest()
     data, model_config, ds_config = prepare_data(cfg, rank, world_size, device)
     resume_from, saved, notes = decide_resume(cfg, rank, data.identity, data.position)  # before any model loads
@@ -149,12 +153,6 @@ class RunParts:
     stops: list[int]
 
 
-def set_cpu_threads(cfg):
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-    threads = cfg.train.threads_per_rank or max(1, (os.cpu_count() or 1) // local_ranks)
-    torch.set_num_threads(threads)
-
-
 def node_ranks(world_size: int) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
 
@@ -165,7 +163,9 @@ def prepare_data(cfg, rank, world_size, device):
     if device.type == "cpu" and attention_kernel(cfg.objective.attention, device) != "dense":
         raise ConfigError(f"objective.attention={cfg.objective.attention}: flex_attention has no backward on "
                           "the CPU in this torch; train with dense there (auto)")
-    model_config = target_model_config(cfg.target.path, cfg.target.random)
+    check_store_settings(cfg)
+    model_config = (store_model_config(cfg.data.features) if cfg.data.features
+                    else target_model_config(cfg.target.path, cfg.target.random))
     text_config = model_config.get_text_config()
     check_tensor_parallel(model_config, cfg.target.tp_size, node_ranks(world_size), world_size)
     ds_config = engine_settings(cfg, world_size, device, compute_dtype(cfg.target.dtype, device),
@@ -186,6 +186,25 @@ def prepare_data(cfg, rank, world_size, device):
     data = RunData(train_set, sampler, eval_set, eval_set.select(eval_rows), eval_sampler, sampler.stats(0),
                    steps_per_epoch, total_steps, run_identity(cfg), data_position(cfg, sampler, world_size, ds_config))
     return data, model_config, ds_config
+
+
+def check_store_settings(cfg):
+    """What a run cannot do without the target's weights, refused before anything loads."""
+    if not cfg.data.features:
+        if cfg.data.eval_features:
+            raise ConfigError("data.eval_features is read only with data.features")
+        return
+    if bool(cfg.data.eval_path) != bool(cfg.data.eval_features):
+        raise ConfigError(f"data.eval_features={cfg.data.eval_features} with data.eval_path={cfg.data.eval_path}: "
+                          "the held-out rows of data.eval_path need their own store (data/features.py --data "
+                          "<data.eval_path>), and without data.eval_path they are in data.features")
+    if cfg.objective.labels == "target":
+        raise ConfigError(f"objective.labels=target needs the target's logits, and the feature store "
+                          f"{cfg.data.features} holds none: train online (data.features=null) or with data labels")
+    if cfg.train.generate_every:
+        raise ConfigError(f"train.generate_every={cfg.train.generate_every}: generation runs the target, which "
+                          "is not loaded with data.features; set train.generate_every=0 (the eval steps' "
+                          "replayed tau reads the store)")
 
 
 def data_position(cfg, sampler, world_size, ds_config) -> dict:
@@ -217,8 +236,14 @@ def build_run(cfg, rank, world_size, device, data: RunData, model_config, ds_con
     dtype = compute_dtype(cfg.target.dtype, device)
     check_memory_plan(cfg, model_config, world_size, device, dtype, ds_config, rank)
     tp_group = form_tp_group(cfg.target.tp_size)
+    stores = {key: FeatureStore(OmegaConf.select(cfg, key)) for key in ("data.features", "data.eval_features")
+              if OmegaConf.select(cfg, key)}
     target, tokenizer = build_target_and_tokenizer(cfg, device, dtype, tp_group)
     drafter = build_drafter(cfg, target, tokenizer, (data.train_set, data.eval_set), rank)
+    for key, store in stores.items():
+        data_key = "data.eval_path" if key == "data.eval_features" else "data.path"
+        if refusal := store_refusal(store, cfg, drafter.target_layer_ids, dtype, data_key):
+            raise DataError(refusal)
     generate_prompts = generation_prompts(cfg, tokenizer, data.eval_set)
     # every rank probes (the same forwards: under tp each is a collective over the group)
     probe = probe_decoding(target) if generate_prompts else None
@@ -229,7 +254,8 @@ def build_run(cfg, rank, world_size, device, data: RunData, model_config, ds_con
     attention = attention_kernel(cfg.objective.attention, device)
     objective = OmegaConf.to_object(cfg.objective)
     engine = build_engine(cfg, drafter, device, dtype, ds_config)
-    target_features = TargetFeatures(target, tp_group, device, final_hidden=objective.labels == "target")
+    target_features = (StoreFeatures(list(stores.values())) if stores
+                       else TargetFeatures(target, tp_group, device, final_hidden=objective.labels == "target"))
     return RunParts(cfg, rank, world_size, device, dtype, data, target, target_features, engine, objective,
                     attention, generate_prompts, stops)
 
@@ -245,11 +271,20 @@ def check_memory_plan(cfg, model_config, world_size, device, dtype, ds_config, r
 
 
 def build_target_and_tokenizer(cfg, device, dtype, tp_group):
-    """The frozen target: whole, or this rank's share of its tensor-parallel group's copy."""
+    """The frozen target: whole, or this rank's share of its tensor-parallel group's copy; with
+    data.features, only what the drafter reads of it (embedding, LM head, config, tokenizer) from the store."""
+    if cfg.data.features:
+        return load_stored_head(cfg.data.features, device, dtype), stored_tokenizer(cfg.data.features)
     if cfg.target.path is None:
         return shard_target(random_qwen3(**cfg.target.random).to(dtype), tp_group).to(device), None
     tokenizer = AutoTokenizer.from_pretrained(cfg.target.path)
     return load_tp_target(cfg.target.path, tp_group, device, dtype), tokenizer
+
+
+def stored_tokenizer(directory: str):
+    """The target's tokenizer as the feature dump saved it (None for a random target)."""
+    path = Path(directory) / "target"
+    return AutoTokenizer.from_pretrained(str(path)) if (path / "tokenizer_config.json").is_file() else None
 
 
 def build_drafter(cfg, target, tokenizer, data, rank):
@@ -435,7 +470,7 @@ def micro_step(run: RunParts, batch, step, micro, noise, timers: StageTimer):
     loss_mask = batch["loss_mask"].to(run.device, non_blocking=True)
     drafter = run.engine.module
     with timers("target"):
-        features, final_hidden = run.target_features(input_ids, drafter.target_layer_ids)
+        features, final_hidden = run.target_features(input_ids, drafter.target_layer_ids, batch["lengths"])
         features = add_feature_noise(features, noise, len(drafter.target_layer_ids),
                                      step_generator(run.cfg.run.seed, step, run.rank, 1 + micro, run.device))
     with timers("drafter"):
@@ -523,7 +558,8 @@ def evaluate(run: RunParts, drafter):
     for i in range(run.target_features.most_in_group(len(batches))):
         batch = batches[i] if i < len(batches) else None
         input_ids = batch["input_ids"].to(run.device) if batch else None
-        features, final_hidden = run.target_features(input_ids, drafter.target_layer_ids)
+        features, final_hidden = run.target_features(input_ids, drafter.target_layer_ids,
+                                                     batch["lengths"] if batch else None)
         if batch is None:
             continue
         for k, v in eval_metrics(run, drafter, features, final_hidden, batch, i).items():

@@ -33,7 +33,7 @@ from drafter.data.feature_store import (DTYPE_NAMES, FORMAT, HEAD, INDEX, OWN_FI
                                         FeatureStoreError, identity_digest, identity_mismatch, row_key, shard_name,
                                         shard_problem, store_identity, write_shard)
 from drafter.data.sampler import collate
-from drafter.infra.launch import LaunchError, init_distributed
+from drafter.infra.launch import LaunchError, init_distributed, set_cpu_threads
 from drafter.infra.memory_plan import size_text
 from drafter.infra.progress import progress_bar
 from drafter.infra.run_lock import RunDirectoryBusy, hold_run_directory
@@ -114,6 +114,8 @@ def shard_plan(lengths: np.ndarray, included: np.ndarray, bytes_per_token: int, 
 
 def dump(cfg, args, rank, world_size, device):
     out = Path(args.out)
+    if device.type == "cpu":
+        set_cpu_threads(cfg.train.threads_per_rank)
     dtype = compute_dtype(cfg.target.dtype, device)
     store_dtype = STORE_DTYPES[args.dtype]
     check_prepared_thinking(cfg.data.path, cfg.target.chat_template_kwargs)

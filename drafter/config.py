@@ -171,6 +171,8 @@ class DataConfig:
     num_workers: int = 2
     prefetch_factor: int = 4
     seed: int = 0
+    features: Optional[str] = None   # a feature store of data.path (data/features.py): no target forward, no target weights
+    eval_features: Optional[str] = None  # with data.features: the store of data.eval_path
 
 
 @dataclass

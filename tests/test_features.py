@@ -3,8 +3,9 @@ training's own, bit for bit, on any batch; the plan, resume and the refusals of 
 a store that does not match the run or is not whole. Through the launchers (slow): a two-rank dump, and
 training from the store equal to training online."""
 import json
-import os
+import re
 import shutil
+import subprocess
 from collections import namedtuple
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from drafter.data.sampler import collate
 from drafter.infra.run_lock import acquire
 from drafter.target.model import random_qwen3
 from drafter.target.tensor_parallel import TargetFeatures, form_tp_group
-from runs import write_run
+from runs import REPO, VENV_BIN, _env, free_port, records, run_to_end, train_losses, write_run
 
 
 def dump(cfg: Path, out: Path, *extra: str) -> int:
@@ -142,3 +143,78 @@ def test_another_dataset_is_refused(store, tmp_path):
     rows.select(range(159)).save_to_disk(str(tmp_path / "fewer"))
     settings = load_config(str(cfg), [f"data.path={tmp_path / 'fewer'}"])
     assert "dataset (data.path): the store has" in store_refusal(FeatureStore(str(out)), settings, [2], torch.float32)
+
+
+# ----------------------------------------------------------------------------- through the launchers
+
+def dump_on_two_ranks(cfg: Path, out: Path, *extra: str) -> str:
+    """data/features.py on two CPU ranks through torchrun."""
+    cmd = [str(VENV_BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
+           str(REPO / "data" / "features.py"), "--cfg", str(cfg), "--data", str(cfg.parent / "data"),
+           "--out", str(out), *extra]
+    done = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout + done.stderr
+
+
+def checkpoint_tensors(step_dir: Path) -> dict:
+    """Every tensor a checkpoint holds: the exported drafter, each rank's RNG state, the engine's weights
+    and optimizer state (DeepSpeed's .pt files or DCP's shards, read back as tensors)."""
+    tensors = {}
+    for path in sorted(step_dir.rglob("*.safetensors")):
+        tensors.update({f"{path.relative_to(step_dir)}:{k}": v for k, v in load_file(path).items()})
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+    for path in sorted(step_dir.rglob("*.pt")):
+        with torch.serialization.safe_globals([LossScaler, ZeroStageEnum, fragment_address]):  # what DeepSpeed pickles beside tensors
+            collect(torch.load(path, map_location="cpu", weights_only=True), str(path.relative_to(step_dir)), tensors)
+    return tensors
+
+
+def collect(value, prefix: str, out: dict):
+    if torch.is_tensor(value):
+        out[prefix] = value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            collect(v, f"{prefix}.{k}", out)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            collect(v, f"{prefix}.{i}", out)
+
+
+@pytest.mark.slow
+def test_training_from_an_fp32_store_equals_training_online(reference_run, tmp_path):
+    """The two-rank ZeRO-2 reference run (deepspeed, online), and the same run reading a store that two
+    ranks dumped through torchrun: the same loss at every step, the same eval, the same checkpoint."""
+    tmp, cfg, _ = reference_run
+    store = tmp_path / "store"
+    printed = dump_on_two_ranks(cfg, store, "--shard-rows", "30")
+    assert "complete (6 shards)" in printed
+    offline = tmp_path / "offline"
+    out = run_to_end(cfg, f"run.out_dir={offline}", f"data.features={store}", "train.generate_every=0")
+    assert re.search(r"target weights +0.00 MiB", out) and "target embed + head" in out
+    assert train_losses(offline) == train_losses(tmp / "run")
+    assert [r["loss"] for r in records(offline, "eval")] == [r["loss"] for r in records(tmp / "run", "eval")]
+    online, stored = checkpoint_tensors(tmp / "run" / "checkpoints" / "step_24"), checkpoint_tensors(
+        offline / "checkpoints" / "step_24")
+    assert online.keys() == stored.keys() and len(online) > 10
+    for key in online:
+        assert torch.equal(online[key], stored[key]), key
+
+
+@pytest.mark.slow
+def test_a_store_that_disagrees_or_is_not_whole_stops_training_in_one_line(reference_run, tmp_path):
+    tmp, cfg, _ = reference_run
+    store = tmp_path / "store"
+    assert dump(cfg, store, "--shard-rows", "60") == 0
+    common = [f"data.features={store}", "train.generate_every=0", "data.num_workers=0", "train.max_steps=2"]
+    out = run_to_end(cfg, f"run.out_dir={tmp_path / 'a'}", *common, "drafter.target_layer_ids=[1]",
+                     launcher="python", expect=2)
+    assert (f"error: data.features={store} does not match this run: layer_ids (drafter.target_layer_ids): "
+            "the store has [2], this run [1]") in out and "Traceback" not in out
+    shard = store / "shard-00001-of-00003.safetensors"
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size // 2)
+    out = run_to_end(cfg, f"run.out_dir={tmp_path / 'b'}", *common, launcher="python", expect=2)
+    assert f"error: feature store shard {shard}: truncated" in out and "Traceback" not in out

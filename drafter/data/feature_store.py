@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.compute as pc
 import torch
+from omegaconf import OmegaConf
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
@@ -125,7 +126,6 @@ def target_file_identity(path: str | None, random: dict | None) -> dict:
 def store_identity(cfg, dataset, layer_ids: list[int], dtype: str) -> dict:
     """The store's identity for the run config `cfg` over `dataset` (the dump records it; training
     compares every field it can know)."""
-    from omegaconf import OmegaConf
     random = OmegaConf.to_container(cfg.target.random) if cfg.target.random is not None else None
     return {"target.path": cfg.target.path, "target.random": random,
             **target_file_identity(cfg.target.path, random),
@@ -206,19 +206,22 @@ CONFIG_KEYS = {"layer_ids": "drafter.target_layer_ids", "dtype": "target.dtype",
                "dataset_rows": "data.path", "data.max_length": "data.max_length"}
 
 
-def store_refusal(store: "FeatureStore", cfg, layer_ids: list[int], dtype: torch.dtype) -> str | None:
+def store_refusal(store: "FeatureStore", cfg, layer_ids: list[int], dtype: torch.dtype,
+                  data_key: str = "data.path") -> str | None:
     """Why a run of `cfg` (its drafter reading `layer_ids`, computing in `dtype`) cannot train from
-    `store`, in one line naming the field and both values; None when it can. Fields this machine
-    cannot know (a target whose files are not here) are not compared."""
+    `store`, the store of the dataset at `data_key` (data.path or data.eval_path), in one line naming the
+    field and both values; None when it can. Fields this machine cannot know (a target whose files are
+    not here) are not compared."""
     import datasets
-    expected = store_identity(cfg, datasets.load_from_disk(cfg.data.path), layer_ids,
+    expected = store_identity(cfg, datasets.load_from_disk(OmegaConf.select(cfg, data_key)), layer_ids,
                               DTYPE_NAMES.get(dtype, str(dtype)))
     if store.identity.get("data.max_length", 0) >= cfg.data.max_length:  # it holds every row the run reads
         expected["data.max_length"] = None
     for field, value in expected.items():
         if value is not None and store.identity.get(field) != value:
-            key = f" ({CONFIG_KEYS[field]})" if field in CONFIG_KEYS else ""
-            return (f"data.features={store.directory} does not match this run: {field}{key}: the store has "
+            key = f" ({CONFIG_KEYS[field]})".replace("data.path", data_key) if field in CONFIG_KEYS else ""
+            setting = "data.features" if data_key == "data.path" else "data.eval_features"
+            return (f"{setting}={store.directory} does not match this run: {field}{key}: the store has "
                     f"{store.identity.get(field)!r}, this run {value!r}")
     return None
 
@@ -256,41 +259,52 @@ class FeatureStore:
         self.dtype = STORE_DTYPES[self.identity["dtype"]]
         self.width = len(self.layer_ids) * self.index["hidden_size"]
 
+    def row_features(self, key: int, length: int) -> torch.Tensor | None:
+        """The features [length, K*H] of the row with this key, or None when the store does not hold it."""
+        row = self.rows.get(key)
+        if row is None or row.end - row.start != length:
+            return None
+        return self.files[row.shard].get_slice("features")[row.start:row.end]
+
     def features(self, input_ids: torch.Tensor, lengths) -> torch.Tensor:
-        out = torch.zeros((*input_ids.shape, self.width), dtype=self.dtype)
-        ids = input_ids.cpu()
-        for i, length in enumerate(lengths.tolist() if torch.is_tensor(lengths) else lengths):
-            tokens = ids[i, :length].numpy()
-            row = self.rows.get(row_key(tokens))
-            if row is None or row.end - row.start != length:
-                raise FeatureStoreError(f"{self.directory}: no row with these {length} tokens (first "
-                                        f"{tokens[:8].tolist()}) in the store: it was written for another dataset")
-            out[i, :length] = self.files[row.shard].get_slice("features")[row.start:row.end]
-        return out.to(input_ids.device)
+        return batch_features([self], input_ids, lengths)
+
+
+def batch_features(stores: list[FeatureStore], input_ids: torch.Tensor, lengths) -> torch.Tensor:
+    """A batch's features [b, T, K*H] from the first of `stores` that holds each row (zeros past each
+    row's length, where features are never read); a row none holds is refused, named by its tokens."""
+    out = torch.zeros((*input_ids.shape, stores[0].width), dtype=stores[0].dtype)
+    ids = input_ids.cpu()
+    for i, length in enumerate(lengths.tolist() if torch.is_tensor(lengths) else lengths):
+        tokens = ids[i, :length].numpy()
+        key = row_key(tokens)
+        row = next((f for f in (store.row_features(key, length) for store in stores) if f is not None), None)
+        if row is None:
+            raise FeatureStoreError(f"{', '.join(str(s.directory) for s in stores)}: no row with these {length} "
+                                    f"tokens (first {tokens[:8].tolist()}): the store was written for another dataset")
+        out[i, :length] = row
+    return out.to(input_ids.device)
 
 
 class StoreFeatures:
-    """TargetFeatures' interface over a FeatureStore: what micro_step and evaluate call for a batch's
-    features when data.features is set (no final hidden states: the store holds none)."""
+    """TargetFeatures' interface over feature stores (data.features, and data.eval_features for the
+    rows of data.eval_path): what micro_step and evaluate call for a batch's features (no final hidden
+    states: a store holds none)."""
 
-    def __init__(self, store: FeatureStore, device: torch.device):
-        self.store, self.device = store, device
+    def __init__(self, stores: list[FeatureStore]):
+        self.stores = stores
 
     def __call__(self, input_ids, layer_ids, lengths=None):
         if input_ids is None:
             return None, None
-        if list(layer_ids) != self.store.layer_ids:
-            raise FeatureStoreError(f"{self.store.directory}: layer_ids: the store has {self.store.layer_ids}, "
-                                    f"the drafter reads {list(layer_ids)}")
-        return self.store.features(input_ids, lengths), None
+        for store in self.stores:
+            if list(layer_ids) != store.layer_ids:
+                raise FeatureStoreError(f"{store.directory}: layer_ids: the store has {store.layer_ids}, "
+                                        f"the drafter reads {list(layer_ids)}")
+        return batch_features(self.stores, input_ids, lengths), None
 
     def most_in_group(self, count: int) -> int:
         return count
-
-    @property
-    def group(self):
-        from drafter.target.tensor_parallel import form_tp_group
-        return form_tp_group(1)
 
 
 class StoredHead(nn.Module):

@@ -41,13 +41,15 @@ from drafter.nested import flatten
 STEP_DIR = re.compile(r"^step_(\d+)$")
 # Keys that may change when a run is resumed: how long it runs, logging, saving, evaluation, where
 # things live, per-cluster tuning (target.tp_size too: the features, and so the data position and the
-# trajectory, are those of tp 1). Every other key defines the run.
+# trajectory, are those of tp 1; data.features too: a store gives the features the target would). Every
+# other key defines the run.
 RESUMABLE_KEYS = ("run.name", "run.out_dir", "target.tp_size", "objective.chunk_bytes", "train.epochs", "train.max_steps", "train.schedule_steps", "train.log_every",
                   "train.save_every", "train.eval_every", "train.eval_batches", "train.keep_last",
                   "train.resume", "train.max_bad_steps", "train.threads_per_rank", "train.profile_timing",
                   "train.dist_timeout_minutes", "train.ds_config", "train.tau_budgets", "train.generate_every",
                   "train.generate_prompts", "train.generate_max_prompts", "train.generate_max_new_tokens",
-                  "train.generate_max_seconds", "data.num_workers", "data.prefetch_factor", "fsdp", "wandb")
+                  "train.generate_max_seconds", "data.num_workers", "data.prefetch_factor", "data.features", "fsdp",
+                  "wandb")
 RUN_FILES = ("checkpoints", "metrics.jsonl", "config.yaml", "wandb")  # what a run writes in out_dir
 
 

@@ -109,6 +109,12 @@ def local_device() -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+def set_cpu_threads(threads_per_rank: int | None) -> None:
+    """Torch's CPU threads for this rank: `threads_per_rank`, or the cores shared by the node's ranks."""
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    torch.set_num_threads(threads_per_rank or max(1, (os.cpu_count() or 1) // local_ranks))
+
+
 def launched_world_size() -> int:
     """The world size the launcher (deepspeed, torchrun, srun, or none: 1) started this process in;
     sets torch.distributed's variables from SLURM's where srun launched it."""

@@ -1,7 +1,8 @@
 """The per-GPU memory plan of a run, computed from configs alone (no weights load):
 
     target weights        dtype bytes x (the parameters the family's tp plan splits / target.tp_size
-                          + the rest: embedding, LM head, norms, routers), counted on the meta device
+                          + the rest: embedding, LM head, norms, routers), counted on the meta device;
+                          0 with data.features (a feature store), where its embedding and LM head alone load
     drafter weights       under the engine: DeepSpeed keeps them whole except at ZeRO-3; FSDP2 shards
     drafter gradients     in the compute dtype (DeepSpeed; sharded from ZeRO-2) or fp32 shards (FSDP2)
     optimizer state       AdamW m and v (fp32), or with optim.name=muon torch.optim.Muon's one fp32
@@ -59,6 +60,7 @@ class PlanInputs:
     drafter_layers: int
     target_labels: bool       # objective.labels=target: the loss reads the target's final hidden states
     loss_chunk_peak: int      # bytes of logits alive at a loss chunk's peak (objective.loss_chunk_peak_bytes)
+    head_params: int = 0      # with features from a store (data.features): the embedding and LM head alone load
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,10 @@ class MemoryPlan:
 def plan_memory(p: PlanInputs) -> MemoryPlan:
     n, w = p.world_size, p.dtype_bytes
     whole = p.target_params - p.target_split_params
-    gpu = {"target weights": math.ceil((whole + p.target_split_params / p.tp_size) * w)}
+    if p.head_params:
+        gpu = {"target weights": 0, "target embed + head": p.head_params * w}
+    else:
+        gpu = {"target weights": math.ceil((whole + p.target_split_params / p.tp_size) * w)}
     optimizer = MUON_BYTES * p.muon_params + ADAM_BYTES * (p.drafter_params - p.muon_params)
     if p.engine == "fsdp":  # fp32 shards of weights and gradients; the optimizers' state of the shard
         state = {"drafter weights": 4 * p.drafter_params / n, "drafter gradients": 4 * p.drafter_params / n,
@@ -121,7 +126,7 @@ def activation_bytes(p: PlanInputs) -> int:
     t, w, h = p.tokens_per_batch, p.dtype_bytes, p.hidden_size
     rows = p.anchors * p.block_size
     features = t * p.feature_layers * h * w                       # the target's output, the drafter's input
-    target_layer = t * (4 * h + 3 * p.intermediate_size // p.tp_size) * w  # one layer's working set
+    target_layer = 0 if p.head_params else t * (4 * h + 3 * p.intermediate_size // p.tp_size) * w  # one layer's working set
     context = t * h * w + p.drafter_layers * t * 2 * p.kv_width * w  # fc output; K/V of the context
     per_layer = rows * (8 * h + 4 * p.intermediate_size) * w     # norms, q/k/v/o, attention out, MLP
     return features + max(target_layer, context + p.drafter_layers * per_layer + sum(loss_parts(p).values()))
@@ -239,4 +244,5 @@ def plan_inputs(cfg, model_config, world_size: int, ds_config: dict | None, dtyp
         feature_layers=len(draft.dflash_config["target_layer_ids"]), drafter_layers=cfg.drafter.num_layers,
         target_labels=cfg.objective.labels == "target",
         loss_chunk_peak=loss_chunk_peak_bytes(objective, text.vocab_size,
-                                              anchors_per_micro_batch(cfg) * (cfg.drafter.block_size - 1)))
+                                              anchors_per_micro_batch(cfg) * (cfg.drafter.block_size - 1)),
+        head_params=2 * text.vocab_size * text.hidden_size if cfg.data.get("features") else 0)
