@@ -5,6 +5,7 @@ training from the store equal to training online."""
 import json
 import re
 import shutil
+import signal
 import subprocess
 from collections import namedtuple
 from pathlib import Path
@@ -21,7 +22,8 @@ from drafter.data.sampler import collate
 from drafter.infra.run_lock import acquire
 from drafter.target.model import random_qwen3
 from drafter.target.tensor_parallel import TargetFeatures, form_tp_group
-from runs import REPO, VENV_BIN, _env, free_port, records, run_to_end, train_losses, write_run
+from runs import (REPO, VENV_BIN, _env, free_port, kill_job, launch, records, run_to_end, train_losses, wait_for_step,
+                  write_run)
 
 
 def dump(cfg: Path, out: Path, *extra: str) -> int:
@@ -218,3 +220,26 @@ def test_a_store_that_disagrees_or_is_not_whole_stops_training_in_one_line(refer
         f.truncate(shard.stat().st_size // 2)
     out = run_to_end(cfg, f"run.out_dir={tmp_path / 'b'}", *common, launcher="python", expect=2)
     assert f"error: feature store shard {shard}: truncated" in out and "Traceback" not in out
+
+
+@pytest.mark.slow
+def test_fsdp2_from_a_store_killed_and_resumed_equals_fsdp2_online(tmp_path):
+    """torchrun, train.engine=fsdp: a run from the store, SIGKILLed mid-epoch and resumed, gives the
+    uninterrupted online run's loss at every step and its exported drafter."""
+    cfg = write_run(tmp_path, max_steps=16, save_every=6, eval_every=1000, generate_every=0)
+    store = tmp_path / "store"
+    assert dump(cfg, store, "--shard-rows", "80") == 0
+    online, offline = tmp_path / "online", tmp_path / "offline"
+    run_to_end(cfg, f"run.out_dir={online}", "train.engine=fsdp", launcher="torchrun")
+    proc = launch(cfg, f"run.out_dir={offline}", "train.engine=fsdp", f"data.features={store}", launcher="torchrun")
+    wait_for_step(offline, 9, proc)
+    kill_job(proc, signal.SIGKILL)
+    proc.wait()
+    assert not (offline / "checkpoints" / "step_16").exists()  # killed mid-run, past its step 6 save
+    out = run_to_end(cfg, f"run.out_dir={offline}", "train.engine=fsdp", f"data.features={store}",
+                     launcher="torchrun")
+    assert "resumed from" in out
+    assert train_losses(offline) == train_losses(online)
+    exported = [load_file(run / "checkpoints" / "step_16" / "drafter" / "model.safetensors") for run in (online, offline)]
+    assert exported[0].keys() == exported[1].keys()
+    assert all(torch.equal(exported[0][k], exported[1][k]) for k in exported[0])
