@@ -16,6 +16,7 @@ dump into a directory one is writing (the run lock).
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -87,13 +88,15 @@ def check_out_dir(out: Path):
         return
     if not out.is_dir():
         raise FeatureStoreError(f"--out {out}: not a directory")
-    foreign = sorted(p.name for p in out.iterdir()
-                     if p.name not in OWN_FILES and not (p.name.startswith("shard-") and
-                                                         p.name.endswith((".safetensors", ".safetensors.tmp"))))
+    foreign = sorted(p.name for p in out.iterdir() if not is_own_file(p.name.removesuffix(".tmp")))
     if foreign:
         raise FeatureStoreError(f"--out {out} holds files a feature dump does not write ({', '.join(foreign[:3])}"
                                 f"{', ...' if len(foreign) > 3 else ''}): give the store a directory of its own "
                                 "(nothing was changed)")
+
+
+def is_own_file(name: str) -> bool:
+    return name in OWN_FILES or re.fullmatch(r"shard-\d{5}-of-\d{5}\.safetensors", name) is not None
 
 
 def load_dump_target(cfg, device, dtype):
