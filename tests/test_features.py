@@ -243,3 +243,31 @@ def test_fsdp2_from_a_store_killed_and_resumed_equals_fsdp2_online(tmp_path):
     exported = [load_file(run / "checkpoints" / "step_16" / "drafter" / "model.safetensors") for run in (online, offline)]
     assert exported[0].keys() == exported[1].keys()
     assert all(torch.equal(exported[0][k], exported[1][k]) for k in exported[0])
+
+
+def test_a_disk_that_fills_mid_dump_keeps_the_whole_shards_and_resumes(store, tmp_path, capsys, monkeypatch):
+    import errno
+
+    from drafter.data import feature_store
+    cfg, whole = store
+    out = tmp_path / "store"
+    written = []
+    real_save = feature_store.save_file
+
+    def fill_up(tensors, path, metadata):
+        if len(written) == 2:
+            Path(path).write_bytes(b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        written.append(path)
+        real_save(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(feature_store, "save_file", fill_up)
+    assert dump(cfg, out, "--shard-rows", "40") == 2
+    err = capsys.readouterr().err
+    assert "shard-00002-of-00004.safetensors: could not be written (No space left on device)" in err
+    assert sorted(p.name for p in out.glob("shard-*")) == ["shard-00000-of-00004.safetensors",
+                                                         "shard-00001-of-00004.safetensors"]
+    monkeypatch.setattr(feature_store, "save_file", real_save)
+    assert dump(cfg, out, "--shard-rows", "40") == 0
+    assert "(2 already whole)" in capsys.readouterr().out
+    assert FeatureStore(str(out)).rows.keys() == FeatureStore(str(whole)).rows.keys()
