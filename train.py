@@ -189,19 +189,25 @@ def prepare_data(cfg, rank, world_size, device):
 
 
 def check_store_settings(cfg):
-    """What a run cannot do without the target's weights, refused before anything loads."""
+    """What a run from a feature store cannot do, refused before anything loads: without the target's
+    weights (data.features_missing=error), whatever needs the target itself."""
     if not cfg.data.features:
         if cfg.data.eval_features:
             raise ConfigError("data.eval_features is read only with data.features")
         return
-    if bool(cfg.data.eval_path) != bool(cfg.data.eval_features):
-        raise ConfigError(f"data.eval_features={cfg.data.eval_features} with data.eval_path={cfg.data.eval_path}: "
-                          "the held-out rows of data.eval_path need their own store (data/features.py --data "
-                          "<data.eval_path>), and without data.eval_path they are in data.features")
+    generate = cfg.data.features_missing == "generate"
+    if cfg.data.eval_features and not cfg.data.eval_path:
+        raise ConfigError(f"data.eval_features={cfg.data.eval_features} without data.eval_path: the held-out "
+                          "rows of data.path are in data.features")
+    if cfg.data.eval_path and not cfg.data.eval_features and not generate:
+        raise ConfigError(f"data.eval_path={cfg.data.eval_path} needs its own store: data.eval_features=DIR "
+                          "(data/features.py --data <data.eval_path>)")
+    if generate and cfg.target.tp_size > 1:
+        raise ConfigError("data.features_missing=generate computes a rank's missing rows alone: use target.tp_size=1")
     if cfg.objective.labels == "target":
         raise ConfigError(f"objective.labels=target needs the target's logits, and the feature store "
                           f"{cfg.data.features} holds none: train online (data.features=null) or with data labels")
-    if cfg.train.generate_every:
+    if cfg.train.generate_every and not generate:
         raise ConfigError(f"train.generate_every={cfg.train.generate_every}: generation runs the target, which "
                           "is not loaded with data.features; set train.generate_every=0 (the eval steps' "
                           "replayed tau reads the store)")
@@ -254,8 +260,9 @@ def build_run(cfg, rank, world_size, device, data: RunData, model_config, ds_con
     attention = attention_kernel(cfg.objective.attention, device)
     objective = OmegaConf.to_object(cfg.objective)
     engine = build_engine(cfg, drafter, device, dtype, ds_config)
-    target_features = (StoreFeatures(list(stores.values())) if stores
-                       else TargetFeatures(target, tp_group, device, final_hidden=objective.labels == "target"))
+    online = TargetFeatures(target, tp_group, device, final_hidden=objective.labels == "target")
+    generate = online if cfg.data.features_missing == "generate" else None  # rows no store holds
+    target_features = StoreFeatures(list(stores.values()), generate) if stores else online
     return RunParts(cfg, rank, world_size, device, dtype, data, target, target_features, engine, objective,
                     attention, generate_prompts, stops)
 
@@ -273,7 +280,7 @@ def check_memory_plan(cfg, model_config, world_size, device, dtype, ds_config, r
 def build_target_and_tokenizer(cfg, device, dtype, tp_group):
     """The frozen target: whole, or this rank's share of its tensor-parallel group's copy; with
     data.features, only what the drafter reads of it (embedding, LM head, config, tokenizer) from the store."""
-    if cfg.data.features:
+    if cfg.data.features and cfg.data.features_missing == "error":
         return load_stored_head(cfg.data.features, device, dtype), stored_tokenizer(cfg.data.features)
     if cfg.target.path is None:
         return shard_target(random_qwen3(**cfg.target.random).to(dtype), tp_group).to(device), None

@@ -173,6 +173,7 @@ class DataConfig:
     seed: int = 0
     features: Optional[str] = None   # a feature store of data.path (data/features.py): no target forward, no target weights
     eval_features: Optional[str] = None  # with data.features: the store of data.eval_path
+    features_missing: str = "error"  # a row no store holds: error (named) | generate (the target, loaded too, computes it)
 
 
 @dataclass
@@ -279,6 +280,7 @@ def choices() -> dict[str, tuple]:
             "objective.normalize": tuple(NORMALIZATIONS),
             "objective.anchor_candidates": ANCHOR_CANDIDATES,
             "train.engine": ENGINES,
+            "data.features_missing": ("error", "generate"),
             "optim.name": OPTIMIZERS,
             "wandb.mode": (None, "online", "offline", "disabled")}
 POSITIVE = ("target.tp_size", "drafter.num_layers", "objective.num_anchors", "objective.ddtree_budget",

@@ -271,3 +271,27 @@ def test_a_disk_that_fills_mid_dump_keeps_the_whole_shards_and_resumes(store, tm
     assert dump(cfg, out, "--shard-rows", "40") == 0
     assert "(2 already whole)" in capsys.readouterr().out
     assert FeatureStore(str(out)).rows.keys() == FeatureStore(str(whole)).rows.keys()
+
+
+@pytest.mark.slow
+def test_hybrid_rows_the_store_lacks_are_computed_by_the_target_bit_for_bit(store, tmp_path):
+    """data.features_missing=generate over a store of half the rows: the online run's losses; without it
+    the same store is refused, naming the dataset."""
+    cfg, _ = store
+    rows = datasets.load_from_disk(str(cfg.parent / "data"))
+    half = tmp_path / "half"
+    rows.select(range(80)).save_to_disk(str(half))
+    shutil.copy(cfg.parent / "data" / "stats.json", half / "stats.json")
+    partial = tmp_path / "partial"
+    assert features_cli.main(["--cfg", str(cfg), "--data", str(half), "--out", str(partial)]) == 0
+    common = ["train.max_steps=6", "train.eval_every=3", "data.num_workers=0"]
+    run_to_end(cfg, f"run.out_dir={tmp_path / 'online'}", *common, launcher="python")
+    out = run_to_end(cfg, f"run.out_dir={tmp_path / 'hybrid'}", *common, f"data.features={partial}",
+                     "data.features_missing=generate", launcher="python")
+    assert "done: 6 steps" in out
+    assert train_losses(tmp_path / "hybrid") == train_losses(tmp_path / "online")
+    assert [r["loss"] for r in records(tmp_path / "hybrid", "eval")] == [
+        r["loss"] for r in records(tmp_path / "online", "eval")]
+    out = run_to_end(cfg, f"run.out_dir={tmp_path / 'strict'}", *common, f"data.features={partial}",
+                     "train.generate_every=0", launcher="python", expect=2)
+    assert f"error: data.features={partial} does not match this run: dataset (data.path)" in out

@@ -211,12 +211,15 @@ def store_refusal(store: "FeatureStore", cfg, layer_ids: list[int], dtype: torch
     """Why a run of `cfg` (its drafter reading `layer_ids`, computing in `dtype`) cannot train from
     `store`, the store of the dataset at `data_key` (data.path or data.eval_path), in one line naming the
     field and both values; None when it can. Fields this machine cannot know (a target whose files are
-    not here) are not compared."""
+    not here) are not compared, nor, with data.features_missing=generate, the dataset (the store may
+    hold any of its rows)."""
     import datasets
     expected = store_identity(cfg, datasets.load_from_disk(OmegaConf.select(cfg, data_key)), layer_ids,
                               DTYPE_NAMES.get(dtype, str(dtype)))
     if store.identity.get("data.max_length", 0) >= cfg.data.max_length:  # it holds every row the run reads
         expected["data.max_length"] = None
+    if cfg.data.features_missing == "generate":
+        expected.update({"dataset": None, "dataset_rows": None, "data.max_length": None})
     for field, value in expected.items():
         if value is not None and store.identity.get(field) != value:
             key = f" ({CONFIG_KEYS[field]})".replace("data.path", data_key) if field in CONFIG_KEYS else ""
@@ -270,19 +273,28 @@ class FeatureStore:
         return batch_features([self], input_ids, lengths)
 
 
-def batch_features(stores: list[FeatureStore], input_ids: torch.Tensor, lengths) -> torch.Tensor:
+def batch_features(stores: list[FeatureStore], input_ids: torch.Tensor, lengths,
+                   generate=None, layer_ids=None) -> torch.Tensor:
     """A batch's features [b, T, K*H] from the first of `stores` that holds each row (zeros past each
-    row's length, where features are never read); a row none holds is refused, named by its tokens."""
+    row's length, where features are never read). A row none holds is computed by `generate` (the
+    target's feature pass, TargetFeatures) when given, else refused, named by its tokens."""
     out = torch.zeros((*input_ids.shape, stores[0].width), dtype=stores[0].dtype)
-    ids = input_ids.cpu()
+    ids, missing = input_ids.cpu(), []
     for i, length in enumerate(lengths.tolist() if torch.is_tensor(lengths) else lengths):
         tokens = ids[i, :length].numpy()
         key = row_key(tokens)
         row = next((f for f in (store.row_features(key, length) for store in stores) if f is not None), None)
-        if row is None:
+        if row is not None:
+            out[i, :length] = row
+        elif generate is None:
             raise FeatureStoreError(f"{', '.join(str(s.directory) for s in stores)}: no row with these {length} "
-                                    f"tokens (first {tokens[:8].tolist()}): the store was written for another dataset")
-        out[i, :length] = row
+                                    f"tokens (first {tokens[:8].tolist()}): the store was written for another "
+                                    "dataset (data.features_missing=generate computes such rows with the target)")
+        else:
+            missing.append(i)
+    if missing:  # the feature pass gives a row the same bits whatever else its batch holds
+        computed, _ = generate(input_ids[missing], layer_ids)
+        out[missing] = computed.to(out.dtype).cpu()
     return out.to(input_ids.device)
 
 
@@ -291,8 +303,9 @@ class StoreFeatures:
     rows of data.eval_path): what micro_step and evaluate call for a batch's features (no final hidden
     states: a store holds none)."""
 
-    def __init__(self, stores: list[FeatureStore]):
-        self.stores = stores
+    def __init__(self, stores: list[FeatureStore], generate=None):
+        self.stores, self.generate = stores, generate  # generate: TargetFeatures, for rows no store holds
+        self.group = generate.group if generate is not None else None  # generation's (hybrid only)
 
     def __call__(self, input_ids, layer_ids, lengths=None):
         if input_ids is None:
@@ -301,7 +314,7 @@ class StoreFeatures:
             if list(layer_ids) != store.layer_ids:
                 raise FeatureStoreError(f"{store.directory}: layer_ids: the store has {store.layer_ids}, "
                                         f"the drafter reads {list(layer_ids)}")
-        return batch_features(self.stores, input_ids, lengths), None
+        return batch_features(self.stores, input_ids, lengths, self.generate, layer_ids), None
 
     def most_in_group(self, count: int) -> int:
         return count

@@ -245,4 +245,5 @@ def plan_inputs(cfg, model_config, world_size: int, ds_config: dict | None, dtyp
         target_labels=cfg.objective.labels == "target",
         loss_chunk_peak=loss_chunk_peak_bytes(objective, text.vocab_size,
                                               anchors_per_micro_batch(cfg) * (cfg.drafter.block_size - 1)),
-        head_params=2 * text.vocab_size * text.hidden_size if cfg.data.get("features") else 0)
+        head_params=2 * text.vocab_size * text.hidden_size
+        if cfg.data.get("features") and cfg.data.get("features_missing", "error") == "error" else 0)
