@@ -230,7 +230,7 @@ def write_one_shard(path: Path, dataset, first: int, rows: int, included, featur
     for batch_rows in token_batches(members, dataset, tokens_per_batch):
         records = [dataset[r] for r in batch_rows]
         batch = collate(records, bucket=0)
-        computed, _ = features(batch["input_ids"].to(features.device), layer_ids)
+        computed, _ = features(batch["input_ids"].to(features.device), layer_ids, batch["lengths"])
         for j, record in enumerate(records):
             length = len(record["input_ids"])
             parts.append(computed[j, :length].to(store_dtype).cpu())

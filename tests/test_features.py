@@ -52,7 +52,7 @@ def test_stored_features_are_the_online_features_of_any_batch(store):
     tails = [i for i, length in enumerate(rows["length"]) if 0 < length % 16 <= 8][:3]
     for members in ([0, 1, 2], *([i] for i in tails), [7, 30, 90, 150], [100, 3]):
         batch = collate([rows[i] for i in members], bucket=0)
-        expected, _ = online(batch["input_ids"], stored.layer_ids)
+        expected, _ = online(batch["input_ids"], stored.layer_ids, batch["lengths"])  # as training calls it
         got = stored.features(batch["input_ids"], batch["lengths"])
         for i, length in enumerate(batch["lengths"].tolist()):
             assert torch.equal(got[i, :length], expected[i, :length]), (members, i)

@@ -71,7 +71,8 @@ def feature_code_version() -> str:
     """A hash of the source of the functions that compute the features: a store written by other code is
     refused rather than trusted."""
     from drafter.target import model, tensor_parallel
-    parts = [model.context_features, model.FeatureTap, model.layer_state, tensor_parallel.TargetFeatures._target_pass]
+    parts = [model.context_features, model.FeatureTap, model.layer_state, tensor_parallel.TargetFeatures._target_pass,
+             tensor_parallel.TargetFeatures._row_by_row]
     source = "".join(inspect.getsource(part) for part in parts) + str(tensor_parallel.FEATURE_WIDTH_MULTIPLE)
     return hashlib.sha256(source.encode()).hexdigest()[:16]
 
@@ -293,7 +294,7 @@ def batch_features(stores: list[FeatureStore], input_ids: torch.Tensor, lengths,
         else:
             missing.append(i)
     if missing:  # the feature pass gives a row the same bits whatever else its batch holds
-        computed, _ = generate(input_ids[missing], layer_ids)
+        computed, _ = generate(input_ids[missing], layer_ids, [int(lengths[i]) for i in missing])
         out[missing] = computed.to(out.dtype).cpu()
     return out.to(input_ids.device)
 

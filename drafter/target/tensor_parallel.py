@@ -168,9 +168,11 @@ class TargetFeatures:
     def __call__(self, input_ids: torch.Tensor | None, layer_ids: list[int], lengths=None):
         """(features [b, T, K*H], final hidden states [b, T, H] or None without `final_hidden`).
         Collective over the group: every member calls it the same number of times; a member with no
-        batch this time passes None (and gets (None, None)). `lengths` (the rows' real lengths) is
-        what a feature store reads rows by; the target does not need it."""
+        batch this time passes None (and gets (None, None)). With `lengths` (the rows' real lengths)
+        and a tp size of 1, a CPU computes each row alone (`_row_by_row`)."""
         if self.group.size == 1:
+            if lengths is not None and input_ids.device.type == "cpu":
+                return self._row_by_row(input_ids, layer_ids, lengths)
             return self._target_pass(input_ids, layer_ids)
         shapes = self._gather(torch.tensor(input_ids.shape if input_ids is not None else (0, 0), device=self.device))
         mine = None, None
@@ -184,10 +186,25 @@ class TargetFeatures:
                 mine = passed
         return mine
 
+    def _row_by_row(self, input_ids: torch.Tensor, layer_ids: list[int], lengths):
+        """Each row's own forward at its length rounded up to FEATURE_WIDTH_MULTIPLE (zeros past it): on
+        the CPU a batched forward gives a row other bits in another batch (the GEMM kernels block by the
+        batch's shape, the vector tails by its width), so a row's features stored once (data/features.py)
+        could not equal those of every batch it is in; alone, a row always gets the same bits."""
+        rows = [self._target_pass(input_ids[i:i + 1, :length], layer_ids)
+                for i, length in enumerate(lengths.tolist() if torch.is_tensor(lengths) else lengths)]
+        features = input_ids.new_zeros((*input_ids.shape, rows[0][0].shape[-1]), dtype=rows[0][0].dtype)
+        final = (input_ids.new_zeros((*input_ids.shape, rows[0][1].shape[-1]), dtype=rows[0][1].dtype)
+                 if self.final_hidden else None)
+        for i, (row_features, row_final) in enumerate(rows):
+            features[i, :row_features.shape[1]] = row_features[0]
+            if final is not None:
+                final[i, :row_final.shape[1]] = row_final[0]
+        return features, final
+
     def _target_pass(self, input_ids: torch.Tensor, layer_ids: list[int]):
-        """The target's forward on the batch right-padded to a multiple of FEATURE_WIDTH_MULTIPLE: the CPU
-        kernels' vectorised tails make a row's features depend on its batch's width otherwise, and
-        then a row's features stored once (data/features.py) could not equal those of every batch it is in."""
+        """The target's forward on the batch right-padded to a multiple of FEATURE_WIDTH_MULTIPLE (the
+        CPU kernels' vectorised tails would otherwise reach the last real positions)."""
         width = input_ids.shape[1]
         ids = F.pad(input_ids, (0, -width % FEATURE_WIDTH_MULTIPLE), value=PAD_TOKEN_ID)
         if self.final_hidden:
