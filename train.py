@@ -29,29 +29,32 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
-from drafter.config import ConfigError, ObjectiveConfig, load_config, lr_factor, noise_std
+from drafter.config import ConfigError, ObjectiveConfig, lr_factor, noise_std
 from drafter.data.datasets import DataError, load_datasets
 from drafter.data.sampler import held_out_share, make_loader, plan_notes, sampler_from_config
-from drafter.infra.checkpoint import (ResumeError, TrainerState, agree_on_checkpoint, check_resumable, load_checkpoint,
-                                      remove_partial_saves, run_identity, save_checkpoint, set_aside_previous_run)
 from drafter.infra.collectives import all_reduce_sum, any_rank
 from drafter.infra.engine import build_engine, engine_settings
 from drafter.infra.launch import LaunchError, init_distributed, remove_cpu_allreduce_buffer
-from drafter.infra.memory_plan import MemoryPlanError, check_fits, plan_inputs, plan_memory, target_model_config
 from drafter.infra.progress import StageTimer
 from drafter.infra.run_lock import RunDirectoryBusy, hold_run_directory
-from drafter.infra.tracking import RunLogger, Window, bucket_summary, console_line, eval_line
+from drafter.metric_sums import finalize_metrics
 from drafter.models import drafter_class, drafter_from_state_dict, load_drafter
+from drafter.models.blocks import attention_kernel
 from drafter.models.configure import drafter_config
+from drafter.models.mask_token import check_given_mask_token, choose_mask_token
 from drafter.serving.decode import stop_token_ids
 from drafter.serving.served import PromptShare, bench_prompts, generation_tau, held_out_prompts, replayed_tau
 from drafter.target.cache import probe_decoding
-from drafter.target.mask_token import check_given_mask_token, choose_mask_token
 from drafter.target.model import TargetError, compute_dtype, input_embedding_scale, random_qwen3
 from drafter.target.tensor_parallel import (TargetFeatures, TensorParallelError, check_tensor_parallel, form_tp_group,
                                             load_tp_target, shard_target)
-from drafter.training.metrics import finalize_metrics
-from drafter.training.objective import attention_kernel, training_step
+from drafter.training.checkpoint import (ResumeError, TrainerState, agree_on_checkpoint, check_resumable,
+                                         load_checkpoint, remove_partial_saves, run_identity, save_checkpoint,
+                                         set_aside_previous_run)
+from drafter.training.memory_plan import MemoryPlanError, check_fits, plan_inputs, plan_memory, target_model_config
+from drafter.training.objective import training_step
+from drafter.training.run_config import load_config
+from drafter.training.tracking import RunLogger, Window, bucket_summary, console_line, eval_line
 
 # What a user's choice of config, data or launch causes: reported as one line, without a traceback
 # (EngineConfigError is a ConfigError).
@@ -255,7 +258,7 @@ def build_target_and_tokenizer(cfg, device, dtype, tp_group):
 def build_drafter(cfg, target, tokenizer, data, rank):
     """fp32 weights (the engines keep fp32 masters and compute in the training dtype). Without
     drafter.mask_token_id the mask token is chosen from the tokenizer and the training `data`
-    (drafter/target/mask_token.py) and recorded in the export's dflash_config; one given is checked against
+    (drafter/models/mask_token.py) and recorded in the export's dflash_config; one given is checked against
     the data."""
     if cfg.drafter.init_from:
         if not (Path(cfg.drafter.init_from) / "config.json").is_file():

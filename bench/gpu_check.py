@@ -59,19 +59,19 @@ from unittest import mock
 import numpy as np
 import torch
 
-from drafter.config import ObjectiveConfig
+from drafter.config import ObjectiveConfig, resolve_gamma
 from drafter.data.sampler import BucketSampler, collate, make_buckets
 from drafter.infra.host_sync import host_syncs
 from drafter.models import DFlashDraftModel, DraftCache, compiled_graph_count
+from drafter.models.blocks import attention_kernel, build_blocks, drafter_hidden, sample_anchors
 from drafter.models.configure import drafter_config
-from drafter.serving import ddtree
-from drafter.serving.ddtree import build_tree, committed_tokens, follow_tree, tree_verify_inputs
 from drafter.serving.decode import generate, pick
 from drafter.serving.lossless import first_divergence, lossless_verdict, near_tie_share
 from drafter.target.cache import TargetCache
 from drafter.target.model import compute_dtype, context_features, feature_tap, random_qwen3
-from drafter.training.objective import (attention_kernel, build_blocks, drafter_hidden, resolve_gamma,
-                                        sample_anchors, training_step)
+from drafter.training.objective import training_step
+from drafter.tree import ddtree
+from drafter.tree.ddtree import build_tree, committed_tokens, follow_tree, tree_verify_inputs
 
 QWEN3_8B = dict(vocab_size=151_936, hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, intermediate_size=12_288, rope_theta=1e6,

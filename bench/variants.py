@@ -203,10 +203,10 @@ def replay(run: Path, data_path: str, threads: int) -> dict[str, float]:
     from omegaconf import OmegaConf
 
     from drafter.data.sampler import collate
+    from drafter.metric_sums import finalize_metrics
     from drafter.models import load_drafter
     from drafter.serving.served import replayed_tau
     from drafter.target.model import context_features, load_target
-    from drafter.training.metrics import finalize_metrics
 
     torch.set_num_threads(threads)
     config = OmegaConf.load(run / "checkpoints" / "latest" / "config.yaml")

@@ -3,7 +3,9 @@
 
 Each architecture is one model class in its own file, `dflash.py` and `dflash2.py`, keeping the
 interface `DraftModel` spells out; nothing outside this package asks which one it holds. A third
-architecture is a new file here and one entry in `ARCHITECTURES`.
+architecture is a new file here and one entry in `ARCHITECTURES`. Beside them: a drafter's blocks
+over a batch and its forward over them (blocks.py), its config from the target's (configure.py) and
+the mask token it drafts with (mask_token.py).
 """
 from typing import ClassVar, Protocol
 
@@ -15,7 +17,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 from drafter.models.dflash import DFlashDraftModel
 from drafter.models.dflash2 import CandidateSelector, DFlash2DraftModel
 from drafter.models.layers import DraftCache, LayerAttention, compiled_graph_count, layer_attention
-from drafter.serving.ddtree import DraftTree
+from drafter.tree.ddtree import DraftTree
 
 __all__ = ["ARCHITECTURES", "CandidateSelector", "DFlash2DraftModel", "DFlashDraftModel", "DraftCache", "DraftModel",
            "LayerAttention", "ServedDrafter", "architecture", "compiled_graph_count", "drafter_class",

@@ -1,45 +1,24 @@
-"""The DFlash training objective: anchors, the block mask, the weighted loss and the training metrics.
+"""A drafter's blocks over a batch: the anchors, each anchor's block, the block mask (dense SDPA /
+flex_attention) and the one drafter forward over every block of the batch. Training
+(drafter/training/objective.py) and served tau's replay (drafter/serving/served.py) build blocks here.
 
-One training forward over a right-padded batch [b, T]:
-  1. draw up to `num_anchors` anchors per sequence (positions p where x_p and x_{p+1} are supervised);
-  2. build each anchor's block [x_p, MASK x (B-1)] at positions p..p+B-1, labels x_{p+k} at slot k
+One forward over a right-padded batch [b, T]:
+  1. anchors: positions p that may start a block (`anchor_candidates`: x_p and x_{p+1} supervised),
+     up to `num_anchors` per sequence drawn by training (`sample_anchors`);
+  2. each anchor's block [x_p, MASK x (B-1)] at positions p..p+B-1, labels x_{p+k} at slot k
      (same-position labels; slot 0 gets no loss);
-  3. run all blocks of the batch in one drafter forward under the block mask: a block sees the context
+  3. all blocks of the batch in one drafter forward under the block mask: a block sees the context
      strictly before its anchor, its own block bidirectionally, nothing else (a sliding or causal
-     layer, `models.layers.LayerAttention`, sees less of both);
-  4. loss = sum_k w_k CE_k / sum_k w_k with w_k = exp(-(k-1)/gamma), computed in row chunks so the
-     full anchors x block x vocab logits never exist at once (drafter/losses/: the target's labels, KL
-     and TV, prediction-dependent weights, the first-failure cut, the expected accepted lengths of a
-     chain and of a tree, each a registered component over one chunked LM-head kernel).
+     layer, `models.layers.LayerAttention`, sees less of both).
 """
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import _DEFAULT_SPARSE_BLOCK_SIZE, create_block_mask
 
-from drafter.errors import ConfigError
-from drafter.losses import block_loss
-from drafter.losses.lm_head import chunk_rows_for, logit_softcap
 from drafter.losses.weights import position_weights
 from drafter.models.layers import FlexMask, LayerAttention, compile_dynamic
-from drafter.training.metrics import block_metrics
-
-if TYPE_CHECKING:
-    from drafter.config import ObjectiveConfig
-
-DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # DFlash paper, by block size
-
-
-def resolve_gamma(gamma: float | None, block_size: int) -> float:
-    if gamma is not None:
-        return float(gamma)
-    if block_size not in DEFAULT_GAMMA:
-        raise ConfigError(f"drafter.block_size={block_size} has no default loss gamma (the paper's are for "
-                          f"block sizes {', '.join(map(str, sorted(DEFAULT_GAMMA)))}); set objective.gamma")
-    return DEFAULT_GAMMA[block_size]
-
 
 ANCHOR_CANDIDATES = ("pair", "supervised")
 
@@ -181,31 +160,3 @@ def drafter_hidden(drafter, target, features, blocks: Blocks, attention: str) ->
         else:
             masks[layer] = flex_block_mask(anchors, T, block_size, attention == "flex_compiled", layer)
     return drafter(block_embeds, positions, features, ctx_positions, masks)[:, :num_blocks]
-
-
-def training_step(drafter, target, features, input_ids, loss_mask, cfg: "ObjectiveConfig",
-                  generator: torch.Generator, attention: str, final_hidden: torch.Tensor | None = None):
-    """One training forward: (loss, metrics). `cfg` is the config's objective section
-    (drafter.config.ObjectiveConfig); the block size and mask token are the drafter's. `metrics` maps
-    names to [sum, count] tensors so that ranks and micro-batches can be summed before dividing (see
-    `finalize_metrics`). `attention`: one of ATTENTION_KERNELS (`attention_kernel` turns the config
-    value into it). `final_hidden` [b, T, H]: the target's final-normed last hidden states, needed
-    with cfg.labels == "target"."""
-    gamma = resolve_gamma(cfg.gamma, drafter.block_size)
-    anchors, valid = sample_anchors(loss_mask, cfg.num_anchors, generator, cfg.anchors_per_batch,
-                                    cfg.anchor_candidates)
-    blocks = build_blocks(input_ids, loss_mask, anchors, valid, drafter.block_size, drafter.mask_token_id, gamma)
-    hidden = drafter_hidden(drafter, target, features, blocks, attention)
-    # Every slot after the anchor is a row (unsupervised ones weigh 0): static shapes, no host sync.
-    head = target.get_output_embeddings().weight
-    chunk_rows = chunk_rows_for(head.shape[0], cfg.chunk_bytes)
-    loss, ranks = block_loss(hidden, head, blocks, final_hidden, cfg, chunk_rows, logit_softcap(target))
-    metrics = block_metrics(hidden.detach(), head, blocks, ranks, cfg.ddtree_budget, cfg.ddtree_blocks, generator,
-                            chunk_rows)
-    auxiliary = drafter.auxiliary_loss(hidden, blocks, head, chunk_rows)
-    if auxiliary is not None:  # DFlash2's selector loss
-        auxiliary_loss, auxiliary_metrics = auxiliary
-        metrics.update(auxiliary_metrics)
-        loss = loss + cfg.selector_alpha * auxiliary_loss
-    metrics["loss"] = torch.stack([loss.detach(), loss.new_ones(())])
-    return loss, metrics

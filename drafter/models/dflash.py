@@ -22,7 +22,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3PreTrainedModel, Qwen3
 
 from drafter.models.checks import check_drafter_config
 from drafter.models.layers import DFlashDecoderLayer, DraftCache, LayerInputs, layer_attention
-from drafter.serving.ddtree import DraftTree, build_tree
+from drafter.tree.ddtree import DraftTree, build_tree
 
 
 class DFlashDraftModel(Qwen3PreTrainedModel):

@@ -1,4 +1,3 @@
-"""Serving, exactly as it is measured: the tree builder and verification walk (ddtree.py), the one
-decode loop for ar / dflash / ddtree (decode.py), served tau replayed and generated during training
+"""Serving, exactly as it is measured (the tree itself is drafter/tree/): the one decode loop for ar / dflash / ddtree (decode.py), served tau replayed and generated during training
 (served.py), the public `dflash` loop compared step by step (public_loop.py) and losslessness
 verdicts (lossless.py)."""

@@ -24,9 +24,9 @@ import torch
 
 from drafter.infra.progress import StageTimer
 from drafter.models import DraftCache
-from drafter.serving.ddtree import DraftTree, committed_tokens, follow_tree, tree_verify_inputs
 from drafter.target.cache import TargetCache, probe_decoding
 from drafter.target.model import TargetError, feature_tap, model_type
+from drafter.tree.ddtree import DraftTree, committed_tokens, follow_tree, tree_verify_inputs
 
 METHODS = ("ar", "dflash", "ddtree")
 SAMPLING = ("match", "rejection")

@@ -43,10 +43,10 @@ import torch.distributed as dist
 from drafter.data.benchmarks import load_prompts
 from drafter.data.chat import prompt_token_ids
 from drafter.losses.lm_head import chunk_rows_for
-from drafter.serving.ddtree import teacher_forced_accept
+from drafter.models.blocks import build_blocks, drafter_hidden
 from drafter.serving.decode import generate, speculative_methods, tree_verify_refusal
 from drafter.target.tensor_parallel import TPGroup
-from drafter.training.objective import build_blocks, drafter_hidden
+from drafter.tree.ddtree import teacher_forced_accept
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,42 @@
+"""The DFlash training objective: one training forward over a batch's blocks (drafter/models/blocks.py:
+anchors, blocks, the block mask, the drafter forward), the weighted loss and the training metrics.
+
+loss = sum_k w_k CE_k / sum_k w_k with w_k = exp(-(k-1)/gamma), computed in row chunks so the full
+anchors x block x vocab logits never exist at once (drafter/losses/: the target's labels, KL and TV,
+prediction-dependent weights, the first-failure cut, the expected accepted lengths of a chain and of
+a tree, each a registered component over one chunked LM-head kernel).
+"""
+import torch
+
+from drafter.config import ObjectiveConfig, resolve_gamma
+from drafter.losses import block_loss
+from drafter.losses.lm_head import chunk_rows_for, logit_softcap
+from drafter.models.blocks import build_blocks, drafter_hidden, sample_anchors
+from drafter.training.metrics import block_metrics
+
+def training_step(drafter, target, features, input_ids, loss_mask, cfg: "ObjectiveConfig",
+                  generator: torch.Generator, attention: str, final_hidden: torch.Tensor | None = None):
+    """One training forward: (loss, metrics). `cfg` is the config's objective section
+    (drafter.config.ObjectiveConfig); the block size and mask token are the drafter's. `metrics` maps
+    names to [sum, count] tensors so that ranks and micro-batches can be summed before dividing (see
+    `finalize_metrics`). `attention`: one of ATTENTION_KERNELS (`attention_kernel` turns the config
+    value into it). `final_hidden` [b, T, H]: the target's final-normed last hidden states, needed
+    with cfg.labels == "target"."""
+    gamma = resolve_gamma(cfg.gamma, drafter.block_size)
+    anchors, valid = sample_anchors(loss_mask, cfg.num_anchors, generator, cfg.anchors_per_batch,
+                                    cfg.anchor_candidates)
+    blocks = build_blocks(input_ids, loss_mask, anchors, valid, drafter.block_size, drafter.mask_token_id, gamma)
+    hidden = drafter_hidden(drafter, target, features, blocks, attention)
+    # Every slot after the anchor is a row (unsupervised ones weigh 0): static shapes, no host sync.
+    head = target.get_output_embeddings().weight
+    chunk_rows = chunk_rows_for(head.shape[0], cfg.chunk_bytes)
+    loss, ranks = block_loss(hidden, head, blocks, final_hidden, cfg, chunk_rows, logit_softcap(target))
+    metrics = block_metrics(hidden.detach(), head, blocks, ranks, cfg.ddtree_budget, cfg.ddtree_blocks, generator,
+                            chunk_rows)
+    auxiliary = drafter.auxiliary_loss(hidden, blocks, head, chunk_rows)
+    if auxiliary is not None:  # DFlash2's selector loss
+        auxiliary_loss, auxiliary_metrics = auxiliary
+        metrics.update(auxiliary_metrics)
+        loss = loss + cfg.selector_alpha * auxiliary_loss
+    metrics["loss"] = torch.stack([loss.detach(), loss.new_ones(())])
+    return loss, metrics
