@@ -1,6 +1,6 @@
 """The training config: a typed OmegaConf schema, YAML + dotlist overrides, validation.
 
-    cfg = read_config("configs/v3.yaml", ["optim.lr=3e-4", "train.max_steps=100"], choices)
+    cfg = load_yaml_config("configs/v3.yaml", ["optim.lr=3e-4", "train.max_steps=100"], choices)
 
 Unknown keys and wrong types fail here, before any model loads, with the full key path. The values a
 registered part's key may take (`objective.loss`, `drafter.arch`, ...) come from the registries, which
@@ -17,7 +17,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from drafter.errors import ConfigError
 
-__all__ = ["Config", "ConfigError", "DrafterVariant", "ObjectiveConfig", "read_config", "lr_factor", "noise_std"]
+__all__ = ["Config", "ConfigError", "DrafterVariant", "ObjectiveConfig", "load_yaml_config", "lr_factor", "noise_std"]
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -237,7 +237,7 @@ def config_error_reason(error: Exception) -> str:
     return lines[0] if lines and lines[0].strip() else type(error).__name__
 
 
-def read_config(path: str, overrides: list[str], choices: dict[str, tuple]) -> DictConfig:
+def load_yaml_config(path: str, overrides: list[str], choices: dict[str, tuple]) -> DictConfig:
     """YAML at `path` + `key.sub=value` overrides, validated against `Config` and `choices` (each
     key's allowed values); names the run."""
     schema = OmegaConf.structured(Config)

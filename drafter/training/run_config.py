@@ -6,7 +6,7 @@ registers an architecture, is accepted).
 """
 from omegaconf import DictConfig
 
-from drafter.config import read_config
+from drafter.config import load_yaml_config
 from drafter.infra.engine import ENGINES, OPTIMIZERS
 from drafter.losses import BLOCK_LOSSES, DIVERGENCES, LABELS, NORMALIZATIONS, POSITION_WEIGHTS, TRUNCATIONS
 from drafter.models import ARCHITECTURES
@@ -31,4 +31,4 @@ def choices() -> dict[str, tuple]:
 def load_config(path: str, overrides: list[str] = ()) -> DictConfig:
     """YAML at `path` + `key.sub=value` overrides, validated against the schema and the registries;
     names the run. Raises ConfigError naming the file and every bad key."""
-    return read_config(path, overrides, choices())
+    return load_yaml_config(path, overrides, choices())
