@@ -52,7 +52,7 @@ from drafter.data.chat import prompt_token_ids
 from drafter.errors import model_path_problem
 from drafter.infra.launch import LaunchError, init_distributed, launched_world_size, local_device
 from drafter.infra.progress import progress_bar
-from drafter.models import ARCHITECTURES, is_drafter_config, load_drafter
+from drafter.models import load_drafter
 from drafter.serving.decode import (SAMPLING, STAGES, Method, generate, speculative_methods, stop_token_ids,
                                     tree_verify_refusal)
 from drafter.serving.lossless import BF16_TIE_TOLERANCE, first_divergence, lossless_verdict, near_tie_share
@@ -61,6 +61,7 @@ from drafter.serving.served import PromptShare, replay_steps
 from drafter.target.cache import probe_decoding
 from drafter.target.model import TargetError, compute_dtype, context_features
 from drafter.target.tensor_parallel import TensorParallelError, check_tensor_parallel, form_tp_group, load_tp_target
+from drafter.training.checkpoint import drafter_dir, read_config_json
 
 
 def parse_args(argv=None):
@@ -123,31 +124,10 @@ def parse_args(argv=None):
     return args
 
 
-def read_config(path: Path) -> dict:
-    """A config.json as a dict, or a ValueError that names the file."""
-    try:
-        config = json.loads(path.read_text())
-    except (UnicodeDecodeError, ValueError) as error:
-        raise ValueError(f"{path}: not a JSON config ({error})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path}: not a JSON config (a {type(config).__name__}, not an object)")
-    return config
-
-
-def drafter_dir(ckpt: str) -> Path:
-    """`ckpt` itself when it is a drafter dir, else its `drafter/` subdir."""
-    for candidate in (Path(ckpt), Path(ckpt) / "drafter"):
-        config = candidate / "config.json"
-        if config.is_file() and is_drafter_config(read_config(config)):
-            return candidate
-    names = " or ".join(cls.__name__ for cls in ARCHITECTURES.values())
-    raise FileNotFoundError(f"{ckpt}: no {names} config.json here or in {ckpt}/drafter")
-
-
 def target_path_of(args) -> str:
     """--target, or the target the drafter's config records."""
     directory = drafter_dir(args.ckpt)
-    recorded = (read_config(directory / "config.json").get("dflash_config") or {}).get("target_path")
+    recorded = (read_config_json(directory / "config.json").get("dflash_config") or {}).get("target_path")
     if not (args.target or recorded):
         raise ValueError(f"{directory}/config.json records no dflash_config.target_path: pass --target")
     path = args.target or recorded

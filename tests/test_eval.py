@@ -13,6 +13,7 @@ from torch.distributed import distributed_c10d as dist_c10d
 from conftest import make_drafter
 from drafter.data.benchmarks import REASON_BOXED, load_jsonl, load_prompts
 from drafter.target.model import random_qwen3
+from drafter.training.checkpoint import drafter_dir
 from drafter.target.tensor_parallel import form_tp_group
 from eval import ddtree_accept
 from tiny_tokenizer import save_tiny_tokenizer
@@ -147,7 +148,7 @@ def test_bad_prompt_lines_name_file_and_line(tmp_path):
 
 def test_ckpt_without_a_drafter_is_rejected(tmp_path):
     with pytest.raises(FileNotFoundError, match="no DFlashDraftModel"):
-        ddtree_accept.drafter_dir(str(tmp_path))
+        drafter_dir(str(tmp_path))
 
 
 def record(source, turn, output_ids, margins=()):

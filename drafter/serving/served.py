@@ -43,7 +43,7 @@ import torch.distributed as dist
 from drafter.data.benchmarks import load_prompts
 from drafter.data.chat import prompt_token_ids
 from drafter.losses.lm_head import chunk_rows_for
-from drafter.models.blocks import build_blocks, drafter_hidden
+from drafter.models.blocks import anchor_candidates, build_blocks, drafter_hidden
 from drafter.serving.decode import generate, speculative_methods, tree_verify_refusal
 from drafter.target.tensor_parallel import TPGroup
 from drafter.tree.ddtree import teacher_forced_accept
@@ -54,11 +54,10 @@ from drafter.tree.ddtree import teacher_forced_accept
 # ---------------------------------------------------------------------------------------------
 
 def every_anchor(loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(anchors [b, A], valid [b, A]): every position p with p and p + 1 supervised, in order;
-    rows with fewer get `valid=False` filler anchors at 0."""
+    """(anchors [b, A], valid [b, A]): every position p with p and p + 1 supervised (training's "pair"
+    rule, `anchor_candidates`), in order; rows with fewer get `valid=False` filler anchors at 0."""
     mask = loss_mask.bool()
-    candidates = torch.zeros_like(mask)
-    candidates[:, :-1] = mask[:, :-1] & mask[:, 1:]
+    candidates = anchor_candidates(mask, "pair")
     count = candidates.sum(1)
     width = max(int(count.max()), 1)
     order = torch.argsort((~candidates).to(torch.uint8), dim=1, stable=True)[:, :width]
