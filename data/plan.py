@@ -27,7 +27,8 @@ import numpy as np
 from omegaconf import OmegaConf
 
 from drafter.config import CONFIG_FILE_ERRORS, Config, ConfigError, config_error_reason
-from drafter.data.sampler import BucketSampler, bucket_table, plan_notes, sampler_from_config, split_holdout
+from drafter.data.sampler import BucketSampler, bucket_table, plan_notes, sampler_from_config
+from drafter.data.splits import split_holdout
 from drafter.infra.engine import deepspeed_config
 from drafter.training.memory_plan import GiB, fitting_changes, plan_inputs, plan_memory, target_model_config
 

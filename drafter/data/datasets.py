@@ -8,7 +8,7 @@ import datasets
 import numpy as np
 import pyarrow.compute as pc
 
-from drafter.data.sampler import split_holdout
+from drafter.data.splits import split_holdout
 
 TRAINING_COLUMNS = ["input_ids", "loss_mask", "length"]
 
@@ -94,7 +94,7 @@ def row_groups(dataset: datasets.Dataset, path: str) -> np.ndarray:
 def load_datasets(data_cfg, vocab_size: int, chat_template_kwargs):
     """(train, eval) prepared datasets with input_ids / loss_mask / length columns. Thinking is
     checked against `chat_template_kwargs` (the config's target.chat_template_kwargs); without
-    data.eval_path the eval split holds out whole groups (see sampler.split_holdout)."""
+    data.eval_path the eval split holds out whole groups (see splits.split_holdout)."""
     paths = {"data.path": data_cfg.path, "data.eval_path": data_cfg.eval_path}
     for key, path in paths.items():
         local = None if path is None or "://" in path else Path(path).expanduser()  # as load_from_disk reads it

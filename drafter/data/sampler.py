@@ -40,8 +40,7 @@ PAD_MULTIPLE = 8  # batches are padded to a multiple of 8 tokens (capped at the 
 SORT_WINDOW = 32  # batches' worth of tokens sorted together: larger -> less padding, less mixing
 PAD_TOKEN_ID = 0  # any id works: padded positions are masked out of attention and loss
 
-_EPOCH_STREAM = 0
-_HOLDOUT_STREAM = 1
+_EPOCH_STREAM = 0  # the seed's stream for epoch plans; splits.py's hold-out draws on stream 1
 
 
 def _rng(seed: int, *stream: int) -> np.random.Generator:
@@ -406,25 +405,6 @@ def held_out_share(lengths, max_length: int, tokens_per_batch: int, world_size: 
     batch, so every row is evaluated once (one bucket: small splits would lose batches to remainders)."""
     rows = np.arange(rank, len(lengths), world_size)
     return rows, BucketSampler(np.asarray(lengths)[rows], [max_length], tokens_per_batch, seed=seed)
-
-
-def split_holdout(groups, eval_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """(train, eval) row indices, each sorted. `groups` holds one label per row; whole groups are
-    held out: in a seeded random order, each group that brings the held-out count closer to
-    round(eval_fraction * rows) is taken. Rows of one source document never straddle the split."""
-    if not 0.0 <= eval_fraction < 1.0:
-        raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
-    _, row_group, sizes = np.unique(np.asarray(groups), return_inverse=True, return_counts=True)
-    target = int(round(len(row_group) * eval_fraction))
-    held, count = [], 0
-    for group in _rng(seed, _HOLDOUT_STREAM).permutation(len(sizes)):
-        if count >= target:
-            break
-        if abs(count + sizes[group] - target) < target - count:
-            held.append(group)
-            count += int(sizes[group])
-    is_held = np.isin(row_group, held)
-    return np.flatnonzero(~is_held), np.flatnonzero(is_held)
 
 
 def sampler_from_config(lengths, data_cfg, world_size: int = 1, rank: int = 0,
