@@ -5,10 +5,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.gpu_check import ReplayDrafter
 from bench.tree_build import heapq_tree, topk_logprobs, trees_equal
 from conftest import make_drafter
 from drafter.serving.decode import generate, speculative_sample
+from drafter.serving.testing import ReplayDrafter
 from drafter.target.cache import TargetCache
 from drafter.target.model import feature_tap
 from drafter.tree import ddtree

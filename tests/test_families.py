@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bench.gpu_check import ReplayDrafter
 from conftest import MASK_ID, make_drafter
 from drafter.models import DraftCache
 from drafter.serving.decode import TreeVerifyUnsupported, generate
+from drafter.serving.testing import ReplayDrafter
 from drafter.target.model import TargetError, context_features, decoder_layers, looped_layers, select_features
 from families import FAMILIES, RECURRENT, family_config, random_target
 
