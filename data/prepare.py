@@ -154,7 +154,7 @@ def tokenize_row(row: dict, target: str, enable_thinking: bool, system_prompt: s
         if not truncate:
             return result | {"reason": "too_long", "length": len(input_ids)}
         input_ids, loss_mask = input_ids[:max_length], loss_mask[:max_length]
-    if chat.longest_run(loss_mask) < MIN_SUPERVISED_RUN:
+    if chat.longest_supervised_run(loss_mask) < MIN_SUPERVISED_RUN:
         return result | {"reason": "too_little_supervision", "length": len(input_ids)}
     answers = supervised_runs(input_ids, loss_mask)
     if any(repeating_tail(ids if row["truncated"] else ids[:-1]) for ids in answers):

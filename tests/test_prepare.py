@@ -279,9 +279,9 @@ def test_missing_or_unreadable_files_are_named(target, tmp_path):
         run(target, tmp_path, [str(empty)])
 
 
-def test_longest_run():
+def test_longest_supervised_run():
     masks = ([], [0, 0], [1], [1, 0, 1, 1, 0, 1], [0, 1, 1, 1])
-    assert [chat.longest_run(mask) for mask in masks] == [0, 0, 1, 2, 3]
+    assert [chat.longest_supervised_run(mask) for mask in masks] == [0, 0, 1, 2, 3]
 
 
 @pytest.mark.parametrize("answer", ["    return x + 1\n", "\n    return x + 1\n"])

@@ -683,6 +683,6 @@ def tokenize_conversation(tokenizer, messages: list[dict], enable_thinking: bool
     return list(encoding["input_ids"]), tokens_in_spans(encoding["offset_mapping"], spans)
 
 
-def longest_run(mask: list[int]) -> int:
+def longest_supervised_run(mask: list[int]) -> int:
     """Length of the longest run of consecutive 1s."""
     return max(map(len, bytes(mask).split(b"\x00")))
