@@ -112,7 +112,7 @@ class ObjectiveConfig:
     ddtree_budget: int = 64
     ddtree_blocks: int = 16
     attention: str = "auto"        # auto (flex_compiled on CUDA, dense elsewhere) | flex_compiled | flex | dense
-                                   # (objective.attention_kernel; flex: eager, materialises the scores)
+                                   # (models.blocks.attention_kernel; flex: eager, materialises the scores)
     labels: str = "data"           # data | target: the target's own next-token distribution (distillation)
     loss: str = "ce"               # ce | kl (forward KL to the target's distribution; needs labels=target)
                                    # | tv (tv_ce_weight x CE + the rest x total variation; labels=target)

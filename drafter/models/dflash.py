@@ -69,7 +69,7 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
 
     def auxiliary_loss(self, hidden, blocks, head_weight, chunk_rows: int):
         """(loss, metrics) that this architecture adds to the block loss from the training forward's
-        final states `hidden` [b, A, B, H] and the batch's `blocks` (objective.Blocks), or None:
+        final states `hidden` [b, A, B, H] and the batch's `blocks` (models.blocks.Blocks), or None:
         nothing for DFlash."""
         return None
 

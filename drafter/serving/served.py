@@ -1,9 +1,10 @@
 """Served acceptance length (tau) during training: replayed under teacher forcing, and generated.
 
 tau is the tokens committed per target verify forward, bonus included (docs/design.md, "tau"). The
-random-anchor metrics of `objective.rank_metrics` (`anchor_streak`, ...) are not tau: they average the
-accepted length over uniformly random anchors, while serving lands on one anchor every L(p) tokens,
-so a run of L accepted tokens is one step when served but L anchors, each with a long streak, there.
+random-anchor metrics of `training.metrics.rank_metrics` (`anchor_streak`, ...) are not tau: they
+average the accepted length over uniformly random anchors, while serving lands on one anchor every
+L(p) tokens, so a run of L accepted tokens is one step when served but L anchors, each with a long
+streak, there.
 
 Replay (`replay_steps`, `replayed_tau`). One masked drafter forward per chunk of anchors scores a block
 at every response position p (the training forward: the block sees the target's features of
@@ -188,7 +189,7 @@ def mean_tau(steps_per_response: list[list[int]]) -> torch.Tensor:
 def replayed_tau(drafter, target, features, input_ids, loss_mask, budgets, attention: str,
                  **chunking) -> dict[str, torch.Tensor]:
     """{`tau_dflash`, `tau_ddtree@B`: [sum, count]} over the batch's responses, to be summed over
-    batches and ranks and divided (objective.finalize_metrics)."""
+    batches and ranks and divided (metric_sums.finalize_metrics)."""
     steps = replay_steps(drafter, target, features, input_ids, loss_mask, budgets, attention, **chunking)
     return {f"tau_{method}": mean_tau(responses) for method, responses in steps.items()}
 

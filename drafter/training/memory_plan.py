@@ -16,7 +16,7 @@ the plan is for sizing a run and catching one that cannot fit, not for accountin
 Distillation (objective.labels=target) runs every target layer, but without gradient one layer's
 working set is alive at a time, as for features alone; it adds the final hidden states [tokens, H]
 kept for the loss, their rows gathered per block slot [rows, H], and its loss chunks hold both
-sides' logits (objective.loss_chunk_peak_bytes: total variation, objective.loss=tv, holds as many as
+sides' logits (losses.loss_chunk_peak_bytes: total variation, objective.loss=tv, holds as many as
 KL; the block losses, objective.loss=expected_chain and expected_tree, are a pass of CE rows like
 D-PACE's).
 """
@@ -58,7 +58,7 @@ class PlanInputs:
     feature_layers: int
     drafter_layers: int
     target_labels: bool       # objective.labels=target: the loss reads the target's final hidden states
-    loss_chunk_peak: int      # bytes of logits alive at a loss chunk's peak (objective.loss_chunk_peak_bytes)
+    loss_chunk_peak: int      # bytes of logits alive at a loss chunk's peak (losses.loss_chunk_peak_bytes)
 
 
 @dataclass(frozen=True)
