@@ -324,7 +324,7 @@ def plan_batches(count: int) -> list[dict]:
 
 @pytest.mark.slow  # compiles with inductor on the CPU: about a minute
 def test_compiled_flex_equals_dense_and_compiles_once_for_all_shapes(target, monkeypatch):
-    """Issue 13 item 1: the training forward through the compiled path (compiled block mask, compiled
+    """The training forward through the compiled path (compiled block mask, compiled
     flex_attention, selected by attention="flex_compiled", not by the device) over 12 batch shapes of
     a real plan gives the dense path's logits and loss, for a drafter with a sliding causal layer and
     a full one (contract 11). Bound: one compilation of the block mask (the layer kinds differ only
@@ -373,7 +373,7 @@ def test_compiled_flex_equals_dense_and_compiles_once_for_all_shapes(target, mon
 
 
 def test_a_micro_step_waits_on_the_host_once(target, monkeypatch):
-    """Issue 10 item 9: a micro step's library work (target features, training_step forward and
+    """A micro step's library work (target features, training_step forward and
     backward) makes one host sync, the anchor count (the drafter's input shape). The old code made
     42 here (8 loss chunks): one per chunk, four more in each of the 7 chunks holding sampled
     blocks, three nonzero, the anchor count, the target's packed-sequence check and the tree

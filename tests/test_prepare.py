@@ -308,7 +308,7 @@ def test_loss_mask_marks_tokens_by_first_character():
     assert chat.tokens_in_spans(offsets, [(4, 7)]) == [0, 0, 1, 0, 0]
 
 
-# --- issue 9: real corpora ---------------------------------------------------------------------
+# --- real corpora: odd rows repaired or counted, never the end of a run ---------------------------
 
 def test_repairable_and_unreadable_rows_never_end_the_run(target, tokenizer, tmp_path):
     good = {"messages": [user("Hi there"), assistant("Hello world!")]}
@@ -628,7 +628,7 @@ def test_a_truncated_answer_keeps_its_text_but_not_its_closing_token(target, tok
     assert stats["flags"]["truncated"] == {"rows": 1, "examples": [f"{path}:1"]}
 
 
-# --- issue 14: groups and loops ------------------------------------------------------------------
+# --- groups (rows of one source document) and loops -----------------------------------------------
 
 def test_rows_record_their_group(target, tmp_path):
     def row(**fields):

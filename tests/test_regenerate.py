@@ -408,7 +408,7 @@ def test_local_batches_stay_full_whatever_the_number_of_turns(tmp_path):
     assert all(rows[str(i)] == [user(f"q{i}"), assistant(f"re: q{i}")] for i in range(1, 5))
 
 
-# --- issue 9: odd rows, a misbehaving server, signals ---------------------------------------------
+# --- odd rows, a misbehaving server, signals ------------------------------------------------------
 
 def write_rows(path, rows) -> str:
     """Rows are objects (dumped) or raw JSON lines."""
