@@ -39,7 +39,6 @@ the prompts, and each group's first rank reports.
 """
 import argparse
 import json
-import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -50,7 +49,7 @@ from transformers import AutoConfig, AutoTokenizer
 from drafter.data.benchmarks import load_prompts
 from drafter.data.chat import prompt_token_ids
 from drafter.errors import model_path_problem
-from drafter.infra.launch import LaunchError, init_distributed, launched_world_size, local_device
+from drafter.infra.launch import LaunchError, init_distributed, launched_world_size, local_device, local_world_size
 from drafter.infra.progress import progress_bar
 from drafter.models import load_drafter
 from drafter.serving.decode import (SAMPLING, STAGES, Method, generate, speculative_methods, stop_token_ids,
@@ -141,7 +140,7 @@ def tensor_parallel_group(args, target_path: str, world: int, device: torch.devi
     """This rank's group of --tp ranks, after checking that the target can be split so (before it loads)."""
     try:
         check_tensor_parallel(AutoConfig.from_pretrained(target_path), args.tp,
-                              int(os.environ.get("LOCAL_WORLD_SIZE", world)), world, key="--tp")
+                              local_world_size(world), world, key="--tp")
     except (TensorParallelError, OSError, ValueError) as error:  # also a hub id that cannot be fetched
         raise SystemExit(f"error: {error}") from None
     return form_tp_group(args.tp, backend="nccl" if device.type == "cuda" else None)

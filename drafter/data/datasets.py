@@ -9,11 +9,12 @@ import numpy as np
 import pyarrow.compute as pc
 
 from drafter.data.splits import split_holdout
+from drafter.errors import UserError
 
 TRAINING_COLUMNS = ["input_ids", "loss_mask", "length"]
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A prepared dataset that training cannot use, named with the reason (a user error, not a bug)."""
 
 

@@ -34,6 +34,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 from transformers.utils import logging as transformers_logging
 
+from drafter.errors import UserError
 from drafter.infra.collectives import every_rank
 from drafter.models import ARCHITECTURES, drafter_from_state_dict, is_drafter_config
 from drafter.nested import flatten
@@ -51,7 +52,7 @@ RESUMABLE_KEYS = ("run.name", "run.out_dir", "target.tp_size", "objective.chunk_
 RUN_FILES = ("checkpoints", "metrics.jsonl", "config.yaml", "wandb")  # what a run writes in out_dir
 
 
-class ResumeError(RuntimeError):
+class ResumeError(UserError, RuntimeError):
     def __init__(self, message: str, per_rank: bool = False):
         super().__init__(message)
         self.per_rank = per_rank  # the message differs between ranks

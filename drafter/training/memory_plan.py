@@ -26,6 +26,8 @@ from dataclasses import dataclass, replace
 import torch
 from omegaconf import OmegaConf
 
+from drafter.errors import UserError
+
 GiB = 2**30
 ADAM_BYTES = 8    # fp32 m and v per parameter
 MUON_BYTES = 4    # torch.optim.Muon's fp32 momentum buffer per parameter
@@ -150,7 +152,7 @@ def fitting_changes(p: PlanInputs, gpu_bytes: int, node_ranks: int) -> list[str]
             if plan_memory(changed).total <= gpu_bytes]
 
 
-class MemoryPlanError(RuntimeError):
+class MemoryPlanError(UserError, RuntimeError):
     pass
 
 
