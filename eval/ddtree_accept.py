@@ -47,7 +47,7 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoTokenizer
 
 from drafter.data.benchmarks import load_prompts
-from drafter.data.chat import prompt_token_ids
+from drafter.data.chat_template import prompt_token_ids
 from drafter.errors import model_path_problem
 from drafter.infra.launch import LaunchError, init_distributed, launched_world_size, local_device, local_world_size
 from drafter.infra.progress import progress_bar

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from drafter.data.benchmarks import load_prompts
-from drafter.data.chat import prompt_token_ids
+from drafter.data.chat_template import prompt_token_ids
 from drafter.losses.lm_head import chunk_rows_for
 from drafter.models.blocks import anchor_candidates, build_blocks, drafter_hidden
 from drafter.serving.decode import generate, speculative_methods, tree_verify_refusal
