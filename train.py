@@ -33,7 +33,8 @@ from transformers import AutoTokenizer
 
 from drafter.config import ObjectiveConfig, lr_factor, noise_std
 from drafter.data.datasets import DataError, load_datasets
-from drafter.data.sampler import held_out_share, make_loader, plan_notes, sampler_from_config
+from drafter.data.loader import make_loader
+from drafter.data.sampler import held_out_share, plan_notes, sampler_from_config
 from drafter.errors import ConfigError, UserError
 from drafter.infra.collectives import all_reduce_sum, any_rank
 from drafter.infra.engine import build_engine, engine_settings

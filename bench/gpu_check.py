@@ -60,7 +60,8 @@ import numpy as np
 import torch
 
 from drafter.config import ObjectiveConfig, resolve_gamma
-from drafter.data.sampler import BucketSampler, collate, make_buckets
+from drafter.data.loader import collate
+from drafter.data.sampler import BucketSampler, make_buckets
 from drafter.infra.host_sync import host_syncs
 from drafter.models import DFlashDraftModel, DraftCache, compiled_graph_count
 from drafter.models.blocks import attention_kernel, build_blocks, drafter_hidden, sample_anchors

@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from drafter.data.sampler import collate  # noqa: E402
+from drafter.data.loader import collate  # noqa: E402
 from drafter.models import load_drafter  # noqa: E402
 from drafter.serving.served import mean_tau, scored_blocks, walks_of  # noqa: E402
 from drafter.target.model import context_features, load_target  # noqa: E402

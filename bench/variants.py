@@ -202,7 +202,7 @@ def replay(run: Path, data_path: str, threads: int) -> dict[str, float]:
     import torch
     from omegaconf import OmegaConf
 
-    from drafter.data.sampler import collate
+    from drafter.data.loader import collate
     from drafter.metric_sums import finalize_metrics
     from drafter.models import load_drafter
     from drafter.serving.served import replayed_tau

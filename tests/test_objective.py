@@ -7,7 +7,8 @@ import torch
 from conftest import MASK_ID, VARIANTS, fit_drafter, make_drafter
 from drafter.config import ConfigError
 from drafter.config import ObjectiveConfig, resolve_gamma
-from drafter.data.sampler import BucketSampler, collate, make_buckets
+from drafter.data.loader import collate
+from drafter.data.sampler import BucketSampler, make_buckets
 from drafter.infra.host_sync import HostSyncCounter
 from drafter.losses.lm_head import dense_lm_head_loss, top_logprobs, weighted_data_ce
 from drafter.losses.weights import position_weights
