@@ -1,5 +1,6 @@
 """The library's folders are layers (docs/design.md "Layers"): a module imports only from its own
-layer and the layers below it, and no library module imports a command-line script. Every import is
+layer and the layers below it, and no library module imports an entry point (train.py, a
+command-line script) or a test. Every import is
 read from the source with `ast`: module level, inside functions and under TYPE_CHECKING alike."""
 import ast
 from pathlib import Path
@@ -22,7 +23,7 @@ LAYERS = [
     ("serving", 6, ("drafter.serving",)),
     ("training", 7, ("drafter.training",)),
 ]
-SCRIPT_FOLDERS = ("data", "eval", "bench", "scripts")  # command lines: the library never imports them
+ENTRY_POINTS = ("train", "data", "eval", "bench", "tests")  # train.py, the command lines, the tests
 
 
 def module_name(path: Path) -> str:
@@ -43,7 +44,7 @@ def imports(path: Path, source: str) -> list[tuple[int, str]]:
     """(line, imported module) for every import statement in `source` (the file at `path`), at any
     depth. `from a import b` counts as a.b where a.b is a module of the library, else as a."""
     tree = ast.parse(source, filename=str(path))
-    package = module_name(path).split(".") if path.name == "__init__.py" else module_name(path).split(".")[:-1]
+    package = module_name(path).split(".")[:None if path.name == "__init__.py" else -1]
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -72,8 +73,8 @@ def layering_problems(path: Path, source: str) -> list[str]:
         return [f"{where}: in no layer (add its folder to LAYERS and to docs/design.md)"]
     problems = []
     for line, module in imports(path, source):
-        if module.split(".")[0] in SCRIPT_FOLDERS:
-            problems.append(f"{where}:{line}: library layer {here[0]} imports the script {module}")
+        if module.split(".")[0] in ENTRY_POINTS:
+            problems.append(f"{where}:{line}: library layer {here[0]} imports the entry point {module}")
             continue
         there = layer_of(module)
         if there is None or there[0] == here[0]:
@@ -99,7 +100,8 @@ def test_every_library_module_imports_only_its_layer_and_those_below():
     ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from drafter.training.objective import x\n",
      "3: layer models imports drafter.training.objective of layer training, which is above it"),
     ("from ..serving import decode\n", "1: layer models imports drafter.serving.decode of layer serving, which is above it"),
-    ("import eval.ddtree_accept\n", "1: library layer models imports the script eval.ddtree_accept"),
+    ("import eval.ddtree_accept\n", "1: library layer models imports the entry point eval.ddtree_accept"),
+    ("def f():\n    from train import step_generator\n", "2: library layer models imports the entry point train"),
     ("from drafter.losses.lm_head import top_logprobs\nfrom . import layers\n", None),
 ])
 def test_an_import_against_the_order_is_named_with_its_file_line_and_layers(source, problem):
