@@ -18,6 +18,8 @@ from test_docs import checkout_files
 REPO = Path(__file__).resolve().parents[1]
 SOURCE_FOLDERS = ("drafter/", "tests/", "bench/", "eval/", "data/", "configs/", "ds_configs/", "docs/")
 FILE_SUFFIXES = (".py", ".md", ".yaml", ".json", ".c", ".toml")
+FILE_TYPES = ("py", "md", "txt", "yaml", "json", "jsonl", "gz", "parquet", "png", "c", "toml", "gguf", "pt",
+              "safetensors")  # a bare name ending so is a file a tool writes (stats.json) or a file type
 IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]*"
 DOTTED = re.compile(rf"{IDENTIFIER}(\.{IDENTIFIER})*")
 # Names the pages write that are not this repo's code: other libraries' API, metric names the code
@@ -123,7 +125,7 @@ def name_problem(span: str) -> str | None:
         if re.search(r"[<>*{}]|\.\.\.", path) or built or not (path.endswith(FILE_SUFFIXES) or path.endswith("/")):
             return None
         return None if (REPO / path).exists() else f"{path} is not in the checkout"
-    if re.fullmatch(r"[\w.-]*\.[a-z]{2,5}", span):
+    if re.fullmatch(rf"[\w.-]*\.({'|'.join(FILE_TYPES)})", span):
         return None  # a bare file name: what a tool writes (stats.json, config.json) or a file type
     key, _, _ = span.partition("=")
     key = key.removeprefix("cfg.")
@@ -162,6 +164,9 @@ def test_every_name_the_docs_write_in_backticks_exists_in_the_code():
                                 "schema)"),
     ("objective.loss=expected_tree", None),
     ("train.engine=fsdp", None),
+    ("data.seed", None),
+    ("data.sead", "data.sead is no config key (data.sead is not in the schema)"),
+    ("stats.json", None),
     ("target.chat_template_kwargs.enable_thinking", None),
     ("drafter.mask_token_id", None),
     ("drafter.tree.ddtree.build_tree", None),
