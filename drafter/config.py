@@ -1,10 +1,11 @@
 """The training config: a typed OmegaConf schema, YAML + dotlist overrides, validation.
 
-    cfg = load_yaml_config("configs/v3.yaml", ["optim.lr=3e-4", "train.max_steps=100"], choices)
+    cfg = load_config("configs/v3.yaml", ["optim.lr=3e-4", "train.max_steps=100"])  # training/run_config.py
 
 Unknown keys and wrong types fail here, before any model loads, with the full key path. The values a
 registered part's key may take (`objective.loss`, `drafter.arch`, ...) come from the registries, which
-sit above this schema: drafter/training/run_config.py's `load_config` passes them in.
+sit above this schema: `load_yaml_config` takes them as `choices`, and drafter/training/run_config.py's
+`load_config` reads them from the registries and passes them in.
 """
 import math
 from dataclasses import dataclass, field
@@ -17,7 +18,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from drafter.errors import ConfigError
 
-__all__ = ["Config", "ConfigError", "DrafterVariant", "ObjectiveConfig", "load_yaml_config", "lr_factor", "noise_std"]
+__all__ = ["Config", "ConfigError", "DrafterVariant", "ObjectiveConfig", "load_yaml_config", "lr_factor",
+           "noise_std"]
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
