@@ -30,7 +30,7 @@ from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
 from drafter.config import ConfigError, ObjectiveConfig, load_config, lr_factor, noise_std
-from drafter.data.datasets import DataError, load_datasets
+from drafter.data.datasets import DataError, content_fingerprint, load_datasets
 from drafter.data.sampler import held_out_share, make_loader, plan_notes, sampler_from_config
 from drafter.infra.checkpoint import (ResumeError, TrainerState, agree_on_checkpoint, check_resumable, load_checkpoint,
                                       remove_partial_saves, run_identity, save_checkpoint, set_aside_previous_run)
@@ -40,18 +40,19 @@ from drafter.infra.launch import LaunchError, init_distributed, remove_cpu_allre
 from drafter.infra.memory_plan import MemoryPlanError, check_fits, plan_inputs, plan_memory, target_model_config
 from drafter.infra.progress import StageTimer
 from drafter.infra.run_lock import RunDirectoryBusy, hold_run_directory
-from drafter.infra.tracking import RunLogger, Window, bucket_summary, console_line, eval_line
+from drafter.infra.tracking import RunLogger, TrainedOn, Window, bucket_summary, console_line, eval_line
 from drafter.models import drafter_class, drafter_from_state_dict, load_drafter
 from drafter.models.configure import drafter_config
 from drafter.serving.decode import stop_token_ids
 from drafter.serving.served import PromptShare, bench_prompts, generation_tau, held_out_prompts, replayed_tau
 from drafter.target.cache import probe_decoding
+from drafter.target.calibration import calibrated_features
 from drafter.target.mask_token import check_given_mask_token, choose_mask_token
 from drafter.target.model import TargetError, compute_dtype, input_embedding_scale, random_qwen3
 from drafter.target.tensor_parallel import (TargetFeatures, TensorParallelError, check_tensor_parallel, form_tp_group,
                                             load_tp_target, shard_target)
 from drafter.training.metrics import finalize_metrics
-from drafter.training.objective import attention_kernel, training_step
+from drafter.training.objective import attention_kernel, blocks_drawn, training_step
 
 # What a user's choice of config, data or launch causes: reported as one line, without a traceback
 # (EngineConfigError is a ConfigError).
@@ -129,6 +130,7 @@ class RunData:
     total_steps: int
     identity: dict
     position: dict
+    held_out_set: str       # content_fingerprint of eval_set: curves of different held-out sets never mix
 
 
 @dataclass(frozen=True)
@@ -147,6 +149,7 @@ class RunParts:
     attention: str
     generate_prompts: list[list[int]] | None
     stops: list[int]
+    trained_on: TrainedOn            # this rank's supervised tokens and blocks since they were last counted
 
 
 def set_cpu_threads(cfg):
@@ -184,7 +187,8 @@ def prepare_data(cfg, rank, world_size, device):
     if cfg.train.max_steps:
         total_steps = min(total_steps, cfg.train.max_steps)
     data = RunData(train_set, sampler, eval_set, eval_set.select(eval_rows), eval_sampler, sampler.stats(0),
-                   steps_per_epoch, total_steps, run_identity(cfg), data_position(cfg, sampler, world_size, ds_config))
+                   steps_per_epoch, total_steps, run_identity(cfg), data_position(cfg, sampler, world_size, ds_config),
+                   content_fingerprint(eval_set))
     return data, model_config, ds_config
 
 
@@ -231,7 +235,7 @@ def build_run(cfg, rank, world_size, device, data: RunData, model_config, ds_con
     engine = build_engine(cfg, drafter, device, dtype, ds_config)
     target_features = TargetFeatures(target, tp_group, device, final_hidden=objective.labels == "target")
     return RunParts(cfg, rank, world_size, device, dtype, data, target, target_features, engine, objective,
-                    attention, generate_prompts, stops)
+                    attention, generate_prompts, stops, TrainedOn())
 
 
 def check_memory_plan(cfg, model_config, world_size, device, dtype, ds_config, rank):
@@ -345,6 +349,7 @@ class Checkpointer:
         self.started = time.time()
 
     def save(self, step: int):
+        self.run.trained_on.count_into(self.state)
         elapsed = self.state.elapsed_s + time.time() - self.started
         save_checkpoint(self.run.engine, self.run.cfg, step, replace(self.state, elapsed_s=elapsed),
                         export_dtype=self.run.dtype)
@@ -423,6 +428,7 @@ def write_log_line(run: RunParts, state: TrainerState, window: Window, log, star
     """The window's summary to metrics.jsonl, W&B and the console; a new window for the next steps."""
     record = window.summary(state, run.data.stats, run.data.total_steps, len(run.data.sampler),
                             time.time() - started, run.objective.ddtree_budget)
+    record.update(run.trained_on.count_into(state))
     log.log(record)
     log.print(console_line(record))
     return new_window(run)
@@ -431,11 +437,13 @@ def write_log_line(run: RunParts, state: TrainerState, window: Window, log, star
 def micro_step(run: RunParts, batch, step, micro, noise, timers: StageTimer):
     """Forward + backward of one micro batch; returns its metrics ([sum, count] tensors, on the device:
     nothing here waits for the device)."""
+    run.trained_on.add(int(batch["loss_mask"].sum()), blocks_drawn(batch["loss_mask"], run.objective))
     input_ids = batch["input_ids"].to(run.device, non_blocking=True)
     loss_mask = batch["loss_mask"].to(run.device, non_blocking=True)
     drafter = run.engine.module
     with timers("target"):
         features, final_hidden = run.target_features(input_ids, drafter.target_layer_ids)
+        features = calibrated_features(features, run.objective.feature_calibration)
         features = add_feature_noise(features, noise, len(drafter.target_layer_ids),
                                      step_generator(run.cfg.run.seed, step, run.rank, 1 + micro, run.device))
     with timers("drafter"):
@@ -462,7 +470,7 @@ def after_step(run: RunParts, state: TrainerState, log, stop: StopRequest, check
     if evaluating or generating:  # one gather of a sharded drafter serves both
         drafter = local_drafter(run.engine, run.target)
         if evaluating:
-            run_eval(run, drafter, step, log)
+            run_eval(run, state, drafter, log)
         if generating:
             run_generation(run, drafter, step, log)
     if step % cfg.train.save_every == 0:
@@ -501,12 +509,13 @@ def local_drafter(engine, target):
     return drafter_from_state_dict(engine.module.config, engine.full_state_dict()).to(target.device, target.dtype)
 
 
-def run_eval(run: RunParts, drafter, step, log):
+def run_eval(run: RunParts, state: TrainerState, drafter, log):
+    trained_on = run.trained_on.count_into(state)
     metrics = evaluate(run, drafter)
     if not metrics:
         return
-    log.log({"step": step, **metrics}, prefix="eval")
-    log.print(eval_line({"step": step, **metrics}))
+    log.log({"step": state.step, **trained_on, "held_out_set": run.data.held_out_set, **metrics}, prefix="eval")
+    log.print(eval_line({"step": state.step, **metrics}))
 
 
 @torch.no_grad()
@@ -526,6 +535,7 @@ def evaluate(run: RunParts, drafter):
         features, final_hidden = run.target_features(input_ids, drafter.target_layer_ids)
         if batch is None:
             continue
+        features = calibrated_features(features, run.objective.feature_calibration)
         for k, v in eval_metrics(run, drafter, features, final_hidden, batch, i).items():
             summed[k] = summed[k] + v.float()
     drafter.train(was_training)

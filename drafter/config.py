@@ -17,6 +17,7 @@ from drafter.errors import ConfigError
 from drafter.infra.engine import ENGINES, OPTIMIZERS
 from drafter.losses import BLOCK_LOSSES, DIVERGENCES, LABELS, NORMALIZATIONS, POSITION_WEIGHTS, TRUNCATIONS
 from drafter.models import ARCHITECTURES
+from drafter.target.calibration import FEATURE_CALIBRATIONS
 from drafter.training.objective import ANCHOR_CANDIDATES, ATTENTION_KERNELS, resolve_gamma
 
 __all__ = ["Config", "ConfigError", "DrafterVariant", "ObjectiveConfig", "load_config", "lr_factor", "noise_std"]
@@ -132,6 +133,7 @@ class ObjectiveConfig:
     anchor_candidates: str = "pair"  # pair: p and p+1 supervised | supervised: any supervised p (speculators)
     selector_alpha: float = 1.0    # the drafter's auxiliary loss weight (dflash2: the selector's K-way CE)
     chunk_bytes: int = 256 * 2**20  # fp32 logits alive at once in the chunked LM-head loss (memory only)
+    feature_calibration: str = "none"  # none | zeros | oracle: diagnostics (drafter/target/calibration.py)
 
 
 @dataclass
@@ -276,6 +278,7 @@ def choices() -> dict[str, tuple]:
             "objective.truncate": tuple(TRUNCATIONS),
             "objective.normalize": tuple(NORMALIZATIONS),
             "objective.anchor_candidates": ANCHOR_CANDIDATES,
+            "objective.feature_calibration": FEATURE_CALIBRATIONS,
             "train.engine": ENGINES,
             "optim.name": OPTIMIZERS,
             "wandb.mode": (None, "online", "offline", "disabled")}
