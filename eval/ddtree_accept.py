@@ -16,8 +16,11 @@ ratio of decode time per output token to `ar`'s, prefill excluded). At temperatu
 compares every method's tokens with `ar`'s (`drafter/serving/lossless.py`): yes, ties-only (every divergence
 starts where the target's top-2 logits were within --tie-tolerance: a floating-point tie) or no.
 
-A target with conv or recurrent layers (Qwen3.5, Qwen3-Next, Nemotron-H, LFM2) cannot verify a tree as
-one flat sequence (`drafter.serving.decode.tree_verify_refusal`). There, at temperature 0, each `ddtree@N` row is
+A target with conv, recurrent or compressor layers, or chunked attention (Qwen3.5, Qwen3-Next, Nemotron-H,
+LFM2, DeepSeek-V4, Llama 4) verifies each tree as a batch of its root-to-leaf paths
+(`drafter/serving/path_verify.py`), generated and timed like any other target. A target whose cache
+neither form can verify (`drafter.serving.decode.tree_verify_refusal`: a model's own cache layer that
+cannot copy its state per row) is refused by name; there, at temperature 0, each `ddtree@N` row is
 the exact DDTree tau of `ar`'s own greedy text, replayed under teacher forcing (`drafter.serving.served`: the
 tree of N nodes built from the drafter's block at each step's anchor, walked along the text) and
 labelled `replayed`, with no timing; above temperature 0 those rows are left out. A target whose cached

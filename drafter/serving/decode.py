@@ -17,6 +17,7 @@ target's distribution. `sampling="rejection"` switches DFlash to speculative rej
 (drafted tokens sampled from the drafter, accepted with probability min(1, p/q)), also lossless in
 distribution but not what the papers' T > 0 numbers use.
 """
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -25,6 +26,7 @@ import torch
 from drafter.infra.progress import StageTimer
 from drafter.models import DraftCache
 from drafter.serving.ddtree import DraftTree, committed_tokens, follow_tree, tree_verify_inputs
+from drafter.serving.path_verify import verify_paths
 from drafter.target.cache import TargetCache, probe_decoding
 from drafter.target.model import TargetError, feature_tap, model_type
 
@@ -127,6 +129,7 @@ class _Steps:
         self.rejection = settings.sampling == "rejection" and settings.temperature > 0
         self.max_length, self.timer, self.tree_backend = max_length, timer, settings.tree_backend
         self.cache = TargetCache(target)
+        self.tree_form = self.cache.tree_form()
         self.draft_cache = DraftCache()
         self.margins = [] if settings.method == "ar" else None  # 0-d tensors, read once at the end
 
@@ -202,6 +205,11 @@ class _Steps:
         with self.timer("tree_build"):  # the drafter's own tree: marginals, or a DFlash2 selector's scores
             tree = self.drafter.block_trees(hidden, logits, block[:, 0], self.budget, self.tree_backend)
             tree = DraftTree(tree.tokens[0], tree.parents[0], tree.depths[0], tree.depth_limit)
+        if self.tree_form == "paths":  # conv, recurrent, compressor or chunked-attention layers
+            verified = verify_paths(self.cache, tree, block[0, 0], start, self.tap,
+                                    functools.partial(pick, temperature=self.temperature), self.timer)
+            self.cache = verified.cache
+            return verified.committed, verified.features
         with self.timer("verify"):
             input_ids, position_ids, visible = tree_verify_inputs(tree, block[0, 0], start)
             mask = self.cache.tree_attention_mask(visible, position_ids[0] - start, start, self.target.dtype)
@@ -257,8 +265,10 @@ def generate(target, prompt_ids: torch.Tensor, max_new_tokens: int, stop_token_i
     """Generate after `prompt_ids` [1, n] with `method` ("ar", "dflash", or "ddtree" with `budget`
     tree nodes); `drafter` is a DFlashDraftModel (or DFlash2DraftModel: `dflash` walks its selector
     chain, `ddtree` the tree of its selector scores) for the speculative methods. `sampling` ("match"
-    or, for dflash, "rejection") is how drafted tokens are accepted at temperature > 0. `ddtree` on a
-    target with conv or recurrent layers raises TreeVerifyUnsupported before any work."""
+    or, for dflash, "rejection") is how drafted tokens are accepted at temperature > 0. `ddtree` verifies
+    a tree mask on attention-only targets and a batch of the tree's paths on the others
+    (`drafter/serving/path_verify.py`); a target neither can verify raises TreeVerifyUnsupported
+    before any work."""
     settings = DecodeSettings(method, budget, temperature, sampling, tree_backend)
     settings.check(drafter)
     if max_new_tokens < 1:
