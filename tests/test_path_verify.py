@@ -171,3 +171,32 @@ def test_own_cache_layers_without_their_own_batch_copy_are_refused_by_name(monke
     prompt = torch.zeros((1, 4), dtype=torch.long)
     with pytest.raises(TreeVerifyUnsupported, match=r"deepseek_v4 .*DeepseekV4CSACache, DeepseekV4HCACache"):
         generate(target, prompt, 8, method="ddtree", drafter=make_drafter(target), budget=4)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "lara_mini", "falcon_h1", "lfm2"])
+def test_the_memory_plan_counts_the_cache_a_path_batch_copies(family):
+    """The measured footprint gives the bytes of a decode cache of 30 positions (past the sliding
+    window of 8, whose layers hold 7) and of its copy per row."""
+    from drafter.infra.memory_plan import _layer_bytes, cache_footprint
+    target = random_target(family)
+    footprint = cache_footprint(target)
+    cache = TargetCache(target)
+    cache.forward(torch.randint(0, 250, (1, 30), generator=torch.Generator().manual_seed(0)))
+    cache.rollback(30)
+    held = lambda c: sum(_layer_bytes(layer) for layer in c.cache.layers)  # noqa: E731
+    assert held(cache) == footprint.row_bytes(30)
+    assert held(fork(cache, 5)) == 5 * footprint.row_bytes(30)
+
+
+def test_a_budget_whose_path_batch_cannot_fit_is_refused_by_name():
+    """Refused naming the family, the budget and the largest budget that fits, which does fit."""
+    from drafter.infra.memory_plan import MemoryPlanError, check_path_batch_fits
+    target = random_target("qwen3_5_text")
+    at_16 = check_path_batch_fits(target, 16, BLOCK, 200, free_bytes=2**40)
+    assert at_16.rows == 16 and at_16.tokens == 10 * 8  # the worst tree of 16 nodes: 10 leaves at depth 7
+    with pytest.raises(MemoryPlanError, match=r"ddtree@16 on qwen3_5_text .* use a budget of at most (\d+)") as error:
+        check_path_batch_fits(target, 16, BLOCK, 200, free_bytes=at_16.total - 1)
+    fitting = int(error.value.args[0].rsplit(" ", 1)[1])
+    assert fitting < 16 and check_path_batch_fits(target, fitting, BLOCK, 200, at_16.total - 1).total < at_16.total
+    with pytest.raises(MemoryPlanError, match="no budget fits"):
+        check_path_batch_fits(target, 16, BLOCK, 200, free_bytes=1000)

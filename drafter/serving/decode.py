@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from drafter.infra.memory_plan import check_path_batch_fits
 from drafter.infra.progress import StageTimer
 from drafter.models import DraftCache
 from drafter.serving.ddtree import DraftTree, committed_tokens, follow_tree, tree_verify_inputs
@@ -278,6 +279,9 @@ def generate(target, prompt_ids: torch.Tensor, max_new_tokens: int, stop_token_i
         raise TargetError(probe.cannot_decode or probe.cannot_verify)
     if method == "ddtree" and (refusal := tree_verify_refusal(target)):
         raise TreeVerifyUnsupported(refusal)
+    if method == "ddtree" and target.device.type == "cuda" and TargetCache(target).tree_form() == "paths":
+        check_path_batch_fits(target, budget, drafter.block_size, prompt_ids.shape[1] + max_new_tokens,
+                              torch.cuda.mem_get_info(target.device)[0])
     if method == "ar":
         return _generate(target, prompt_ids, max_new_tokens, stop_token_ids, drafter, settings,
                          synchronize_stages, tap=None)
