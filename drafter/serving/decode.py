@@ -27,7 +27,7 @@ from drafter.infra.memory_plan import check_path_batch_fits
 from drafter.infra.progress import StageTimer
 from drafter.models import DraftCache
 from drafter.serving.ddtree import DraftTree, committed_tokens, follow_tree, tree_verify_inputs
-from drafter.serving.path_verify import verify_paths
+from drafter.serving.path_verify import PathVerifier
 from drafter.target.cache import TargetCache, probe_decoding
 from drafter.target.model import TargetError, feature_tap, model_type
 
@@ -130,7 +130,9 @@ class _Steps:
         self.rejection = settings.sampling == "rejection" and settings.temperature > 0
         self.max_length, self.timer, self.tree_backend = max_length, timer, settings.tree_backend
         self.cache = TargetCache(target)
-        self.tree_form = self.cache.tree_form()
+        # trees through conv, recurrent, compressor or chunked-attention layers: a batch of their paths
+        self.paths = (PathVerifier(tap, functools.partial(pick, temperature=self.temperature), timer)
+                      if self.cache.tree_form() == "paths" else None)
         self.draft_cache = DraftCache()
         self.margins = [] if settings.method == "ar" else None  # 0-d tensors, read once at the end
 
@@ -206,9 +208,8 @@ class _Steps:
         with self.timer("tree_build"):  # the drafter's own tree: marginals, or a DFlash2 selector's scores
             tree = self.drafter.block_trees(hidden, logits, block[:, 0], self.budget, self.tree_backend)
             tree = DraftTree(tree.tokens[0], tree.parents[0], tree.depths[0], tree.depth_limit)
-        if self.tree_form == "paths":  # conv, recurrent, compressor or chunked-attention layers
-            verified = verify_paths(self.cache, tree, block[0, 0], start, self.tap,
-                                    functools.partial(pick, temperature=self.temperature), self.timer)
+        if self.paths is not None:
+            verified = self.paths.verify(self.cache, tree, block[0, 0], start)
             self.cache = verified.cache
             return verified.committed, verified.features
         with self.timer("verify"):

@@ -29,6 +29,8 @@ where the flat tree runs nodes + 1, plus a refeed of a + 1 tokens on recurrent t
 is the whole cache of the prefix (every recurrent and conv state, and the attention keys of every
 prefix position), so the verify's transient cache is `leaves` times the decode's.
 """
+import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -79,10 +81,9 @@ class PathBatch:
 
 def fork(cache: TargetCache, rows: int) -> TargetCache:
     """A copy of `cache` with its state repeated `rows` times along the batch; `cache` is untouched."""
-    copy = TargetCache.__new__(TargetCache)
-    vars(copy).update(vars(cache))
-    copy.cache = forks_by_row(cache.cache, torch.zeros(rows, dtype=torch.long, device=cache.target.device))
-    return copy
+    forked = copy.copy(cache)
+    forked.cache = forks_by_row(cache.cache, torch.zeros(rows, dtype=torch.long, device=cache.target.device))
+    return forked
 
 
 def can_cut(cache: TargetCache) -> bool:
@@ -101,26 +102,33 @@ class PathVerify:
     cache: TargetCache
 
 
-def verify_paths(cache: TargetCache, tree: DraftTree, root_token: torch.Tensor, start: int, tap, choose,
-                 timer) -> PathVerify:
-    """Verify `tree` on `cache` (holding positions 0..start-1) as a batch of its paths (module
-    docstring). `choose` picks the target's token per row of logits; `tap` is the feature tap."""
-    with timer("verify"):
-        batch = PathBatch.of(tree, root_token, start)
-        rows = fork(cache, batch.rows)
-        out = rows.forward(batch.input_ids, position_ids=batch.position_ids)
-        features = tap.features()
-    with timer("commit"):
-        picks = choose(batch.node_logits(out.logits))
-        committed, path = committed_tokens(batch.tree_ids, picks, *follow_tree(tree, picks))
-        kept = len(path)                                      # the root and the accepted nodes
-        row = int(batch.node_row[path[-1]])
-        whole_row = kept == int(batch.lengths[row]) == batch.input_ids.shape[1]
-        features = features[row:row + 1, :kept]
-        if whole_row or can_cut(rows):
-            rows.cache = forks_by_row(rows.cache, torch.tensor([row], device=batch.input_ids.device))
-            rows.rollback(start + kept)
-            return PathVerify(committed, features, rows)
-    with timer("recompute"):
-        cache.forward(batch.input_ids[row:row + 1, :kept], logits_to_keep=1)
-    return PathVerify(committed, features, cache)
+@dataclass(frozen=True)
+class PathVerifier:
+    """What stays fixed over one decode: the feature tap, `choose` (the target's token per row of
+    logits: argmax, or a sample) and the stage timer."""
+    tap: object
+    choose: Callable[[torch.Tensor], torch.Tensor]
+    timer: object
+
+    def verify(self, cache: TargetCache, tree: DraftTree, root_token: torch.Tensor, start: int) -> PathVerify:
+        """Verify `tree` on `cache` (holding positions 0..start-1) as a batch of its paths, and commit
+        (module docstring)."""
+        with self.timer("verify"):
+            batch = PathBatch.of(tree, root_token, start)
+            rows = fork(cache, batch.rows)
+            out = rows.forward(batch.input_ids, position_ids=batch.position_ids)
+            features = self.tap.features()
+        with self.timer("commit"):
+            picks = self.choose(batch.node_logits(out.logits))
+            committed, path = committed_tokens(batch.tree_ids, picks, *follow_tree(tree, picks))
+            kept = len(path)                                      # the root and the accepted nodes
+            row = int(batch.node_row[path[-1]])
+            whole_row = kept == int(batch.lengths[row]) == batch.input_ids.shape[1]
+            features = features[row:row + 1, :kept]
+            if whole_row or can_cut(rows):
+                rows.cache = forks_by_row(rows.cache, torch.tensor([row], device=batch.input_ids.device))
+                rows.rollback(start + kept)
+                return PathVerify(committed, features, rows)
+        with self.timer("recompute"):
+            cache.forward(batch.input_ids[row:row + 1, :kept], logits_to_keep=1)
+        return PathVerify(committed, features, cache)
