@@ -17,8 +17,10 @@ PROMPT, NEW, BLOCK = 12, 64, 8
 # accepted drafted tokens per step, in turn: none, one, all 7 of the block, some
 SCHEDULE = (0, 1, BLOCK - 1, 3, BLOCK - 1, 2, 5)
 # one of each layer kind: Gated DeltaNet (+ sliding attention), Mamba-2 (beside attention, in parallel
-# with it), short conv, chunked attention, compressors
-HYBRIDS = ("qwen3_5_text", "lara_mini", "nemotron_h", "falcon_h1", "lfm2", "llama4_text", "deepseek_v4")
+# with it), short conv (LFM2's over the tree itself, Inkling-2-Loop's as a batch of paths), chunked
+# attention, compressors
+HYBRIDS = ("qwen3_5_text", "lara_mini", "nemotron_h", "falcon_h1", "lfm2", "inkling2_loop_text", "llama4_text",
+           "deepseek_v4")
 
 
 class ScheduledDrafter(ReplayDrafter):
@@ -76,12 +78,13 @@ def test_ddtree_on_each_hybrid_layer_kind_is_the_targets_greedy_generate(hybrid)
 
 
 def test_each_commit_runs_where_it_should():
-    """Short conv and attention only (LFM2): the accepted row is cut back, never re-run. A recurrent
-    state (Qwen3.5's Gated DeltaNet) after a partial acceptance is re-run from the untouched prefix
-    cache (the recompute stage); after whole-block acceptances only, the accepted row is the cache
-    as it stands, with no re-run."""
-    for name, schedule, recompute in (("lfm2", SCHEDULE, False), ("qwen3_5_text", SCHEDULE, True),
-                                      ("qwen3_5_text", (BLOCK - 1,), False)):
+    """Short conv and attention only (Inkling-2-Loop), or chunked attention (Llama 4): the accepted row
+    is cut back, never re-run. A recurrent state (Qwen3.5's Gated DeltaNet) after a partial acceptance
+    is re-run from the untouched prefix cache (the recompute stage); after whole-block acceptances
+    only, the accepted row is the cache as it stands, with no re-run."""
+    for name, schedule, recompute in (("inkling2_loop_text", SCHEDULE, False), ("llama4_text", SCHEDULE, False),
+                                      ("qwen3_5_text", SCHEDULE, True), ("qwen3_5_text", (BLOCK - 1,), False)):
+        assert TargetCache(random_target(name)).tree_form() == "paths"
         target = random_target(name)
         prompt = torch.randint(0, 250, (1, PROMPT), generator=torch.Generator().manual_seed(3))
         expected = generate(target, prompt, 40, method="ar").output_ids
@@ -200,3 +203,35 @@ def test_a_budget_whose_path_batch_cannot_fit_is_refused_by_name():
     assert fitting < 16 and check_path_batch_fits(target, fitting, BLOCK, 200, at_16.total - 1).total < at_16.total
     with pytest.raises(MemoryPlanError, match="no budget fits"):
         check_path_batch_fits(target, 16, BLOCK, 200, free_bytes=1000)
+
+
+def test_lfm2s_short_conv_runs_a_tree_in_one_flat_forward():
+    """LFM2 verifies a tree as one flat forward (its convs along each row's ancestors, drafter/target/
+    tree_conv.py; the attention under the tree mask): every node's logits are those of a plain forward
+    over its path; the compacted cache (attention keys and conv history) serves the next token exactly."""
+    from drafter.serving.ddtree import tree_verify_inputs
+    from drafter.target.tree_conv import tree_convolution
+    target = random_target("lfm2")
+    cache = TargetCache(target)
+    assert cache.tree_form() == "mask"
+    prompt = torch.randint(0, 250, (1, 12), generator=torch.Generator().manual_seed(7))
+    cache.forward(prompt[:, :-1])
+    cache.rollback(11)
+    tree = build_tree(torch.randn(4, 256, generator=torch.Generator().manual_seed(8)), 14)
+    input_ids, positions, visible = tree_verify_inputs(tree, prompt[0, -1], 11)
+    mask = cache.tree_attention_mask(visible, positions[0] - 11, 11, target.dtype)
+    with tree_convolution(target, torch.cat([torch.tensor([-1]), tree.parents + 1])):
+        logits = cache.forward(input_ids, position_ids=positions, attention_mask=mask).logits[0]
+    paths = node_paths(tree)
+    with torch.no_grad():
+        for row, path in enumerate([[]] + paths):
+            causal = target(torch.cat([prompt, torch.tensor([path], dtype=torch.long)], dim=1)).logits[0, -1]
+            torch.testing.assert_close(logits[row], causal, rtol=0, atol=1e-3)
+        deepest = max(range(tree.size), key=lambda i: (len(paths[i]), i))
+        rows = torch.tensor([0] + [i + 1 for i in range(tree.size) if paths[i] == paths[deepest][:len(paths[i])]])
+        assert rows.tolist() != list(range(len(rows)))  # rows really move
+        cache.compact(input_ids.shape[1], rows)
+        cache.rollback(cache.length)  # as the decode loop does: each conv history back to its kernel
+        after = cache.forward(torch.tensor([[5]])).logits[0, -1]
+        expected = target(torch.cat([prompt, torch.tensor([paths[deepest] + [5]])], dim=1)).logits[0, -1]
+    torch.testing.assert_close(after, expected, rtol=0, atol=1e-3)

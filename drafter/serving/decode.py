@@ -30,6 +30,7 @@ from drafter.serving.ddtree import DraftTree, committed_tokens, follow_tree, tre
 from drafter.serving.path_verify import PathVerifier
 from drafter.target.cache import TargetCache, probe_decoding
 from drafter.target.model import TargetError, feature_tap, model_type
+from drafter.target.tree_conv import tree_convolution
 
 METHODS = ("ar", "dflash", "ddtree")
 SAMPLING = ("match", "rejection")
@@ -215,7 +216,8 @@ class _Steps:
         with self.timer("verify"):
             input_ids, position_ids, visible = tree_verify_inputs(tree, block[0, 0], start)
             mask = self.cache.tree_attention_mask(visible, position_ids[0] - start, start, self.target.dtype)
-            out = self.cache.forward(input_ids, position_ids=position_ids, attention_mask=mask)
+            with tree_convolution(self.target, torch.cat([tree.parents.new_full((1,), -1), tree.parents + 1])):
+                out = self.cache.forward(input_ids, position_ids=position_ids, attention_mask=mask)
             features = self.tap.features()
         with self.timer("commit"):
             picks = pick(out.logits[0], self.temperature)

@@ -1,6 +1,7 @@
 """DDTree verified as a batch of its root-to-leaf paths, by the target's own forward: the form for
 targets a flat tree cannot pass through (conv, recurrent and compressor layers, whose every branch must
-continue its parent's state; chunked attention, which has no tree mask here).
+continue its parent's state; chunked attention, which has no tree mask here). LFM2's short convs are
+the exception: they read along the tree itself (drafter/target/tree_conv.py), in the flat form.
 
 Rows. One row per leaf: the root (the bonus token) and the nodes from depth 1 down to the leaf, at
 positions start.., right-padded to the deepest leaf. Each row continues the prefix's cache, copied per
@@ -16,7 +17,7 @@ tree's (`follow_tree`).
 
 Commit. The accepted path is a prefix of row r, the first row through the accepted node:
   cut     when every layer holding state can be cut back to a position (attention keys, conv history
-          recorded past its width: LFM2), or the accepted path is all of row r and r is unpadded (a
+          recorded past its width: Inkling-2-Loop), or the accepted path is all of row r and r is unpadded (a
           full-depth acceptance): row r of the fork becomes the cache, rolled back to start + a + 1
           (a the accepted nodes). No extra forward.
   refeed  otherwise (a recurrent state or a compressor that ran past the accepted node: it cannot

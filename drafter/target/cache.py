@@ -15,9 +15,10 @@ rejected draft needs until the next rollback trims it back to its window. On top
   trees             on attention-only targets (`tree_form` "mask") `tree_attention_mask` gives each
                     attention layer type the tree mask over the keys that layer holds (a sliding
                     layer: the last window - 1 positions, each node seeing only positions within its
-                    window); `compact` keeps the accepted path's rows. A tree cannot pass through a
-                    conv, recurrent or compressor layer as one flat sequence (each branch must
-                    continue its parent's state), nor chunked attention (no tree mask here): there
+                    window), LFM2's short convs read along the tree (drafter/target/tree_conv.py);
+                    `compact` keeps the accepted path's rows (keys, conv history). A tree cannot pass
+                    through any other conv, or a recurrent or compressor layer, as one flat sequence
+                    (each branch must continue its parent's state), nor chunked attention: there
                     (`tree_form` "paths") the tree runs as a batch of its root-to-leaf paths on a
                     per-row copy of the cache (`forks_by_row`; drafter/serving/path_verify.py).
                     `tree_refusal` names a target neither form can verify, before any work.
@@ -35,6 +36,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DummyLayer, DynamicLayer, LinearAttentionCacheLayerMixin
 
 from drafter.target.model import TargetError, model_type
+from drafter.target.tree_conv import tree_conv_layers
 
 
 def is_state_layer(layer) -> bool:
@@ -154,7 +156,8 @@ class TargetCache:
         kinds = sorted({kind for kind in (self.layer_types or []) if kind in ("chunked_attention",)})
         if kinds:
             return f"its {', '.join(kinds)} layers have no tree mask here"
-        if any(is_state_layer(layer) for layer in self.cache.layers):
+        over_trees = tree_conv_layers(self.target)  # LFM2's short convs read along a tree's branches
+        if any(is_state_layer(layer) and index not in over_trees for index, layer in enumerate(self.cache.layers)):
             return ("its conv / recurrent layers (Gated DeltaNet, Mamba, short conv) would run the tree as one "
                     "flat sequence, while each branch must continue its parent's state")
         own = sorted({type(layer).__name__ for layer in self.cache.layers if is_own_layer(layer)})
@@ -223,9 +226,15 @@ class TargetCache:
     _PER_POSITION = (("keys", -2), ("values", -2), ("indexer_keys", 1), ("indexer_position_ids", -1))
 
     def compact(self, tree_rows: int, keep_rows: torch.Tensor) -> None:
-        """After a verify forward of `tree_rows` rows: keep, in each attention layer, its past and
-        then the rows `keep_rows` (in that order); drop the other tree rows."""
+        """After a verify forward of `tree_rows` rows: keep, in each attention layer and each conv
+        history, its past and then the rows `keep_rows` (in that order); drop the other tree rows."""
         for layer in self.cache.layers:
+            if is_state_layer(layer):  # a conv history computed over the tree (drafter/target/tree_conv.py)
+                for index, states in layer.conv_states.items():
+                    past = states.shape[-1] - tree_rows
+                    layer.conv_states[index] = torch.cat(
+                        [states[..., :past], states[..., past:].index_select(-1, keep_rows)], dim=-1)
+                continue
             if not is_attention_layer(layer):
                 continue
             for name, dim in self._PER_POSITION:
