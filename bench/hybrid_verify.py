@@ -42,8 +42,8 @@ BUDGETS = (8, 16, 32, 64)
 COMMON = dict(vocab_size=32000, hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
               head_dim=64, tie_word_embeddings=False, max_position_embeddings=4096)
 SHAPES = {
-    "qwen3_5_text": dict(COMMON, intermediate_size=1536, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
-                         linear_conv_kernel_dim=4, linear_key_head_dim=64, linear_value_head_dim=64,
+    "qwen3_5_text": dict(COMMON, intermediate_size=1536,
+                         layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2, linear_conv_kernel_dim=4, linear_key_head_dim=64, linear_value_head_dim=64,
                          linear_num_key_heads=4, linear_num_value_heads=8),
     "lfm2": dict(COMMON, layer_types=["conv", "full_attention"] * 4, conv_L_cache=3, block_auto_adjust_ff_dim=False,
                  block_ff_dim=1536, intermediate_size=1536, full_attn_idxs=None),

@@ -90,8 +90,8 @@ def fork(cache: TargetCache, rows: int) -> TargetCache:
 def can_cut(cache: TargetCache) -> bool:
     """Whether every layer's state can be cut back to a position: attention keys, and conv history
     recorded past its width; no recurrent state, no compressor (a model's own cache layer)."""
-    return not any(is_own_layer(layer) or (is_state_layer(layer) and any(layer.is_recurrent_states_initialized.values()))
-                   for layer in cache.cache.layers)
+    return not any(is_own_layer(layer) or (is_state_layer(layer) and any(
+        layer.is_recurrent_states_initialized.values())) for layer in cache.cache.layers)
 
 
 @dataclass

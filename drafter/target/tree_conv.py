@@ -13,6 +13,7 @@ This costs nodes + 1 tokens where the batch of paths costs leaves x (depth + 1)
 (bench/hybrid_verify.py); no other conv or recurrent layer kind has this form here.
 """
 import functools
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -24,9 +25,15 @@ except ImportError:  # a transformers without LFM2
     Lfm2ShortConv = None
 
 
+_SHORT_CONVS = weakref.WeakKeyDictionary()  # target -> its LFM2 short convs, found once
+
+
 def short_convs(target) -> list:
     """The target's LFM2 short conv mixers."""
-    return [module for module in target.modules() if Lfm2ShortConv and isinstance(module, Lfm2ShortConv)]
+    if target not in _SHORT_CONVS:
+        _SHORT_CONVS[target] = [module for module in target.modules()
+                                if Lfm2ShortConv and isinstance(module, Lfm2ShortConv)]
+    return _SHORT_CONVS[target]
 
 
 def tree_conv_layers(target) -> set[int]:
