@@ -151,8 +151,9 @@ def test_a_target_without_readable_decoder_layers_is_refused_by_name():
 @pytest.mark.slow
 def test_a_hybrid_family_end_to_end(tmp_path):
     """A Qwen3.5-style hybrid (Gated DeltaNet + attention) target directory: train.py under torchrun
-    trains, evaluates (replayed tau_dflash and tau_ddtree@16) and generates (gen_tau_dflash and
-    gen_tau_ddtree@16, the tree as a batch of its paths), the export is evaluated by
+    prints the memory of a path-batch verify at start-up, trains, evaluates (replayed tau_dflash and
+    tau_ddtree@16) and generates (gen_tau_dflash and gen_tau_ddtree@16, the tree as a batch of its
+    paths), the export is evaluated by
     eval/ddtree_accept.py (dflash and ddtree generated, lossless, timed), and data/regenerate.py
     --backend local writes the target's answers."""
     import json
@@ -172,7 +173,8 @@ def test_a_hybrid_family_end_to_end(tmp_path):
     cfg = yaml.safe_load(cfg_path.read_text())
     cfg["target"] = {"path": str(target_dir)}
     cfg_path.write_text(yaml.safe_dump(cfg))
-    run_to_end(cfg_path, launcher="torchrun")
+    out = run_to_end(cfg_path, launcher="torchrun")
+    assert "ddtree@16 on qwen3_5_text as a batch of paths at" in out  # its memory, planned at start-up
     run_dir = tmp_path / "run"
     evaluation, generation = records(run_dir, "eval")[-1], records(run_dir, "generate")[-1]
     assert evaluation["tau_dflash"] >= 1 and evaluation["tau_ddtree@16"] >= evaluation["tau_dflash"]
