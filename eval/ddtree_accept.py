@@ -41,6 +41,7 @@ sharded forwards are collectives, and their outputs are the same on every member
 the prompts, and each group's first rank reports.
 """
 import argparse
+import importlib.util
 import json
 import os
 from dataclasses import asdict
@@ -123,6 +124,9 @@ def parse_args(argv=None):
     if args.check_public and (args.temperature > 0 or args.tp > 1):
         parser.error("--check-public compares greedy decodes on one whole target: it needs --temperature 0 "
                      "and --tp 1")
+    if args.check_public and importlib.util.find_spec("dflash") is None:
+        parser.error("--check-public runs the public loop of the dflash package, which is not installed: "
+                     "pip install --no-deps dflash==0.1.0")
     return args
 
 
