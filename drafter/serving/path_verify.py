@@ -28,7 +28,9 @@ Commit. The accepted path is a prefix of row r, the first row through the accept
 Cost model (docs/targets.md, "DDTree on hybrid targets"): a verify runs leaves x (depth + 1) tokens,
 where the flat tree runs nodes + 1, plus a refeed of a + 1 tokens on recurrent targets; memory per row
 is the whole cache of the prefix (every recurrent and conv state, and the attention keys of every
-prefix position), so the verify's transient cache is `leaves` times the decode's.
+prefix position), so the verify's transient cache is `leaves` times the decode's. A step reads the
+device three times (the batch's width, which its shape needs; the walk's tokens; the accepted row),
+where the flat tree's step reads it once.
 """
 import copy
 from collections.abc import Callable
@@ -123,8 +125,9 @@ class PathVerifier:
             picks = self.choose(batch.node_logits(out.logits))
             committed, path = committed_tokens(batch.tree_ids, picks, *follow_tree(tree, picks))
             kept = len(path)                                      # the root and the accepted nodes
-            row = int(batch.node_row[path[-1]])
-            whole_row = kept == int(batch.lengths[row]) == batch.input_ids.shape[1]
+            row = batch.node_row[path[-1]]
+            row, length = torch.stack([row, batch.lengths[row]]).tolist()
+            whole_row = kept == length == batch.input_ids.shape[1]
             features = features[row:row + 1, :kept]
             if whole_row or can_cut(rows):
                 rows.cache = forks_by_row(rows.cache, torch.tensor([row], device=batch.input_ids.device))
