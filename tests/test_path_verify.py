@@ -235,3 +235,24 @@ def test_lfm2s_short_conv_runs_a_tree_in_one_flat_forward():
         after = cache.forward(torch.tensor([[5]])).logits[0, -1]
         expected = target(torch.cat([prompt, torch.tensor([paths[deepest] + [5]])], dim=1)).logits[0, -1]
     torch.testing.assert_close(after, expected, rtol=0, atol=1e-3)
+
+
+def test_on_an_attention_only_target_both_forms_commit_the_same_steps(monkeypatch):
+    """The batch of paths and the tree mask, on the same Qwen3 target and drafts: the same tokens and
+    the same tokens per step (scheduled acceptances and a random drafter's)."""
+    target = random_target("qwen3")
+    prompt = torch.randint(0, 250, (1, PROMPT), generator=torch.Generator().manual_seed(3))
+    expected = generate(target, prompt, 40, method="ar").output_ids
+    drafter = make_drafter(target, num_layers=1, block_size=BLOCK)
+
+    def both(proposer):  # a fresh proposer per run: the scheduled one counts its steps
+        runs = [generate(target, prompt, 40, method="ddtree", drafter=proposer(), budget=16)]
+        with monkeypatch.context() as patched:
+            patched.setattr(TargetCache, "tree_form", lambda self: "paths")
+            runs.append(generate(target, prompt, 40, method="ddtree", drafter=proposer(), budget=16))
+        return runs
+
+    for mask, paths in (both(lambda: drafter), both(lambda: scheduled(target, prompt, expected))):
+        assert mask.output_ids == paths.output_ids == expected
+        assert mask.acceptance_lengths == paths.acceptance_lengths
+    assert max(paths.acceptance_lengths) == BLOCK
