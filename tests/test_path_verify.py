@@ -239,7 +239,8 @@ def test_lfm2s_short_conv_runs_a_tree_in_one_flat_forward():
 
 def test_on_an_attention_only_target_both_forms_commit_the_same_steps(monkeypatch):
     """The batch of paths and the tree mask, on the same Qwen3 target and drafts: the same tokens and
-    the same tokens per step (scheduled acceptances and a random drafter's)."""
+    the same tokens per step (scheduled acceptances and a random drafter's), and at temperature 0.8
+    from the same seed the same samples (each form draws one per verify row, in the same order)."""
     target = random_target("qwen3")
     prompt = torch.randint(0, 250, (1, PROMPT), generator=torch.Generator().manual_seed(3))
     expected = generate(target, prompt, 40, method="ar").output_ids
@@ -256,3 +257,11 @@ def test_on_an_attention_only_target_both_forms_commit_the_same_steps(monkeypatc
         assert mask.output_ids == paths.output_ids == expected
         assert mask.acceptance_lengths == paths.acceptance_lengths
     assert max(paths.acceptance_lengths) == BLOCK
+    sampled = []
+    for form in ("mask", "paths"):
+        with monkeypatch.context() as patched:
+            patched.setattr(TargetCache, "tree_form", lambda self: form)
+            torch.manual_seed(0)
+            sampled.append(generate(target, prompt, 40, method="ddtree", drafter=drafter, budget=16, temperature=0.8))
+    assert sampled[0].output_ids == sampled[1].output_ids != expected
+    assert sampled[0].acceptance_lengths == sampled[1].acceptance_lengths
