@@ -77,6 +77,20 @@ def test_ddtree_on_each_hybrid_layer_kind_is_the_targets_greedy_generate(hybrid)
     assert list(result.acceptance_lengths[:len(SCHEDULE)]) == [a + 1 for a in SCHEDULE], name
 
 
+@pytest.mark.parametrize("family", ["deepseek_v4", "llama4_text", "nemotron_h"])
+def test_steps_that_end_on_a_state_boundary(family):
+    """From position 12, steps accepting 3, 7, 0, 6 drafted tokens commit up to positions 16, 24, 25
+    and 32: at the end of compressor windows (4 and 8 positions), of attention chunks (8) and of
+    Mamba-2 scan chunks (8), then one position past one; the rejected drafts ran past each."""
+    target = random_target(family)
+    prompt = torch.randint(0, 250, (1, PROMPT), generator=torch.Generator().manual_seed(3))
+    expected = generate(target, prompt, 24, method="ar").output_ids
+    result = generate(target, prompt, 24, method="ddtree", budget=16,
+                      drafter=scheduled(target, prompt, expected, (3, 7, 0, 6)))
+    assert result.output_ids == expected
+    assert [PROMPT + sum(result.acceptance_lengths[:i + 1]) for i in range(4)] == [16, 24, 25, 32]
+
+
 def test_each_commit_runs_where_it_should():
     """Short conv and attention only (Inkling-2-Loop), or chunked attention (Llama 4): the accepted row
     is cut back, never re-run. A recurrent state (Qwen3.5's Gated DeltaNet) after a partial acceptance
