@@ -37,7 +37,8 @@ from drafter.infra.checkpoint import (ResumeError, TrainerState, agree_on_checkp
 from drafter.infra.collectives import all_reduce_sum, any_rank
 from drafter.infra.engine import build_engine, engine_settings
 from drafter.infra.launch import LaunchError, init_distributed, remove_cpu_allreduce_buffer
-from drafter.infra.memory_plan import MemoryPlanError, check_fits, plan_inputs, plan_memory, target_model_config
+from drafter.infra.memory_plan import (MemoryPlanError, check_fits, check_path_batch_fits, plan_inputs, plan_memory,
+                                      target_model_config)
 from drafter.infra.progress import StageTimer
 from drafter.infra.run_lock import RunDirectoryBusy, hold_run_directory
 from drafter.infra.tracking import RunLogger, TrainedOn, Window, bucket_summary, console_line, eval_line
@@ -45,7 +46,7 @@ from drafter.models import drafter_class, drafter_from_state_dict, load_drafter
 from drafter.models.configure import drafter_config
 from drafter.serving.decode import stop_token_ids
 from drafter.serving.served import PromptShare, bench_prompts, generation_tau, held_out_prompts, replayed_tau
-from drafter.target.cache import probe_decoding
+from drafter.target.cache import TargetCache, probe_decoding
 from drafter.target.calibration import calibrated_features
 from drafter.target.mask_token import check_given_mask_token, choose_mask_token
 from drafter.target.model import TargetError, compute_dtype, input_embedding_scale, random_qwen3
@@ -219,7 +220,7 @@ def decide_resume(cfg, rank, identity, position):
 def build_run(cfg, rank, world_size, device, data: RunData, model_config, ds_config) -> RunParts:
     """The memory plan, then the target, the drafter and its engine, and what generation needs."""
     dtype = compute_dtype(cfg.target.dtype, device)
-    check_memory_plan(cfg, model_config, world_size, device, dtype, ds_config, rank)
+    plan = check_memory_plan(cfg, model_config, world_size, device, dtype, ds_config, rank)
     tp_group = form_tp_group(cfg.target.tp_size)
     target, tokenizer = build_target_and_tokenizer(cfg, device, dtype, tp_group)
     drafter = build_drafter(cfg, target, tokenizer, (data.train_set, data.eval_set), rank)
@@ -229,6 +230,8 @@ def build_run(cfg, rank, world_size, device, data: RunData, model_config, ds_con
     if probe and (refusal := probe.cannot_decode or probe.cannot_verify):
         raise ConfigError(f"{refusal}: set train.generate_every=0 (the replayed tau of the eval steps needs "
                           "no decoding)")
+    if generate_prompts and TargetCache(target).tree_form() == "paths":  # trees as batches of paths
+        check_generation_memory(cfg, target, drafter.block_size, plan, device, rank)
     stops = stop_token_ids(target, tokenizer)
     attention = attention_kernel(cfg.objective.attention, device)
     objective = OmegaConf.to_object(cfg.objective)
@@ -246,6 +249,18 @@ def check_memory_plan(cfg, model_config, world_size, device, dtype, ds_config, r
         print("\n".join(plan.lines(gpu_bytes)), flush=True)
     if gpu_bytes:
         check_fits(plan, gpu_bytes, node_ranks(world_size))
+    return plan
+
+
+def check_generation_memory(cfg, target, block_size, plan, device, rank):
+    """Training's generation verifies DDTree as a batch of paths on this target: printed at the largest
+    of train.tau_budgets, and on a GPU stopped when it cannot fit beside the training plan."""
+    gpu_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    free = gpu_bytes - plan.total if gpu_bytes else 2**62
+    path_plan = check_path_batch_fits(target, max(cfg.train.tau_budgets), block_size,
+                                      cfg.data.max_length + cfg.train.generate_max_new_tokens, free)
+    if rank == 0:
+        print(path_plan.line(), flush=True)
 
 
 def build_target_and_tokenizer(cfg, device, dtype, tp_group):
