@@ -32,7 +32,7 @@ from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
 from drafter.config import ObjectiveConfig, lr_factor, noise_std
-from drafter.data.datasets import DataError, load_datasets
+from drafter.data.datasets import DataError, content_fingerprint, load_datasets
 from drafter.data.loader import make_loader
 from drafter.data.sampler import held_out_share, plan_notes, sampler_from_config
 from drafter.errors import ConfigError, UserError
@@ -43,12 +43,14 @@ from drafter.infra.progress import StageTimer
 from drafter.infra.run_lock import hold_run_directory
 from drafter.metric_sums import finalize_metrics
 from drafter.models import drafter_class, drafter_from_state_dict, load_drafter
-from drafter.models.blocks import attention_kernel
+from drafter.models.blocks import attention_kernel, blocks_drawn
 from drafter.models.configure import drafter_config
 from drafter.models.mask_token import check_given_mask_token, choose_mask_token
 from drafter.serving.decode import stop_token_ids
 from drafter.serving.served import PromptShare, bench_prompts, generation_tau, held_out_prompts, replayed_tau
-from drafter.target.cache import probe_decoding
+from drafter.serving.path_memory import check_path_batch_fits
+from drafter.target.cache import TargetCache, probe_decoding
+from drafter.target.calibration import calibrated_features
 from drafter.target.model import compute_dtype, input_embedding_scale, random_qwen3
 from drafter.target.tensor_parallel import (TargetFeatures, check_tensor_parallel, form_tp_group, load_tp_target,
                                             shard_target)
@@ -57,7 +59,7 @@ from drafter.training.checkpoint import (TrainerState, agree_on_checkpoint, chec
 from drafter.training.memory_plan import check_fits, plan_inputs, plan_memory, target_model_config
 from drafter.training.objective import training_step
 from drafter.training.run_config import load_config
-from drafter.training.tracking import RunLogger, Window, bucket_summary, console_line, eval_line
+from drafter.training.tracking import RunLogger, TrainedOn, Window, bucket_summary, console_line, eval_line
 
 # step_generator's streams of (seed, step, rank): each draw of a step has its own, so that resume
 # replays it and one draw never shifts another
@@ -137,6 +139,7 @@ class RunData:
     total_steps: int
     identity: dict
     position: dict
+    held_out_set: str       # content_fingerprint of eval_set: curves of different held-out sets never mix
 
 
 @dataclass(frozen=True)
@@ -155,6 +158,7 @@ class RunParts:
     attention: str
     generate_prompts: list[list[int]] | None
     stops: list[int]
+    trained_on: TrainedOn            # this rank's supervised tokens and blocks since they were last counted
 
 
 def set_cpu_threads(cfg, world_size: int):
@@ -187,7 +191,8 @@ def prepare_data(cfg, rank, world_size, device):
     if cfg.train.max_steps:
         total_steps = min(total_steps, cfg.train.max_steps)
     data = RunData(train_set, sampler, eval_set, eval_set.select(eval_rows), eval_sampler, sampler.stats(0),
-                   steps_per_epoch, total_steps, run_identity(cfg), data_position(cfg, sampler, world_size, ds_config))
+                   steps_per_epoch, total_steps, run_identity(cfg), data_position(cfg, sampler, world_size, ds_config),
+                   content_fingerprint(eval_set))
     return data, model_config, ds_config
 
 
@@ -218,7 +223,7 @@ def decide_resume(cfg, rank, identity, position):
 def build_run(cfg, rank, world_size, device, data: RunData, model_config, ds_config) -> RunParts:
     """The memory plan, then the target, the drafter and its engine, and what generation needs."""
     dtype = compute_dtype(cfg.target.dtype, device)
-    check_memory_plan(cfg, model_config, world_size, device, dtype, ds_config, rank)
+    plan = check_memory_plan(cfg, model_config, world_size, device, dtype, ds_config, rank)
     tp_group = form_tp_group(cfg.target.tp_size)
     target, tokenizer = build_target_and_tokenizer(cfg, device, dtype, tp_group)
     drafter = build_drafter(cfg, target, tokenizer, (data.train_set, data.eval_set), rank)
@@ -228,13 +233,15 @@ def build_run(cfg, rank, world_size, device, data: RunData, model_config, ds_con
     if probe and (refusal := probe.cannot_decode or probe.cannot_verify):
         raise ConfigError(f"{refusal}: set train.generate_every=0 (the replayed tau of the eval steps needs "
                           "no decoding)")
+    if generate_prompts and TargetCache(target).tree_form() == "paths":  # trees as batches of paths
+        check_generation_memory(cfg, target, drafter.block_size, plan, device, rank)
     stops = stop_token_ids(target, tokenizer)
     attention = attention_kernel(cfg.objective.attention, device)
     objective = OmegaConf.to_object(cfg.objective)
     engine = build_engine(cfg, drafter, device, dtype, ds_config)
     target_features = TargetFeatures(target, tp_group, device, final_hidden=objective.labels == "target")
     return RunParts(cfg, rank, world_size, device, dtype, data, target, target_features, engine, objective,
-                    attention, generate_prompts, stops)
+                    attention, generate_prompts, stops, TrainedOn())
 
 
 def check_memory_plan(cfg, model_config, world_size, device, dtype, ds_config, rank):
@@ -245,6 +252,18 @@ def check_memory_plan(cfg, model_config, world_size, device, dtype, ds_config, r
         print("\n".join(plan.lines(gpu_bytes)), flush=True)
     if gpu_bytes:
         check_fits(plan, gpu_bytes, local_world_size(world_size))
+    return plan
+
+
+def check_generation_memory(cfg, target, block_size, plan, device, rank):
+    """Training's generation verifies DDTree as a batch of paths on this target: printed at the largest
+    of train.tau_budgets, and on a GPU stopped when it cannot fit beside the training plan."""
+    gpu_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    free = gpu_bytes - plan.total if gpu_bytes else 2**62
+    path_plan = check_path_batch_fits(target, max(cfg.train.tau_budgets), block_size,
+                                      cfg.data.max_length + cfg.train.generate_max_new_tokens, free)
+    if rank == 0:
+        print(path_plan.line(), flush=True)
 
 
 def build_target_and_tokenizer(cfg, device, dtype, tp_group):
@@ -347,6 +366,7 @@ class Checkpointer:
         self.started = time.time()
 
     def save(self, step: int):
+        self.run.trained_on.count_into(self.state)
         elapsed = self.state.elapsed_s + time.time() - self.started
         save_checkpoint(self.run.engine, self.run.cfg, step, replace(self.state, elapsed_s=elapsed),
                         export_dtype=self.run.dtype)
@@ -425,6 +445,7 @@ def write_log_line(run: RunParts, state: TrainerState, window: Window, log, star
     """The window's summary to metrics.jsonl, W&B and the console; a new window for the next steps."""
     record = window.summary(state, run.data.stats, run.data.total_steps, len(run.data.sampler),
                             time.time() - started, run.objective.ddtree_budget)
+    record.update(run.trained_on.count_into(state))
     log.log(record)
     log.print(console_line(record))
     return new_window(run)
@@ -433,11 +454,13 @@ def write_log_line(run: RunParts, state: TrainerState, window: Window, log, star
 def micro_step(run: RunParts, batch, step, micro, noise, timers: StageTimer):
     """Forward + backward of one micro batch; returns its metrics ([sum, count] tensors, on the device:
     nothing here waits for the device)."""
+    run.trained_on.add(int(batch["loss_mask"].sum()), blocks_drawn(batch["loss_mask"], run.objective))
     input_ids = batch["input_ids"].to(run.device, non_blocking=True)
     loss_mask = batch["loss_mask"].to(run.device, non_blocking=True)
     drafter = run.engine.module
     with timers("target"):
         features, final_hidden = run.target_features(input_ids, drafter.target_layer_ids)
+        features = calibrated_features(features, run.objective.feature_calibration)
         features = add_feature_noise(features, noise, len(drafter.target_layer_ids),
                                      step_generator(run.cfg.run.seed, step, run.rank, NOISE_STREAM + micro, run.device))
     with timers("drafter"):
@@ -464,7 +487,7 @@ def after_step(run: RunParts, state: TrainerState, log, stop: StopRequest, check
     if evaluating or generating:  # one gather of a sharded drafter serves both
         drafter = local_drafter(run.engine, run.target)
         if evaluating:
-            run_eval(run, drafter, step, log)
+            run_eval(run, state, drafter, log)
         if generating:
             run_generation(run, drafter, step, log)
     if step % cfg.train.save_every == 0:
@@ -503,12 +526,13 @@ def local_drafter(engine, target):
     return drafter_from_state_dict(engine.module.config, engine.full_state_dict()).to(target.device, target.dtype)
 
 
-def run_eval(run: RunParts, drafter, step, log):
+def run_eval(run: RunParts, state: TrainerState, drafter, log):
+    trained_on = run.trained_on.count_into(state)
     metrics = evaluate(run, drafter)
     if not metrics:
         return
-    log.log({"step": step, **metrics}, prefix="eval")
-    log.print(eval_line({"step": step, **metrics}))
+    log.log({"step": state.step, **trained_on, "held_out_set": run.data.held_out_set, **metrics}, prefix="eval")
+    log.print(eval_line({"step": state.step, **metrics}))
 
 
 @torch.no_grad()
@@ -528,6 +552,7 @@ def evaluate(run: RunParts, drafter):
         features, final_hidden = run.target_features(input_ids, drafter.target_layer_ids)
         if batch is None:
             continue
+        features = calibrated_features(features, run.objective.feature_calibration)
         for k, v in eval_metrics(run, drafter, features, final_hidden, batch, i).items():
             summed[k] = summed[k] + v.float()
     drafter.train(was_training)

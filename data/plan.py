@@ -30,7 +30,8 @@ from drafter.config import CONFIG_FILE_ERRORS, Config, ConfigError, config_error
 from drafter.data.sampler import BucketSampler, bucket_table, plan_notes, sampler_from_config
 from drafter.data.splits import split_holdout
 from drafter.infra.engine import deepspeed_config
-from drafter.training.memory_plan import GiB, fitting_changes, plan_inputs, plan_memory, target_model_config
+from drafter.infra.memory import GiB
+from drafter.training.memory_plan import fitting_changes, plan_inputs, plan_memory, target_model_config
 
 SHADES = " .:-=+*#%@"  # share of a column's steps in a bucket, from none to all
 

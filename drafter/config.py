@@ -130,6 +130,7 @@ class ObjectiveConfig:
     anchor_candidates: str = "pair"  # pair: p and p+1 supervised | supervised: any supervised p (speculators)
     selector_alpha: float = 1.0    # the drafter's auxiliary loss weight (dflash2: the selector's K-way CE)
     chunk_bytes: int = 256 * 2**20  # fp32 logits alive at once in the chunked LM-head loss (memory only)
+    feature_calibration: str = "none"  # none | zeros | oracle: diagnostics (drafter/target/calibration.py)
 
 
 @dataclass

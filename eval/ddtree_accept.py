@@ -16,8 +16,11 @@ ratio of decode time per output token to `ar`'s, prefill excluded). At temperatu
 compares every method's tokens with `ar`'s (`drafter/serving/lossless.py`): yes, ties-only (every divergence
 starts where the target's top-2 logits were within --tie-tolerance: a floating-point tie) or no.
 
-A target with conv or recurrent layers (Qwen3.5, Qwen3-Next, Nemotron-H, LFM2) cannot verify a tree as
-one flat sequence (`drafter.serving.decode.tree_verify_refusal`). There, at temperature 0, each `ddtree@N` row is
+A target with conv, recurrent or compressor layers, or chunked attention (Qwen3.5, Qwen3-Next, Nemotron-H,
+LFM2, DeepSeek-V4, Llama 4) verifies each tree as a batch of its root-to-leaf paths
+(`drafter/serving/path_verify.py`), generated and timed like any other target. A target whose cache
+neither form can verify (`drafter.serving.decode.tree_verify_refusal`: a model's own cache layer that
+cannot copy its state per row) is refused by name; there, at temperature 0, each `ddtree@N` row is
 the exact DDTree tau of `ar`'s own greedy text, replayed under teacher forcing (`drafter.serving.served`: the
 tree of N nodes built from the drafter's block at each step's anchor, walked along the text) and
 labelled `replayed`, with no timing; above temperature 0 those rows are left out. A target whose cached
@@ -38,6 +41,7 @@ sharded forwards are collectives, and their outputs are the same on every member
 the prompts, and each group's first rank reports.
 """
 import argparse
+import importlib.util
 import json
 from dataclasses import asdict
 from pathlib import Path
@@ -120,6 +124,9 @@ def parse_args(argv=None):
     if args.check_public and (args.temperature > 0 or args.tp > 1):
         parser.error("--check-public compares greedy decodes on one whole target: it needs --temperature 0 "
                      "and --tp 1")
+    if args.check_public and importlib.util.find_spec("dflash") is None:
+        parser.error("--check-public runs the public loop of the dflash package, which is not installed: "
+                     "pip install --no-deps dflash==0.1.0")
     return args
 
 

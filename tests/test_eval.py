@@ -124,6 +124,16 @@ def test_check_public_reports_the_public_loop_step_by_step(checkpoint, tmp_path,
             ddtree_accept.parse_args(["--ckpt", "x"] + flags)
 
 
+def test_check_public_without_the_dflash_package_is_one_line_before_any_model_loads(monkeypatch, capsys):
+    import importlib.util
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "dflash" else find_spec(name, *a))
+    with pytest.raises(SystemExit):
+        ddtree_accept.parse_args(["--ckpt", "no/such/checkpoint", "--check-public", "1"])
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.endswith("dflash package, which is not installed: pip install --no-deps dflash==0.1.0")
+
+
 def test_target_flag_overrides_the_recorded_target(checkpoint, tmp_path):
     target = random_qwen3(vocab_size=384, seed=3)
     drafter = make_drafter(target, block_size=4, target_path="no/such/target")

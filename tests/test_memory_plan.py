@@ -15,8 +15,8 @@ from omegaconf import OmegaConf
 from drafter.models import DFlashDraftModel, drafter_class
 from drafter.models.configure import drafter_config
 from drafter.target.model import random_qwen3
-from drafter.training.memory_plan import (GiB, MemoryPlanError, check_fits, plan_inputs, plan_memory, size_text,
-                                          target_model_config)
+from drafter.infra.memory import GiB, MemoryPlanError, size_text
+from drafter.training.memory_plan import check_fits, plan_inputs, plan_memory, target_model_config
 from drafter.training.run_config import load_config
 from runs import REPO
 

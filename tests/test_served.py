@@ -63,6 +63,21 @@ def world_dflash2(target):
     return served_world(target, DrafterVariant(arch="dflash2", selector_rank=8, selector_top_k=4))
 
 
+@pytest.fixture(scope="module")
+def world_gated_deltanet():
+    """As `world`, on a hybrid target (Qwen3.5's Gated DeltaNet beside attention): `ddtree` is served
+    as a batch of the tree's paths."""
+    from families import random_target
+    return served_world(random_target("qwen3_5_text"), DrafterVariant())
+
+
+@pytest.fixture(scope="module")
+def world_short_conv():
+    """As `world_gated_deltanet`, with LFM2's short convolutions."""
+    from families import random_target
+    return served_world(random_target("lfm2"), DrafterVariant())
+
+
 def served_world(target, variant):
     """An fp64 target, its greedy answers to 3 prompts (one with a second turn after its first
     answer) each cut at a stop token seen there for the first time, and a drafter trained on them
@@ -111,7 +126,8 @@ def served_world(target, variant):
     return target, drafter, responses, input_ids, loss_mask, features, served
 
 
-@pytest.mark.parametrize("world_name", ["world", "world_dflash2"])
+@pytest.mark.parametrize("world_name", ["world", "world_dflash2", "world_gated_deltanet",
+                                        "world_short_conv"])
 def test_replay_equals_served_steps_at_temperature_zero(request, world_name):
     target, drafter, responses, input_ids, loss_mask, features, served = request.getfixturevalue(world_name)
     replayed = replay_steps(drafter, target, features, input_ids, loss_mask, BUDGETS, attention="dense")

@@ -13,7 +13,7 @@ from drafter.infra.run_lock import RunDirectoryBusy
 from drafter.target.model import TargetError
 from drafter.target.tensor_parallel import TensorParallelError
 from drafter.training.checkpoint import ResumeError, TrainerState
-from drafter.training.memory_plan import MemoryPlanError
+from drafter.infra.memory import MemoryPlanError
 from drafter.training.run_config import load_config
 from runs import REPO
 

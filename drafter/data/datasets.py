@@ -1,5 +1,6 @@
 """Prepared datasets for training: loading data/prepare.py outputs, checked up front, and the
 held-out split."""
+import hashlib
 import json
 import warnings
 from pathlib import Path
@@ -90,6 +91,18 @@ def row_groups(dataset: datasets.Dataset, path: str) -> np.ndarray:
     warnings.warn(f"{path}: no 'group' column (prepared before groups were recorded): the eval split "
                   "holds out random rows, which may share documents with training rows", stacklevel=2)
     return np.arange(len(dataset))
+
+
+def content_fingerprint(dataset: datasets.Dataset) -> str:
+    """A short hash of the rows' input_ids and loss_mask, in order: two runs evaluated on the same
+    held-out rows share it, whatever directory or build the rows came from."""
+    digest = hashlib.sha256()
+    table = dataset.select_columns(["input_ids", "loss_mask"]).with_format("arrow")[:]  # the selected rows only
+    for column in ("input_ids", "loss_mask"):
+        values = table.column(column).combine_chunks()
+        digest.update(np.asarray(pc.list_value_length(values)).astype(np.int64).tobytes())
+        digest.update(np.asarray(values.flatten()).astype(np.int64).tobytes())  # flatten: a slice's own values
+    return digest.hexdigest()[:16]
 
 
 def load_datasets(data_cfg, vocab_size: int, chat_template_kwargs):

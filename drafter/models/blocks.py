@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import _DEFAULT_SPARSE_BLOCK_SIZE, create_block_mask
 
+from drafter.config import ObjectiveConfig
 from drafter.losses.weights import position_weights
 from drafter.models.layers import FlexMask, LayerAttention, compile_dynamic
 
@@ -49,19 +50,30 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.G
     A is read on the host: the one host synchronisation of a training step (the drafter's input
     shape depends on the data); the random scores come from `generator`'s device without a wait.
     """
-    if anchors_per_batch is not None:
-        num_anchors = max(1, min(num_anchors, anchors_per_batch // loss_mask.shape[0]))
     mask = loss_mask.bool()
     allowed = anchor_candidates(mask, candidates)
     scores = torch.rand(mask.shape, generator=generator, device=generator.device)
     scores = scores.to(mask.device, non_blocking=True).masked_fill(~allowed, -1.0)
-    count = min(num_anchors, int(allowed.sum(1).max()))
-    count = max(count, 1)
-    top_scores, anchors = scores.topk(count, dim=1)
+    top_scores, anchors = scores.topk(anchor_count(allowed, num_anchors, anchors_per_batch), dim=1)
     valid = top_scores >= 0
     anchors = torch.where(valid, anchors, 0)
     order = torch.argsort(anchors + (~valid) * mask.shape[1], dim=1)  # valid first, ascending
     return anchors.gather(1, order), valid.gather(1, order)
+
+
+def anchor_count(allowed: torch.Tensor, num_anchors: int, anchors_per_batch: int | None) -> int:
+    """A, the anchors `sample_anchors` draws per sequence from the candidates `allowed` [b, T]."""
+    if anchors_per_batch is not None:
+        num_anchors = max(1, min(num_anchors, anchors_per_batch // allowed.shape[0]))
+    return max(1, min(num_anchors, int(allowed.sum(1).max())))
+
+
+def blocks_drawn(loss_mask: torch.Tensor, cfg: ObjectiveConfig) -> int:
+    """How many blocks (valid anchors) `training_step` trains on a batch with this `loss_mask`,
+    counted from the mask alone: on the host, from the CPU batch, with no device wait."""
+    allowed = anchor_candidates(loss_mask, cfg.anchor_candidates)
+    count = anchor_count(allowed, cfg.num_anchors, cfg.anchors_per_batch)
+    return int(allowed.sum(1).clamp(max=count).sum())
 
 
 @dataclass

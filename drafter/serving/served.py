@@ -264,8 +264,8 @@ def generation_tau(target, drafter, prompts: list[list[int]], share: PromptShare
     [seconds, 1]} (float64, CPU) for the caller to all-reduce (sum) and divide: the mean tau over the
     responses and the mean seconds per decoding group (a rank, or a tp group). A rank that decoded
     nothing contributes its seconds and zero responses; a member that does not report contributes
-    zeros throughout. On a target that refuses tree verification (conv or recurrent layers:
-    `decode.tree_verify_refusal`) only `dflash` is generated; the replayed `tau_ddtree@B` of the eval
+    zeros throughout. On a target that refuses tree verification (a cache layer neither tree form can
+    verify: `decode.tree_verify_refusal`) only `dflash` is generated; the replayed `tau_ddtree@B` of the eval
     steps is exact there. The only collectives are those of a group (its sharded forwards and the
     time agreement). The drafter is put in eval mode and given back in the mode it came in; the
     global torch, CUDA and numpy RNGs are not used.

@@ -59,8 +59,10 @@ class ResumeError(UserError, RuntimeError):
 
 
 # trainer_state.json: version 1 is the unversioned file of the first trainers (the same fields, no
-# "format" key); version 2 names its format. A newer version than this code knows is refused by name.
-TRAINER_STATE_FORMAT, TRAINER_STATE_VERSION = "dflash-ddtree/trainer-state", 2
+# "format" key); version 2 names its format; version 3 adds what the drafter has trained on
+# (COUNTED_SINCE_V3, read as 0 from older states). A newer version than this code knows is refused by name.
+TRAINER_STATE_FORMAT, TRAINER_STATE_VERSION = "dflash-ddtree/trainer-state", 3
+COUNTED_SINCE_V3 = ("supervised_tokens", "blocks_trained")
 
 
 @dataclass
@@ -75,6 +77,8 @@ class TrainerState:
     wandb_id: str | None = None
     elapsed_s: float = 0.0
     schedule_steps: int = 0
+    supervised_tokens: int = 0   # answer tokens of the training batches so far, all ranks (the curve's x)
+    blocks_trained: int = 0      # blocks (valid anchors) trained so far, all ranks
     identity: dict = field(default_factory=dict)
     data_position: dict = field(default_factory=dict)
 
@@ -102,6 +106,8 @@ class TrainerState:
             raise ResumeError(f"{path.parent} predates run identities: its run cannot be checked against this "
                               "one. Start a new run (a new run.out_dir, or train.resume=never).")
         names = {f.name for f in fields(cls)}
+        if written_as[1] is None or written_as[1] < 3:  # counted from version 3 on
+            saved.update({name: 0 for name in COUNTED_SINCE_V3 if name not in saved})
         missing = sorted(names - saved.keys())
         if missing:
             raise ResumeError(f"{path}: trainer state without {', '.join(missing)}")

@@ -26,16 +26,11 @@ from dataclasses import dataclass, replace
 import torch
 from omegaconf import OmegaConf
 
-from drafter.errors import UserError
+from drafter.infra.memory import MemoryPlanError, size_text
 
-GiB = 2**30
 ADAM_BYTES = 8    # fp32 m and v per parameter
 MUON_BYTES = 4    # torch.optim.Muon's fp32 momentum buffer per parameter
 MASTER_BYTES = 4  # DeepSpeed's fp32 copy of the weights it optimises
-
-
-def size_text(size: int) -> str:
-    return f"{size / GiB:.2f} GiB" if size >= GiB / 100 else f"{size / 2**20:.2f} MiB"
 
 
 @dataclass(frozen=True)
@@ -150,10 +145,6 @@ def fitting_changes(p: PlanInputs, gpu_bytes: int, node_ranks: int) -> list[str]
                            replace(p, anchors=max(1, p.anchors // factor))))
     return [f"{knob} ({size_text(plan_memory(changed).total)})" for knob, changed in candidates
             if plan_memory(changed).total <= gpu_bytes]
-
-
-class MemoryPlanError(UserError, RuntimeError):
-    pass
 
 
 def check_fits(plan: MemoryPlan, gpu_bytes: int, node_ranks: int) -> None:

@@ -11,6 +11,7 @@ from drafter.infra.engine import ENGINES, OPTIMIZERS
 from drafter.losses import BLOCK_LOSSES, DIVERGENCES, LABELS, NORMALIZATIONS, POSITION_WEIGHTS, TRUNCATIONS
 from drafter.models import ARCHITECTURES
 from drafter.models.blocks import ANCHOR_CANDIDATES, ATTENTION_KERNELS
+from drafter.target.calibration import FEATURE_CALIBRATIONS
 
 
 def choices() -> dict[str, tuple]:
@@ -22,6 +23,7 @@ def choices() -> dict[str, tuple]:
             "objective.truncate": tuple(TRUNCATIONS),
             "objective.normalize": tuple(NORMALIZATIONS),
             "objective.anchor_candidates": ANCHOR_CANDIDATES,
+            "objective.feature_calibration": FEATURE_CALIBRATIONS,
             "drafter.arch": tuple(ARCHITECTURES),
             "train.engine": ENGINES,
             "optim.name": OPTIMIZERS,
