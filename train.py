@@ -42,7 +42,7 @@ from drafter.infra.launch import LaunchError, init_distributed, local_world_size
 from drafter.infra.progress import StageTimer
 from drafter.infra.run_lock import hold_run_directory
 from drafter.metric_sums import finalize_metrics
-from drafter.models import drafter_class, drafter_from_state_dict, load_drafter
+from drafter.models import drafter_from_state_dict, load_drafter, new_drafter
 from drafter.models.blocks import attention_kernel, blocks_drawn
 from drafter.models.configure import drafter_config
 from drafter.models.mask_token import check_given_mask_token, choose_mask_token
@@ -299,8 +299,7 @@ def build_drafter(cfg, target, tokenizer, data, rank):
                             variant=OmegaConf.to_object(cfg.drafter),
                             input_embedding_scale=input_embedding_scale(target), target_path=cfg.target.path,
                             chat_template_kwargs=dict(cfg.target.chat_template_kwargs))
-    torch.manual_seed(cfg.run.seed)  # same initial weights on every rank
-    return drafter_class(config)(config)
+    return new_drafter(config, target.get_output_embeddings().weight, cfg.run.seed)
 
 
 def generation_prompts(cfg, tokenizer, eval_set) -> list[list[int]] | None:

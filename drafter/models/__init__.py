@@ -79,6 +79,27 @@ def drafter_class(config: Qwen3Config) -> type[DFlashDraftModel]:
     return named[0] if named else DFlashDraftModel
 
 
+def new_drafter(config: Qwen3Config, head_weight: torch.Tensor, seed: int) -> DFlashDraftModel:
+    """A fresh drafter of `config` (transformers' init from `seed`: the same weights on every rank) for
+    a target whose LM head is `head_weight` [V, H], its final norm set to `initial_norm_scale`."""
+    torch.manual_seed(seed)
+    drafter = drafter_class(config)(config)
+    with torch.no_grad():
+        drafter.norm.weight.fill_(initial_norm_scale(head_weight))
+    return drafter
+
+
+def initial_norm_scale(head_weight: torch.Tensor) -> float:
+    """1 / the RMS row norm of the LM head: a unit-RMS state of random direction then scores every word
+    with unit std. The drafter's logits are the frozen head on its final norm's output, and at
+    transformers' unit norm they start far too large: SmolLM2-135M's first loss was ~45 nats against
+    ln V = 10.8 (gradient norm ~420; ~18 and ~97 at this scale), and on the tests' target a unit norm
+    kept a drafter from learning even what its anchor token predicts (docs/results.md, "Calibrations").
+    Rounded, so that every rank computes the same value whatever its kernels' reduction order."""
+    rms_row_norm = head_weight.detach().float().pow(2).sum(-1).mean().sqrt().item()
+    return float(f"{1.0 / max(rms_row_norm, 1e-6):.4g}")
+
+
 def is_drafter_config(config_dict: dict) -> bool:
     """Whether an exported config.json (as a dict) is one of our architectures'."""
     return bool(export_classes().keys() & set(config_dict.get("architectures") or []))
