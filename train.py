@@ -6,18 +6,19 @@
     torchrun --nproc_per_node 8 train.py --cfg ... target.tp_size=8   # a target larger than one GPU
     python train.py --cfg configs/toy.yaml               # one process; CPU + gloo without a GPU
 
-config -> distributed init -> data -> resume decision -> target -> drafter -> engine -> loop ->
-checkpoints. Every rank holds a frozen copy of the target (or, at target.tp_size G, its share of a copy
-that G consecutive ranks hold together: drafter/target/tensor_parallel.py) and gets its own batch's
-features; only the drafter is trained, through the engine interface of drafter/infra/engine.py. With
-data.features (a store written by data/features.py) the features are read from the store instead, and
-of the target only its embedding and LM head load (docs/features.md).
+main: config -> distributed world -> the run directory's lock -> train: data, with every check that
+needs no weights -> resume decision -> memory plan -> target -> drafter -> engine -> the resumed
+state -> loop (evaluation, generation, checkpoints) -> the last checkpoint. Every rank holds a frozen
+copy of the target (or, at target.tp_size G, its share of a copy that G consecutive ranks hold
+together: drafter/target/tensor_parallel.py) and gets its own batch's features; only the drafter is
+trained, through the engine interface of drafter/infra/engine.py. With data.features (a store written
+by data/features.py) the features are read from the store instead, and of the target only its
+embedding and LM head load (docs/features.md).
 """
 import argparse
 import hashlib
 import itertools
 import math
-import os
 import signal
 import sys
 import time
@@ -31,36 +32,44 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
-from drafter.config import ConfigError, ObjectiveConfig, load_config, lr_factor, noise_std
-from drafter.data.datasets import DataError, load_datasets
+from drafter.config import ObjectiveConfig, lr_factor, noise_std
+from drafter.data.datasets import DataError, content_fingerprint, load_datasets
 from drafter.data.feature_store import (FeatureStore, StoreFeatures, load_stored_head, store_model_config,
                                         store_refusal)
-from drafter.data.sampler import held_out_share, make_loader, plan_notes, sampler_from_config
-from drafter.infra.checkpoint import (ResumeError, TrainerState, agree_on_checkpoint, check_resumable, load_checkpoint,
-                                      remove_partial_saves, run_identity, save_checkpoint, set_aside_previous_run)
+from drafter.data.loader import make_loader
+from drafter.data.sampler import held_out_share, plan_notes, sampler_from_config
+from drafter.errors import ConfigError, UserError
 from drafter.infra.collectives import all_reduce_sum, any_rank
 from drafter.infra.engine import build_engine, engine_settings
-from drafter.infra.launch import LaunchError, init_distributed, remove_cpu_allreduce_buffer, set_cpu_threads
-from drafter.infra.memory_plan import MemoryPlanError, check_fits, plan_inputs, plan_memory, target_model_config
+from drafter.infra.launch import (LaunchError, init_distributed, local_world_size, remove_cpu_allreduce_buffer,
+                                  set_cpu_threads)
 from drafter.infra.progress import StageTimer
-from drafter.infra.run_lock import RunDirectoryBusy, hold_run_directory
-from drafter.infra.tracking import RunLogger, Window, bucket_summary, console_line, eval_line
-from drafter.models import drafter_class, drafter_from_state_dict, load_drafter
+from drafter.infra.run_lock import hold_run_directory
+from drafter.metric_sums import finalize_metrics
+from drafter.models import drafter_from_state_dict, load_drafter, new_drafter
+from drafter.models.blocks import attention_kernel, blocks_drawn
 from drafter.models.configure import drafter_config
+from drafter.models.mask_token import check_given_mask_token, choose_mask_token
 from drafter.serving.decode import stop_token_ids
 from drafter.serving.served import PromptShare, bench_prompts, generation_tau, held_out_prompts, replayed_tau
-from drafter.target.cache import probe_decoding
-from drafter.target.mask_token import check_given_mask_token, choose_mask_token
-from drafter.target.model import TargetError, compute_dtype, input_embedding_scale, random_qwen3
-from drafter.target.tensor_parallel import (TargetFeatures, TensorParallelError, check_tensor_parallel, form_tp_group,
+from drafter.serving.path_memory import check_path_batch_fits
+from drafter.target.cache import TargetCache, probe_decoding
+from drafter.target.calibration import calibrated_features
+from drafter.target.model import compute_dtype, input_embedding_scale, random_qwen3
+from drafter.target.tensor_parallel import (TargetFeatures, check_tensor_parallel, feature_code_version, form_tp_group,
                                             load_tp_target, shard_target)
-from drafter.training.metrics import finalize_metrics
-from drafter.training.objective import attention_kernel, training_step
+from drafter.training.checkpoint import (TrainerState, agree_on_checkpoint, check_resumable, load_checkpoint,
+                                         remove_partial_saves, run_identity, save_checkpoint, set_aside_previous_run)
+from drafter.training.memory_plan import check_fits, plan_inputs, plan_memory, target_model_config
+from drafter.training.objective import training_step
+from drafter.training.run_config import load_config
+from drafter.training.tracking import RunLogger, TrainedOn, Window, bucket_summary, console_line, eval_line
 
-# What a user's choice of config, data or launch causes: reported as one line, without a traceback
-# (EngineConfigError is a ConfigError).
-USER_ERRORS = (ConfigError, DataError, ResumeError, LaunchError, TargetError, RunDirectoryBusy, MemoryPlanError,
-               TensorParallelError)
+# step_generator's streams of (seed, step, rank): each draw of a step has its own, so that resume
+# replays it and one draw never shifts another
+NOISE_STREAM = 1     # + the micro step: the feature noise
+ANCHOR_STREAM = -1   # - the micro step: the training anchors
+EVAL_STREAM = 7      # the held-out batches' anchors (step: the batch's index)
 
 
 def main(argv=None):
@@ -82,7 +91,7 @@ def main(argv=None):
             if lock.note:
                 print(lock.note, file=sys.stderr, flush=True)
             return train(cfg, rank, world_size, device)
-    except USER_ERRORS as error:  # raised on every rank: say it once (or per rank when it differs)
+    except UserError as error:  # raised on every rank: say it once (or per rank when it differs)
         if rank == 0 or getattr(error, "per_rank", False):
             print(f"error: {error}", file=sys.stderr, flush=True)
         return 2
@@ -94,7 +103,7 @@ def main(argv=None):
 
 def train(cfg, rank, world_size, device) -> int:
     if device.type == "cpu":
-        set_cpu_threads(cfg.train.threads_per_rank)
+        set_cpu_threads(cfg.train.threads_per_rank, world_size)
     stop = StopRequest()
     data, model_config, ds_config = prepare_data(cfg, rank, world_size, device)
     resume_from, saved, notes = decide_resume(cfg, rank, data.identity, data.position)  # before any model loads
@@ -103,10 +112,11 @@ def train(cfg, rank, world_size, device) -> int:
                          data_position=data.position)
     if resume_from is not None:
         load_checkpoint(run.engine, resume_from)
-        state = replace(saved, identity=data.identity, data_position=data.position)
+        state = replace(saved, identity=data.identity, data_position=data.position,
+                        schedule_steps=cfg.train.schedule_steps or saved.schedule_steps)
         notes.append(f"resumed from {resume_from} at step {state.step} "
                      f"(epoch {state.epoch}, micro step {state.micro_step_in_epoch})")
-        notes += schedule_notes(cfg, state, data.total_steps)
+        notes += schedule_notes(cfg, saved, data.total_steps)
     log = RunLogger(cfg, is_main=rank == 0, resume_step=state.step if resume_from else None,
                     resume_id=state.wandb_id)
     state.wandb_id = log.run_id
@@ -133,6 +143,7 @@ class RunData:
     total_steps: int
     identity: dict
     position: dict
+    held_out_set: str       # content_fingerprint of eval_set: curves of different held-out sets never mix
 
 
 @dataclass(frozen=True)
@@ -151,10 +162,7 @@ class RunParts:
     attention: str
     generate_prompts: list[list[int]] | None
     stops: list[int]
-
-
-def node_ranks(world_size: int) -> int:
-    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    trained_on: TrainedOn            # this rank's supervised tokens and blocks since they were last counted
 
 
 def prepare_data(cfg, rank, world_size, device):
@@ -167,7 +175,7 @@ def prepare_data(cfg, rank, world_size, device):
     model_config = (store_model_config(cfg.data.features) if cfg.data.features
                     else target_model_config(cfg.target.path, cfg.target.random))
     text_config = model_config.get_text_config()
-    check_tensor_parallel(model_config, cfg.target.tp_size, node_ranks(world_size), world_size)
+    check_tensor_parallel(model_config, cfg.target.tp_size, local_world_size(world_size), world_size)
     ds_config = engine_settings(cfg, world_size, device, compute_dtype(cfg.target.dtype, device),
                                 text_config.hidden_size)
     train_set, eval_set = load_datasets(cfg.data, text_config.vocab_size, cfg.target.chat_template_kwargs)
@@ -184,7 +192,8 @@ def prepare_data(cfg, rank, world_size, device):
     if cfg.train.max_steps:
         total_steps = min(total_steps, cfg.train.max_steps)
     data = RunData(train_set, sampler, eval_set, eval_set.select(eval_rows), eval_sampler, sampler.stats(0),
-                   steps_per_epoch, total_steps, run_identity(cfg), data_position(cfg, sampler, world_size, ds_config))
+                   steps_per_epoch, total_steps, run_identity(cfg), data_position(cfg, sampler, world_size, ds_config),
+                   content_fingerprint(eval_set))
     return data, model_config, ds_config
 
 
@@ -240,7 +249,7 @@ def decide_resume(cfg, rank, identity, position):
 def build_run(cfg, rank, world_size, device, data: RunData, model_config, ds_config) -> RunParts:
     """The memory plan, then the target, the drafter and its engine, and what generation needs."""
     dtype = compute_dtype(cfg.target.dtype, device)
-    check_memory_plan(cfg, model_config, world_size, device, dtype, ds_config, rank)
+    plan = check_memory_plan(cfg, model_config, world_size, device, dtype, ds_config, rank)
     tp_group = form_tp_group(cfg.target.tp_size)
     stores = {key: FeatureStore(OmegaConf.select(cfg, key)) for key in ("data.features", "data.eval_features")
               if OmegaConf.select(cfg, key)}
@@ -248,7 +257,7 @@ def build_run(cfg, rank, world_size, device, data: RunData, model_config, ds_con
     drafter = build_drafter(cfg, target, tokenizer, (data.train_set, data.eval_set), rank)
     for key, store in stores.items():
         data_key = "data.eval_path" if key == "data.eval_features" else "data.path"
-        if refusal := store_refusal(store, cfg, drafter.target_layer_ids, dtype, data_key):
+        if refusal := store_refusal(store, cfg, drafter.target_layer_ids, dtype, feature_code_version(), data_key):
             raise DataError(refusal)
     generate_prompts = generation_prompts(cfg, tokenizer, data.eval_set)
     # every rank probes (the same forwards: under tp each is a collective over the group)
@@ -256,6 +265,8 @@ def build_run(cfg, rank, world_size, device, data: RunData, model_config, ds_con
     if probe and (refusal := probe.cannot_decode or probe.cannot_verify):
         raise ConfigError(f"{refusal}: set train.generate_every=0 (the replayed tau of the eval steps needs "
                           "no decoding)")
+    if generate_prompts and TargetCache(target).tree_form() == "paths":  # trees as batches of paths
+        check_generation_memory(cfg, target, drafter.block_size, plan, device, rank)
     stops = stop_token_ids(target, tokenizer)
     attention = attention_kernel(cfg.objective.attention, device)
     objective = OmegaConf.to_object(cfg.objective)
@@ -264,7 +275,7 @@ def build_run(cfg, rank, world_size, device, data: RunData, model_config, ds_con
     generate = online if cfg.data.features_missing == "generate" else None  # rows no store holds
     target_features = StoreFeatures(list(stores.values()), generate) if stores else online
     return RunParts(cfg, rank, world_size, device, dtype, data, target, target_features, engine, objective,
-                    attention, generate_prompts, stops)
+                    attention, generate_prompts, stops, TrainedOn())
 
 
 def check_memory_plan(cfg, model_config, world_size, device, dtype, ds_config, rank):
@@ -274,7 +285,19 @@ def check_memory_plan(cfg, model_config, world_size, device, dtype, ds_config, r
     if rank == 0:
         print("\n".join(plan.lines(gpu_bytes)), flush=True)
     if gpu_bytes:
-        check_fits(plan, gpu_bytes, node_ranks(world_size))
+        check_fits(plan, gpu_bytes, local_world_size(world_size))
+    return plan
+
+
+def check_generation_memory(cfg, target, block_size, plan, device, rank):
+    """Training's generation verifies DDTree as a batch of paths on this target: printed at the largest
+    of train.tau_budgets, and on a GPU stopped when it cannot fit beside the training plan."""
+    gpu_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    free = gpu_bytes - plan.total if gpu_bytes else 2**62
+    path_plan = check_path_batch_fits(target, max(cfg.train.tau_budgets), block_size,
+                                      cfg.data.max_length + cfg.train.generate_max_new_tokens, free)
+    if rank == 0:
+        print(path_plan.line(), flush=True)
 
 
 def build_target_and_tokenizer(cfg, device, dtype, tp_group):
@@ -297,7 +320,7 @@ def stored_tokenizer(directory: str):
 def build_drafter(cfg, target, tokenizer, data, rank):
     """fp32 weights (the engines keep fp32 masters and compute in the training dtype). Without
     drafter.mask_token_id the mask token is chosen from the tokenizer and the training `data`
-    (drafter/target/mask_token.py) and recorded in the export's dflash_config; one given is checked against
+    (drafter/models/mask_token.py) and recorded in the export's dflash_config; one given is checked against
     the data."""
     if cfg.drafter.init_from:
         if not (Path(cfg.drafter.init_from) / "config.json").is_file():
@@ -319,8 +342,7 @@ def build_drafter(cfg, target, tokenizer, data, rank):
                             variant=OmegaConf.to_object(cfg.drafter),
                             input_embedding_scale=input_embedding_scale(target), target_path=cfg.target.path,
                             chat_template_kwargs=dict(cfg.target.chat_template_kwargs))
-    torch.manual_seed(cfg.run.seed)  # same initial weights on every rank
-    return drafter_class(config)(config)
+    return new_drafter(config, target.get_output_embeddings().weight, cfg.run.seed)
 
 
 def generation_prompts(cfg, tokenizer, eval_set) -> list[list[int]] | None:
@@ -339,17 +361,16 @@ def generation_prompts(cfg, tokenizer, eval_set) -> list[list[int]] | None:
         raise ConfigError(f"train.generate_prompts={cfg.train.generate_prompts}: {error}") from None
 
 
-def schedule_notes(cfg, state: TrainerState, total_steps) -> list[str]:
-    """On resume the lr schedule keeps the length it started with, unless train.schedule_steps says
-    otherwise (then the learning rate moves at once, as asked)."""
-    if cfg.train.schedule_steps and cfg.train.schedule_steps != state.schedule_steps:
-        before = lr_factor(cfg.optim, state.step, state.schedule_steps)
-        state.schedule_steps = cfg.train.schedule_steps
-        after = lr_factor(cfg.optim, state.step, state.schedule_steps)
+def schedule_notes(cfg, saved: TrainerState, total_steps) -> list[str]:
+    """What a resume from `saved` does to the lr schedule: it keeps the length it started with, unless
+    train.schedule_steps says otherwise (then the learning rate moves at once, as asked)."""
+    if cfg.train.schedule_steps and cfg.train.schedule_steps != saved.schedule_steps:
+        before = lr_factor(cfg.optim, saved.step, saved.schedule_steps)
+        after = lr_factor(cfg.optim, saved.step, cfg.train.schedule_steps)
         return [f"train.schedule_steps={cfg.train.schedule_steps}: the lr factor moves from {before:.3g} "
-                f"to {after:.3g} at step {state.step}"]
-    if total_steps != state.schedule_steps:
-        return [f"this run stops at step {total_steps}; the lr schedule keeps its {state.schedule_steps} "
+                f"to {after:.3g} at step {saved.step}"]
+    if total_steps != saved.schedule_steps:
+        return [f"this run stops at step {total_steps}; the lr schedule keeps its {saved.schedule_steps} "
                 "steps (no jump; set train.schedule_steps to change it)"]
     return []
 
@@ -387,6 +408,7 @@ class Checkpointer:
         self.started = time.time()
 
     def save(self, step: int):
+        self.run.trained_on.count_into(self.state)
         elapsed = self.state.elapsed_s + time.time() - self.started
         save_checkpoint(self.run.engine, self.run.cfg, step, replace(self.state, elapsed_s=elapsed),
                         export_dtype=self.run.dtype)
@@ -465,6 +487,7 @@ def write_log_line(run: RunParts, state: TrainerState, window: Window, log, star
     """The window's summary to metrics.jsonl, W&B and the console; a new window for the next steps."""
     record = window.summary(state, run.data.stats, run.data.total_steps, len(run.data.sampler),
                             time.time() - started, run.objective.ddtree_budget)
+    record.update(run.trained_on.count_into(state))
     log.log(record)
     log.print(console_line(record))
     return new_window(run)
@@ -473,16 +496,18 @@ def write_log_line(run: RunParts, state: TrainerState, window: Window, log, star
 def micro_step(run: RunParts, batch, step, micro, noise, timers: StageTimer):
     """Forward + backward of one micro batch; returns its metrics ([sum, count] tensors, on the device:
     nothing here waits for the device)."""
+    run.trained_on.add(int(batch["loss_mask"].sum()), blocks_drawn(batch["loss_mask"], run.objective))
     input_ids = batch["input_ids"].to(run.device, non_blocking=True)
     loss_mask = batch["loss_mask"].to(run.device, non_blocking=True)
     drafter = run.engine.module
     with timers("target"):
         features, final_hidden = run.target_features(input_ids, drafter.target_layer_ids, batch["lengths"])
+        features = calibrated_features(features, run.objective.feature_calibration)
         features = add_feature_noise(features, noise, len(drafter.target_layer_ids),
-                                     step_generator(run.cfg.run.seed, step, run.rank, 1 + micro, run.device))
+                                     step_generator(run.cfg.run.seed, step, run.rank, NOISE_STREAM + micro, run.device))
     with timers("drafter"):
         loss, metrics = training_step(drafter, run.target, features, input_ids, loss_mask, run.objective,
-                                      step_generator(run.cfg.run.seed, step, run.rank, -1 - micro), run.attention,
+                                      step_generator(run.cfg.run.seed, step, run.rank, ANCHOR_STREAM - micro), run.attention,
                                       final_hidden)
         # A non-finite loss makes every gradient NaN, so the engine's global check skips the step on all ranks.
         loss = loss * torch.where(torch.isfinite(loss.detach()), 1.0, math.nan)
@@ -504,7 +529,7 @@ def after_step(run: RunParts, state: TrainerState, log, stop: StopRequest, check
     if evaluating or generating:  # one gather of a sharded drafter serves both
         drafter = local_drafter(run.engine, run.target)
         if evaluating:
-            run_eval(run, drafter, step, log)
+            run_eval(run, state, drafter, log)
         if generating:
             run_generation(run, drafter, step, log)
     if step % cfg.train.save_every == 0:
@@ -514,9 +539,9 @@ def after_step(run: RunParts, state: TrainerState, log, stop: StopRequest, check
 
 # ----------------------------------------------------------------------------- features
 
-def step_generator(seed: int, step: int, rank: int, salt: int = 0, device="cpu") -> torch.Generator:
+def step_generator(seed: int, step: int, rank: int, stream: int = 0, device="cpu") -> torch.Generator:
     """Anchors and noise for (step, rank) come from their own seed: resume replays them exactly."""
-    return torch.Generator(device=device).manual_seed(hash((seed, step, rank, salt)) % 2**63)
+    return torch.Generator(device=device).manual_seed(hash((seed, step, rank, stream)) % 2**63)
 
 
 def add_feature_noise(features: torch.Tensor, std: float, num_layers: int,
@@ -543,12 +568,13 @@ def local_drafter(engine, target):
     return drafter_from_state_dict(engine.module.config, engine.full_state_dict()).to(target.device, target.dtype)
 
 
-def run_eval(run: RunParts, drafter, step, log):
+def run_eval(run: RunParts, state: TrainerState, drafter, log):
+    trained_on = run.trained_on.count_into(state)
     metrics = evaluate(run, drafter)
     if not metrics:
         return
-    log.log({"step": step, **metrics}, prefix="eval")
-    log.print(eval_line({"step": step, **metrics}))
+    log.log({"step": state.step, **trained_on, "held_out_set": run.data.held_out_set, **metrics}, prefix="eval")
+    log.print(eval_line({"step": state.step, **metrics}))
 
 
 @torch.no_grad()
@@ -569,6 +595,7 @@ def evaluate(run: RunParts, drafter):
                                                      batch["lengths"] if batch else None)
         if batch is None:
             continue
+        features = calibrated_features(features, run.objective.feature_calibration)
         for k, v in eval_metrics(run, drafter, features, final_hidden, batch, i).items():
             summed[k] = summed[k] + v.float()
     drafter.train(was_training)
@@ -582,7 +609,7 @@ def eval_metrics(run: RunParts, drafter, features, final_hidden, batch, index: i
     """One held-out batch: the training step's metrics on clean features, and its replayed tau."""
     input_ids, loss_mask = batch["input_ids"].to(run.device), batch["loss_mask"].to(run.device)
     _, metrics = training_step(drafter, run.target, features, input_ids, loss_mask, run.objective,
-                               step_generator(run.cfg.run.seed, index, run.rank, 7), run.attention, final_hidden)
+                               step_generator(run.cfg.run.seed, index, run.rank, EVAL_STREAM), run.attention, final_hidden)
     metrics.update(replayed_tau(drafter, run.target, features, input_ids, loss_mask, run.cfg.train.tau_budgets,
                                 run.attention, blocks_per_forward=run.objective.anchors_per_batch or 2048,
                                 chunk_bytes=run.objective.chunk_bytes))

@@ -28,19 +28,20 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
-from drafter.config import ConfigError, load_config
 from drafter.data.datasets import DataError, check_prepared_thinking, load_prepared
 from drafter.data.feature_store import (DTYPE_NAMES, FORMAT, HEAD, INDEX, OWN_FILES, STORE_DTYPES, TARGET_DIR,
                                         FeatureStoreError, identity_digest, identity_mismatch, row_key, shard_name,
                                         shard_problem, store_identity, write_shard)
-from drafter.data.sampler import collate
+from drafter.errors import ConfigError
+from drafter.data.loader import collate
 from drafter.infra.launch import LaunchError, init_distributed, set_cpu_threads
-from drafter.infra.memory_plan import size_text
+from drafter.infra.memory import size_text
 from drafter.infra.progress import progress_bar
 from drafter.infra.run_lock import RunDirectoryBusy, hold_run_directory
 from drafter.models.configure import drafter_config
 from drafter.target.model import TargetError, compute_dtype, input_embedding_scale, load_target, random_qwen3
-from drafter.target.tensor_parallel import TargetFeatures, form_tp_group
+from drafter.target.tensor_parallel import TargetFeatures, feature_code_version, form_tp_group
+from drafter.training.run_config import load_config
 
 SHARD_BYTES = 2 * 2**30  # about this much of features per shard
 USER_ERRORS = (ConfigError, DataError, LaunchError, TargetError, RunDirectoryBusy)
@@ -118,7 +119,7 @@ def shard_plan(lengths: np.ndarray, included: np.ndarray, bytes_per_token: int, 
 def dump(cfg, args, rank, world_size, device):
     out = Path(args.out)
     if device.type == "cpu":
-        set_cpu_threads(cfg.train.threads_per_rank)
+        set_cpu_threads(cfg.train.threads_per_rank, world_size)
     dtype = compute_dtype(cfg.target.dtype, device)
     store_dtype = STORE_DTYPES[args.dtype]
     check_prepared_thinking(cfg.data.path, cfg.target.chat_template_kwargs)
@@ -128,7 +129,7 @@ def dump(cfg, args, rank, world_size, device):
     layer_ids = drafter_config(text, num_layers=cfg.drafter.num_layers, block_size=cfg.drafter.block_size,
                                mask_token_id=0, target_layer_ids=cfg.drafter.target_layer_ids,
                                variant=OmegaConf.to_object(cfg.drafter)).dflash_config["target_layer_ids"]
-    identity = store_identity(cfg, dataset, layer_ids, args.dtype)
+    identity = store_identity(cfg, dataset, layer_ids, args.dtype, feature_code_version())
     digest = identity_digest(identity)
     lengths = np.asarray(dataset["length"])
     included = lengths <= cfg.data.max_length

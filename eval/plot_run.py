@@ -21,7 +21,6 @@ checkpoint), the later record counts.
 import argparse
 import json
 import math
-import re
 import sys
 from pathlib import Path
 
@@ -30,38 +29,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-RENAMED = {"streak": "anchor_streak", "ddtree_streak4": "anchor_top4_streak",
-           "ddtree_streak8": "anchor_top8_streak"}
-RENAMED_PATTERN = re.compile(r"^ddtree_accept@(\d+)$")
-
-
-def new_name(key: str) -> str:
-    if key in RENAMED:
-        return RENAMED[key]
-    match = RENAMED_PATTERN.match(key)
-    return f"anchor_ddtree@{match.group(1)}" if match else key
-
-
-def read_metrics(path: Path) -> tuple[dict[str, list[dict]], list[str]]:
-    """({kind: records in step order, one per step}, problems met)."""
-    lines = path.read_bytes().splitlines()
-    by_step, problems = {}, []
-    for number, raw in enumerate(lines, start=1):
-        if not raw.strip():
-            continue
-        try:
-            record = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            problems.append(f"{path}:{number}: " + ("truncated last line, ignored" if number == len(lines)
-                                                     else "not valid JSON, skipped"))
-            continue
-        if not isinstance(record, dict) or not isinstance(record.get("step"), (int, float)):
-            problems.append(f"{path}:{number}: not a record with a step, skipped")
-            continue
-        kind = str(record.get("kind", "train"))
-        by_step.setdefault(kind, {})[record["step"]] = {new_name(k): v for k, v in record.items()}
-    return {kind: [steps[s] for s in sorted(steps)] for kind, steps in by_step.items()}, problems
-
+from drafter.training.tracking import read_metrics  # noqa: E402
 
 def number(value) -> float:
     """A plottable float: NaN for anything that is not a finite or infinite number."""

@@ -16,12 +16,12 @@ import torch
 from safetensors.torch import load_file
 
 from data import features as features_cli
-from drafter.config import load_config
 from drafter.data.feature_store import FeatureStore, FeatureStoreError, store_refusal
-from drafter.data.sampler import collate
+from drafter.data.loader import collate
 from drafter.infra.run_lock import acquire
 from drafter.target.model import random_qwen3
-from drafter.target.tensor_parallel import TargetFeatures, form_tp_group
+from drafter.target.tensor_parallel import TargetFeatures, feature_code_version, form_tp_group
+from drafter.training.run_config import load_config
 from runs import (REPO, VENV_BIN, _env, free_port, kill_job, launch, records, run_to_end, train_losses, wait_for_step,
                   write_run)
 
@@ -135,8 +135,8 @@ def test_a_store_that_disagrees_with_the_run_is_refused_naming_the_field(store, 
     settings = load_config(str(cfg), [override])
     layer_ids = list(settings.drafter.target_layer_ids or [2])
     dtype = torch.bfloat16 if "bf16" in override else torch.float32
-    assert message in store_refusal(FeatureStore(str(out)), settings, layer_ids, dtype)
-    assert store_refusal(FeatureStore(str(out)), load_config(str(cfg)), [2], torch.float32) is None
+    assert message in store_refusal(FeatureStore(str(out)), settings, layer_ids, dtype, feature_code_version())
+    assert store_refusal(FeatureStore(str(out)), load_config(str(cfg)), [2], torch.float32, feature_code_version()) is None
 
 
 def test_another_dataset_is_refused(store, tmp_path):
@@ -144,7 +144,7 @@ def test_another_dataset_is_refused(store, tmp_path):
     rows = datasets.load_from_disk(str(cfg.parent / "data"))
     rows.select(range(159)).save_to_disk(str(tmp_path / "fewer"))
     settings = load_config(str(cfg), [f"data.path={tmp_path / 'fewer'}"])
-    assert "dataset (data.path): the store has" in store_refusal(FeatureStore(str(out)), settings, [2], torch.float32)
+    assert "dataset (data.path): the store has" in store_refusal(FeatureStore(str(out)), settings, [2], torch.float32, feature_code_version())
 
 
 # ----------------------------------------------------------------------------- through the launchers

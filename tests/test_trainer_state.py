@@ -1,4 +1,4 @@
-"""trainer_state.json is a named, versioned format (drafter/infra/checkpoint.py TrainerState): today's files
+"""trainer_state.json is a named, versioned format (drafter/training/checkpoint.py TrainerState): today's files
 round-trip, the unversioned files of earlier trainers still resume, and anything else is refused by
 name before a run continues from it."""
 import json
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from drafter.infra.checkpoint import TRAINER_STATE_FORMAT, TRAINER_STATE_VERSION, ResumeError, TrainerState
+from drafter.training.checkpoint import TRAINER_STATE_FORMAT, TRAINER_STATE_VERSION, ResumeError, TrainerState
 
 # A trainer_state.json as the trainers before the format was named wrote it (version 1).
 UNVERSIONED = {"step": 12, "epoch": 1, "micro_step_in_epoch": 3, "skipped_steps": 1, "wandb_id": "abc",
@@ -33,8 +33,19 @@ def test_an_unversioned_state_of_the_earlier_trainers_still_reads(tmp_path):
     assert TrainerState.read(write(tmp_path, named)) == TrainerState(**UNVERSIONED)
 
 
+def test_states_before_the_trained_on_counts_read_them_as_zero_and_later_ones_must_hold_them(tmp_path):
+    version2 = {"format": TRAINER_STATE_FORMAT, "version": 2, **UNVERSIONED}
+    state = TrainerState.read(write(tmp_path, version2))
+    assert (state.supervised_tokens, state.blocks_trained) == (0, 0) and state.step == UNVERSIONED["step"]
+    counted = TrainerState(**UNVERSIONED, supervised_tokens=1234, blocks_trained=56)
+    assert TrainerState.read(write(tmp_path, counted.to_json())) == counted
+    without = {k: v for k, v in json.loads(counted.to_json()).items() if k != "blocks_trained"}
+    with pytest.raises(ResumeError, match="without blocks_trained"):
+        TrainerState.read(write(tmp_path, without))
+
+
 @pytest.mark.parametrize("written_as, match", [
-    ({"format": TRAINER_STATE_FORMAT, "version": TRAINER_STATE_VERSION + 1}, "version 3"),
+    ({"format": TRAINER_STATE_FORMAT, "version": TRAINER_STATE_VERSION + 1}, f"version {TRAINER_STATE_VERSION + 1}"),
     ({"format": "someone-else/state", "version": 2}, "someone-else/state"),
     ({"format": TRAINER_STATE_FORMAT}, "version None"),
     ({"version": 2}, "None"),

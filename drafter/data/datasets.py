@@ -1,5 +1,6 @@
 """Prepared datasets for training: loading data/prepare.py outputs, checked up front, and the
 held-out split."""
+import hashlib
 import json
 import warnings
 from pathlib import Path
@@ -8,12 +9,13 @@ import datasets
 import numpy as np
 import pyarrow.compute as pc
 
-from drafter.data.sampler import split_holdout
+from drafter.data.splits import split_holdout
+from drafter.errors import UserError
 
 TRAINING_COLUMNS = ["input_ids", "loss_mask", "length"]
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A prepared dataset that training cannot use, named with the reason (a user error, not a bug)."""
 
 
@@ -91,10 +93,22 @@ def row_groups(dataset: datasets.Dataset, path: str) -> np.ndarray:
     return np.arange(len(dataset))
 
 
+def content_fingerprint(dataset: datasets.Dataset) -> str:
+    """A short hash of the rows' input_ids and loss_mask, in order: two runs evaluated on the same
+    held-out rows share it, whatever directory or build the rows came from."""
+    digest = hashlib.sha256()
+    table = dataset.select_columns(["input_ids", "loss_mask"]).with_format("arrow")[:]  # the selected rows only
+    for column in ("input_ids", "loss_mask"):
+        values = table.column(column).combine_chunks()
+        digest.update(np.asarray(pc.list_value_length(values)).astype(np.int64).tobytes())
+        digest.update(np.asarray(values.flatten()).astype(np.int64).tobytes())  # flatten: a slice's own values
+    return digest.hexdigest()[:16]
+
+
 def load_datasets(data_cfg, vocab_size: int, chat_template_kwargs):
     """(train, eval) prepared datasets with input_ids / loss_mask / length columns. Thinking is
     checked against `chat_template_kwargs` (the config's target.chat_template_kwargs); without
-    data.eval_path the eval split holds out whole groups (see sampler.split_holdout)."""
+    data.eval_path the eval split holds out whole groups (see splits.split_holdout)."""
     paths = {"data.path": data_cfg.path, "data.eval_path": data_cfg.eval_path}
     for key, path in paths.items():
         local = None if path is None or "://" in path else Path(path).expanduser()  # as load_from_disk reads it

@@ -17,7 +17,6 @@ to a temporary name and renamed when whole, and carries the store's identity in 
 resumed dump keeps the shards that check out, and training refuses a truncated or missing one.
 """
 import hashlib
-import inspect
 import json
 import os
 from dataclasses import dataclass
@@ -67,16 +66,6 @@ def dataset_fingerprint(dataset) -> str:
     return digest.hexdigest()[:16]
 
 
-def feature_code_version() -> str:
-    """A hash of the source of the functions that compute the features: a store written by other code is
-    refused rather than trusted."""
-    from drafter.target import model, tensor_parallel
-    parts = [model.context_features, model.FeatureTap, model.layer_state, tensor_parallel.TargetFeatures._target_pass,
-             tensor_parallel.TargetFeatures._row_by_row]
-    source = "".join(inspect.getsource(part) for part in parts) + str(tensor_parallel.FEATURE_WIDTH_MULTIPLE)
-    return hashlib.sha256(source.encode()).hexdigest()[:16]
-
-
 def shard_name(index: int, count: int) -> str:
     return f"shard-{index:05d}-of-{count:05d}.safetensors"
 
@@ -124,16 +113,17 @@ def target_file_identity(path: str | None, random: dict | None) -> dict:
             "tokenizer_sha256": file_digest([local / name for name in TOKENIZER_FILES if (local / name).is_file()])}
 
 
-def store_identity(cfg, dataset, layer_ids: list[int], dtype: str) -> dict:
-    """The store's identity for the run config `cfg` over `dataset` (the dump records it; training
-    compares every field it can know)."""
+def store_identity(cfg, dataset, layer_ids: list[int], dtype: str, feature_code: str) -> dict:
+    """The store's identity for the run config `cfg` over `dataset`, its features computed by the code
+    whose hash is `feature_code` (the target's `feature_code_version`); the dump records it, training
+    compares every field it can know."""
     random = OmegaConf.to_container(cfg.target.random) if cfg.target.random is not None else None
     return {"target.path": cfg.target.path, "target.random": random,
             **target_file_identity(cfg.target.path, random),
             "target.chat_template_kwargs": OmegaConf.to_container(cfg.target.chat_template_kwargs),
             "dataset": dataset_fingerprint(dataset), "dataset_rows": len(dataset),
             "data.max_length": cfg.data.max_length, "layer_ids": [int(i) for i in layer_ids], "dtype": dtype,
-            "feature_code": feature_code_version()}
+            "feature_code": feature_code}
 
 
 # ----------------------------------------------------------------------------- checking a shard
@@ -207,16 +197,17 @@ CONFIG_KEYS = {"layer_ids": "drafter.target_layer_ids", "dtype": "target.dtype",
                "dataset_rows": "data.path", "data.max_length": "data.max_length"}
 
 
-def store_refusal(store: "FeatureStore", cfg, layer_ids: list[int], dtype: torch.dtype,
+def store_refusal(store: "FeatureStore", cfg, layer_ids: list[int], dtype: torch.dtype, feature_code: str,
                   data_key: str = "data.path") -> str | None:
-    """Why a run of `cfg` (its drafter reading `layer_ids`, computing in `dtype`) cannot train from
+    """Why a run of `cfg` (its drafter reading `layer_ids`, computing in `dtype`, its target's feature code
+    hashing to `feature_code`) cannot train from
     `store`, the store of the dataset at `data_key` (data.path or data.eval_path), in one line naming the
     field and both values; None when it can. Fields this machine cannot know (a target whose files are
     not here) are not compared, nor, with data.features_missing=generate, the dataset (the store may
     hold any of its rows)."""
     import datasets
     expected = store_identity(cfg, datasets.load_from_disk(OmegaConf.select(cfg, data_key)), layer_ids,
-                              DTYPE_NAMES.get(dtype, str(dtype)))
+                              DTYPE_NAMES.get(dtype, str(dtype)), feature_code)
     if store.identity.get("data.max_length", 0) >= cfg.data.max_length:  # it holds every row the run reads
         expected["data.max_length"] = None
     if cfg.data.features_missing == "generate":

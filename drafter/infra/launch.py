@@ -20,10 +20,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from drafter.errors import UserError
 from drafter.infra.launcher_watch import exit_with_launcher
 
 
-class LaunchError(RuntimeError):
+class LaunchError(UserError, RuntimeError):
     pass
 
 
@@ -109,18 +110,22 @@ def local_device() -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def set_cpu_threads(threads_per_rank: int | None) -> None:
-    """Torch's CPU threads for this rank: `threads_per_rank`, or the cores shared by the node's ranks."""
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-    torch.set_num_threads(threads_per_rank or max(1, (os.cpu_count() or 1) // local_ranks))
-
-
 def launched_world_size() -> int:
     """The world size the launcher (deepspeed, torchrun, srun, or none: 1) started this process in;
     sets torch.distributed's variables from SLURM's where srun launched it."""
     launcher, variables = launcher_environment()
     os.environ.update(variables)
     return int(os.environ["WORLD_SIZE"])
+
+
+def local_world_size(world_size: int) -> int:
+    """The ranks on this node: LOCAL_WORLD_SIZE as the launcher set it, else `world_size` (one node)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+
+
+def set_cpu_threads(threads_per_rank: int | None, world_size: int) -> None:
+    """Torch's CPU threads for this rank: `threads_per_rank`, or the cores shared by the node's ranks."""
+    torch.set_num_threads(threads_per_rank or max(1, (os.cpu_count() or 1) // local_world_size(world_size)))
 
 
 def init_distributed(timeout_minutes: float = 30.0, backend: str | None = None) -> tuple[int, int, torch.device]:

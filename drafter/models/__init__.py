@@ -3,7 +3,9 @@
 
 Each architecture is one model class in its own file, `dflash.py` and `dflash2.py`, keeping the
 interface `DraftModel` spells out; nothing outside this package asks which one it holds. A third
-architecture is a new file here and one entry in `ARCHITECTURES`.
+architecture is a new file here and one entry in `ARCHITECTURES`. Beside them: a drafter's blocks
+over a batch and its forward over them (blocks.py), its config from the target's (configure.py) and
+the mask token it drafts with (mask_token.py).
 """
 from typing import ClassVar, Protocol
 
@@ -15,7 +17,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 from drafter.models.dflash import DFlashDraftModel
 from drafter.models.dflash2 import CandidateSelector, DFlash2DraftModel
 from drafter.models.layers import DraftCache, LayerAttention, compiled_graph_count, layer_attention
-from drafter.serving.ddtree import DraftTree
+from drafter.tree.ddtree import DraftTree
 
 __all__ = ["ARCHITECTURES", "CandidateSelector", "DFlash2DraftModel", "DFlashDraftModel", "DraftCache", "DraftModel",
            "LayerAttention", "ServedDrafter", "architecture", "compiled_graph_count", "drafter_class",
@@ -75,6 +77,27 @@ def drafter_class(config: Qwen3Config) -> type[DFlashDraftModel]:
     by_export_name = export_classes()
     named = [by_export_name[name] for name in (config.architectures or []) if name in by_export_name]
     return named[0] if named else DFlashDraftModel
+
+
+def new_drafter(config: Qwen3Config, head_weight: torch.Tensor, seed: int) -> DFlashDraftModel:
+    """A fresh drafter of `config` (transformers' init from `seed`: the same weights on every rank) for
+    a target whose LM head is `head_weight` [V, H], its final norm set to `initial_norm_scale`."""
+    torch.manual_seed(seed)
+    drafter = drafter_class(config)(config)
+    with torch.no_grad():
+        drafter.norm.weight.fill_(initial_norm_scale(head_weight))
+    return drafter
+
+
+def initial_norm_scale(head_weight: torch.Tensor) -> float:
+    """1 / the RMS row norm of the LM head: a unit-RMS state of random direction then scores every word
+    with unit std. The drafter's logits are the frozen head on its final norm's output, and at
+    transformers' unit norm they start far too large: SmolLM2-135M's first loss was ~45 nats against
+    ln V = 10.8 (gradient norm ~420; ~18 and ~97 at this scale), and on the tests' target a unit norm
+    kept a drafter from learning even what its anchor token predicts (docs/results.md, "Calibrations").
+    Rounded, so that every rank computes the same value whatever its kernels' reduction order."""
+    rms_row_norm = head_weight.detach().float().pow(2).sum(-1).mean().sqrt().item()
+    return float(f"{1.0 / max(rms_row_norm, 1e-6):.4g}")
 
 
 def is_drafter_config(config_dict: dict) -> bool:

@@ -19,6 +19,8 @@ member: the member's input ids are broadcast to the group, every member computes
 every member), and only the owner keeps them. The data plan, anchors, noise, metrics and
 checkpoints are those of a tp 1 run; the target's weights per GPU are divided by the group size.
 """
+import hashlib
+import inspect
 import re
 from dataclasses import dataclass
 
@@ -27,8 +29,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from drafter.data.sampler import PAD_TOKEN_ID
-
+from drafter.errors import UserError
+from drafter.target import model
 from drafter.target.model import context_features, features_and_final_hidden, load_target
 
 SPLIT_DIM = {"colwise": -2, "packed_colwise": -2, "rowwise": -1}  # the weight dim each style splits
@@ -36,10 +38,11 @@ SUMMED = ("rowwise", "moe_tp_experts")   # modules whose output is a partial sum
 WHOLE = ("replicated_with_grad_allreduce",)  # kept whole (its gradient all-reduce is for training it)
 # config keys of the widths a group splits: heads, channels
 FEATURE_WIDTH_MULTIPLE = 16  # 16 fp32 lanes (AVX-512); a multiple of 8 (AVX2) as well
+PAD_ID = 0  # the width padding's id: any works, causal attention keeps it from the real positions
 SPLIT_WIDTHS = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size")
 
 
-class TensorParallelError(ValueError):
+class TensorParallelError(UserError, ValueError):
     pass
 
 
@@ -206,7 +209,7 @@ class TargetFeatures:
         """The target's forward on the batch right-padded to a multiple of FEATURE_WIDTH_MULTIPLE (the
         CPU kernels' vectorised tails would otherwise reach the last real positions)."""
         width = input_ids.shape[1]
-        ids = F.pad(input_ids, (0, -width % FEATURE_WIDTH_MULTIPLE), value=PAD_TOKEN_ID)
+        ids = F.pad(input_ids, (0, -width % FEATURE_WIDTH_MULTIPLE), value=PAD_ID)
         if self.final_hidden:
             features, final = features_and_final_hidden(self.target, ids, layer_ids)
             return features[:, :width].contiguous(), final[:, :width].contiguous()
@@ -222,3 +225,12 @@ class TargetFeatures:
         gathered = [torch.empty_like(value) for _ in self.group.ranks]
         dist.all_gather(gathered, value, group=self.group.group)
         return torch.stack(gathered)
+
+
+def feature_code_version() -> str:
+    """A hash of the source of the functions that compute the features: a feature store written by other
+    code is refused rather than trusted."""
+    parts = [model.context_features, model.FeatureTap, model.layer_state, TargetFeatures._target_pass,
+             TargetFeatures._row_by_row]
+    source = "".join(inspect.getsource(part) for part in parts) + str(FEATURE_WIDTH_MULTIPLE)
+    return hashlib.sha256(source.encode()).hexdigest()[:16]

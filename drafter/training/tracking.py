@@ -2,6 +2,7 @@
 import json
 import math
 import os
+import re
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -13,8 +14,8 @@ from omegaconf import OmegaConf
 
 from drafter.data.sampler import bucket_table, plan_notes
 from drafter.infra.collectives import all_reduce_sum, comm_device
+from drafter.metric_sums import finalize_metrics
 from drafter.nested import flatten
-from drafter.training.metrics import finalize_metrics
 
 
 def human_duration(seconds: float) -> str:
@@ -190,7 +191,67 @@ class Window:
         }
 
 
+class TrainedOn:
+    """What the drafter has trained on, the learning curve's x axes: supervised (answer) tokens and
+    blocks. Each rank adds its own micro batches on the host (from the CPU batch: no device wait);
+    `count_into` adds what every rank added since its last call into the TrainerState's totals. It is
+    a collective, called by every rank at the same steps (each log line, eval and save), so the saved
+    totals are exact and a resumed run goes on counting from them."""
+
+    def __init__(self):
+        self.pending = torch.zeros(2, dtype=torch.float64)
+
+    def add(self, supervised_tokens: int, blocks: int):
+        self.pending += torch.tensor([supervised_tokens, blocks], dtype=torch.float64)
+
+    def count_into(self, state) -> dict:
+        """Adds the ranks' pending counts to `state`; the totals as the log records name them."""
+        tokens, blocks = all_reduce_sum({"trained_on": self.pending})["trained_on"].tolist()
+        state.supervised_tokens += int(tokens)
+        state.blocks_trained += int(blocks)
+        self.pending.zero_()
+        return {"supervised_tokens": state.supervised_tokens, "blocks_trained": state.blocks_trained}
+
+
 def bucket_summary(stats) -> str:
     return "\n".join([*bucket_table(stats),
                       f"padding efficiency {stats['pad_efficiency']:.3f}, longest same-bucket run "
                       f"{stats['max_same_bucket_run']}", *plan_notes(stats)])
+
+
+# ----------------------------------------------------------------------------- reading a run's log back
+
+RENAMED = {"streak": "anchor_streak", "ddtree_streak4": "anchor_top4_streak",
+           "ddtree_streak8": "anchor_top8_streak"}
+RENAMED_PATTERN = re.compile(r"^ddtree_accept@(\d+)$")
+
+
+def new_name(key: str) -> str:
+    if key in RENAMED:
+        return RENAMED[key]
+    match = RENAMED_PATTERN.match(key)
+    return f"anchor_ddtree@{match.group(1)}" if match else key
+
+
+def read_metrics(path: Path) -> tuple[dict[str, list[dict]], list[str]]:
+    """A run's metrics.jsonl read back: ({kind: records in step order, one per step}, problems met).
+    A truncated last line (a kill mid-write) is ignored, any other unreadable line skipped and named;
+    where a step was logged twice (a resume re-logs the steps after its checkpoint) the later record
+    counts; names from before a renaming are read as their new ones."""
+    lines = path.read_bytes().splitlines()
+    by_step, problems = {}, []
+    for number, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            problems.append(f"{path}:{number}: " + ("truncated last line, ignored" if number == len(lines)
+                                                     else "not valid JSON, skipped"))
+            continue
+        if not isinstance(record, dict) or not isinstance(record.get("step"), (int, float)):
+            problems.append(f"{path}:{number}: not a record with a step, skipped")
+            continue
+        kind = str(record.get("kind", "train"))
+        by_step.setdefault(kind, {})[record["step"]] = {new_name(k): v for k, v in record.items()}
+    return {kind: [steps[s] for s in sorted(steps)] for kind, steps in by_step.items()}, problems
