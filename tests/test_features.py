@@ -295,3 +295,19 @@ def test_hybrid_rows_the_store_lacks_are_computed_by_the_target_bit_for_bit(stor
     out = run_to_end(cfg, f"run.out_dir={tmp_path / 'strict'}", *common, f"data.features={partial}",
                      "train.generate_every=0", launcher="python", expect=2)
     assert f"error: data.features={partial} does not match this run: dataset (data.path)" in out
+
+
+@pytest.mark.slow
+def test_a_feature_calibration_applies_to_stored_features_as_to_online_ones(store, tmp_path):
+    """objective.feature_calibration=oracle from the store: the online run's losses, which are not those
+    of the same store uncalibrated."""
+    cfg, out = store
+    common = ["train.max_steps=4", "train.eval_every=2", "data.num_workers=0", "train.generate_every=0"]
+    oracle = "objective.feature_calibration=oracle"
+    run_to_end(cfg, f"run.out_dir={tmp_path / 'online'}", *common, oracle, launcher="python")
+    run_to_end(cfg, f"run.out_dir={tmp_path / 'stored'}", *common, oracle, f"data.features={out}", launcher="python")
+    run_to_end(cfg, f"run.out_dir={tmp_path / 'plain'}", *common, f"data.features={out}", launcher="python")
+    assert train_losses(tmp_path / "stored") == train_losses(tmp_path / "online")
+    assert [r["loss"] for r in records(tmp_path / "stored", "eval")] == [
+        r["loss"] for r in records(tmp_path / "online", "eval")]
+    assert train_losses(tmp_path / "plain") != train_losses(tmp_path / "stored")
