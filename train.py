@@ -43,6 +43,7 @@ from drafter.infra.run_lock import RunDirectoryBusy, hold_run_directory
 from drafter.infra.tracking import RunLogger, TrainedOn, Window, bucket_summary, console_line, eval_line
 from drafter.models import drafter_class, drafter_from_state_dict, load_drafter
 from drafter.models.configure import drafter_config
+from drafter.models.draft_vocab import DraftVocab, commonest_tokens
 from drafter.serving.decode import stop_token_ids
 from drafter.serving.served import PromptShare, bench_prompts, generation_tau, held_out_prompts, replayed_tau
 from drafter.target.cache import probe_decoding
@@ -264,7 +265,11 @@ def build_drafter(cfg, target, tokenizer, data, rank):
     if cfg.drafter.init_from:
         if not (Path(cfg.drafter.init_from) / "config.json").is_file():
             raise ConfigError(f"drafter.init_from={cfg.drafter.init_from}: no exported drafter there (no config.json)")
-        return load_drafter(cfg.drafter.init_from, dtype=torch.float32)
+        drafter = load_drafter(cfg.drafter.init_from, dtype=torch.float32)
+        if cfg.drafter.draft_vocab_size not in (None, getattr(drafter.config, "draft_vocab_size", None)):
+            raise ConfigError(f"drafter.draft_vocab_size={cfg.drafter.draft_vocab_size}: the drafter of "
+                              f"drafter.init_from={cfg.drafter.init_from} has another (set it to null to keep its own)")
+        return drafter
     mask_token_id = cfg.drafter.mask_token_id
     if mask_token_id is None:
         if tokenizer is None:
@@ -280,9 +285,14 @@ def build_drafter(cfg, target, tokenizer, data, rank):
                             target_layer_ids=cfg.drafter.target_layer_ids,
                             variant=OmegaConf.to_object(cfg.drafter),
                             input_embedding_scale=input_embedding_scale(target), target_path=cfg.target.path,
-                            chat_template_kwargs=dict(cfg.target.chat_template_kwargs))
+                            chat_template_kwargs=dict(cfg.target.chat_template_kwargs),
+                            draft_vocab_size=cfg.drafter.draft_vocab_size)
     torch.manual_seed(cfg.run.seed)  # same initial weights on every rank
-    return drafter_class(config)(config)
+    drafter = drafter_class(config)(config)
+    if cfg.drafter.draft_vocab_size:  # the same table on every rank: the same training answers
+        drafter.set_draft_vocab(DraftVocab.of(commonest_tokens(data[:1], config.vocab_size,
+                                                               cfg.drafter.draft_vocab_size), config.vocab_size))
+    return drafter
 
 
 def generation_prompts(cfg, tokenizer, eval_set) -> list[list[int]] | None:

@@ -23,8 +23,9 @@ from drafter.errors import ConfigError
 from drafter.losses import block_loss
 from drafter.losses.lm_head import chunk_rows_for, logit_softcap
 from drafter.losses.weights import position_weights
+from drafter.models.draft_vocab import out_of_vocab_misses, vocab_blocks
 from drafter.models.layers import FlexMask, LayerAttention, compile_dynamic
-from drafter.training.metrics import block_metrics
+from drafter.training.metrics import block_metrics, sum_count
 
 if TYPE_CHECKING:
     from drafter.config import ObjectiveConfig
@@ -201,19 +202,31 @@ def training_step(drafter, target, features, input_ids, loss_mask, cfg: "Objecti
     names to [sum, count] tensors so that ranks and micro-batches can be summed before dividing (see
     `finalize_metrics`). `attention`: one of ATTENTION_KERNELS (`attention_kernel` turns the config
     value into it). `final_hidden` [b, T, H]: the target's final-normed last hidden states, needed
-    with cfg.labels == "target"."""
+    with cfg.labels == "target". A drafter with a draft vocabulary (drafter/models/draft_vocab.py) is
+    trained on its in-vocabulary labels; its metrics count the others as misses (`out_of_vocab`: their
+    share of the supervised slots)."""
     gamma = resolve_gamma(cfg.gamma, drafter.block_size)
     anchors, valid = sample_anchors(loss_mask, cfg.num_anchors, generator, cfg.anchors_per_batch,
                                     cfg.anchor_candidates)
     blocks = build_blocks(input_ids, loss_mask, anchors, valid, drafter.block_size, drafter.mask_token_id, gamma)
     hidden = drafter_hidden(drafter, target, features, blocks, attention)
     # Every slot after the anchor is a row (unsupervised ones weigh 0): static shapes, no host sync.
-    head = target.get_output_embeddings().weight
+    head = drafter.head_weight(target)
     chunk_rows = chunk_rows_for(head.shape[0], cfg.chunk_bytes)
-    loss, ranks = block_loss(hidden, head, blocks, final_hidden, cfg, chunk_rows, logit_softcap(target))
-    metrics = block_metrics(hidden.detach(), head, blocks, ranks, cfg.ddtree_budget, cfg.ddtree_blocks, generator,
-                            chunk_rows)
-    auxiliary = drafter.auxiliary_loss(hidden, blocks, head, chunk_rows)
+    vocab = drafter.draft_vocab
+    loss_blocks = metric_blocks = blocks
+    if vocab is not None:  # labels as draft ids
+        seen = vocab_blocks(blocks, vocab)
+        loss_blocks, metric_blocks = seen.loss, seen.metrics
+    loss, ranks = block_loss(hidden, head, loss_blocks, final_hidden, cfg, chunk_rows, logit_softcap(target))
+    if vocab is not None:
+        ranks = out_of_vocab_misses(ranks, seen.in_vocab)
+    metrics = block_metrics(hidden.detach(), head, metric_blocks, ranks, cfg.ddtree_budget, cfg.ddtree_blocks,
+                            generator, chunk_rows)
+    if vocab is not None:
+        supervised = blocks.weights[..., 1:] > 0
+        metrics["out_of_vocab"] = sum_count(~seen.in_vocab[..., 1:], supervised)
+    auxiliary = drafter.auxiliary_loss(hidden, loss_blocks, head, chunk_rows)
     if auxiliary is not None:  # DFlash2's selector loss
         auxiliary_loss, auxiliary_metrics = auxiliary
         metrics.update(auxiliary_metrics)

@@ -1,0 +1,210 @@
+"""The draft vocabulary (drafter/models/draft_vocab.py): the table, training on its K rows of the
+target head, serving through it losslessly, and its export."""
+import copy
+import json
+
+import datasets
+import pytest
+import torch
+from safetensors import safe_open
+
+from conftest import MASK_ID, VARIANTS, make_drafter
+from drafter.config import ConfigError, ObjectiveConfig
+from drafter.models import drafter_class, load_drafter
+from drafter.models.configure import drafter_config
+from drafter.models.draft_vocab import DraftVocab, commonest_tokens
+from drafter.serving.ddtree import build_tree
+from drafter.serving.decode import generate
+from drafter.target.model import context_features
+from drafter.training.metrics import rank_metrics
+from drafter.training.objective import build_blocks, drafter_hidden, resolve_gamma, sample_anchors, training_step
+
+B = 8
+V = 256
+
+
+def answers(rows: list[tuple[list[int], list[int]]]) -> datasets.Dataset:
+    return datasets.Dataset.from_dict({"input_ids": [ids for ids, _ in rows], "loss_mask": [m for _, m in rows],
+                                       "length": [len(ids) for ids, _ in rows]})
+
+
+def with_draft_vocab(drafter, target_ids: torch.Tensor):
+    """A copy of `drafter` whose head is the target's rows `target_ids`."""
+    config = copy.deepcopy(drafter.config)
+    config.draft_vocab_size = len(target_ids)
+    cut = drafter_class(config)(config)
+    missing, unexpected = cut.load_state_dict(drafter.state_dict(), strict=False)
+    assert sorted(missing) == ["d2t", "t2d"] and not unexpected
+    cut.set_draft_vocab(DraftVocab.of(target_ids, config.vocab_size))
+    return cut.eval()
+
+
+def batch(lengths, seed):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 250, (len(lengths), max(lengths)), generator=gen)
+    loss_mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        loss_mask[row, 3:n] = 1
+    return ids, loss_mask
+
+
+# ------------------------------------------------------------------------------------------ the table
+
+def test_commonest_supervised_tokens_ties_by_id_unseen_last():
+    data = answers([([7, 5, 5, 9, 2], [0, 1, 1, 1, 1]),  # the unsupervised 7 does not count
+                    ([9, 5, 3, 7, 8], [1, 1, 1, 0, 0])])
+    # counts: 5 x3, 9 x2, then 2 and 3 once each (ties: lower id first), then the unseen 0, 1, 4, ...
+    assert commonest_tokens([data], 12, 2).tolist() == [5, 9]
+    assert commonest_tokens([data], 12, 3).tolist() == [2, 5, 9]
+    assert commonest_tokens([data], 12, 5).tolist() == [0, 2, 3, 5, 9]
+    shuffled = answers([([9, 5, 3, 7, 8], [1, 1, 1, 0, 0]), ([7, 5, 5, 9, 2], [0, 1, 1, 1, 1])])
+    assert commonest_tokens([shuffled], 12, 3).tolist() == [2, 5, 9]
+    with pytest.raises(ConfigError, match="draft_vocab_size=13"):
+        commonest_tokens([data], 12, 13)
+
+
+def test_table_is_eagle3s_offsets_and_mask_and_maps_both_ways():
+    vocab = DraftVocab.of(torch.tensor([1, 4, 5, 9]), 10)
+    buffers = vocab.buffers()
+    assert buffers["d2t"].tolist() == [1, 3, 3, 6]  # target id = draft id + d2t
+    assert buffers["t2d"].nonzero()[:, 0].tolist() == [1, 4, 5, 9]
+    back = DraftVocab.from_buffers(buffers["d2t"], buffers["t2d"])
+    assert back.target_ids.tolist() == [1, 4, 5, 9]
+    assert vocab.to_target(torch.tensor([[3, 0], [2, 1]])).tolist() == [[9, 1], [5, 4]]
+    draft, inside = vocab.to_draft(torch.tensor([9, 0, 4, 5, 3, 1]))
+    assert inside.tolist() == [True, False, True, True, False, True]
+    assert draft[inside].tolist() == [3, 1, 2, 0]
+    full = vocab.full_logits(torch.tensor([[0.5, -1.0, 2.0, 0.0]]))
+    assert full[0, [1, 4, 5, 9]].tolist() == [0.5, -1.0, 2.0, 0.0]
+    assert torch.isinf(full[0, [0, 2, 3, 6, 7, 8]]).all()
+
+
+def test_config_refuses_a_draft_vocab_it_cannot_serve(target):
+    for size, message in [(0, "draft_vocab_size=0 must be"), (V + 1, f"draft_vocab_size={V + 1} must be")]:
+        with pytest.raises(ConfigError, match=message):
+            drafter_config(target.config, num_layers=1, block_size=B, mask_token_id=MASK_ID, draft_vocab_size=size)
+    with pytest.raises(ConfigError, match="arch=dflash2 drafts over the target's whole vocabulary"):
+        drafter_config(target.config, num_layers=2, block_size=B, mask_token_id=MASK_ID,
+                       variant=VARIANTS["dflash2"], draft_vocab_size=64)
+
+
+# ------------------------------------------------------------------------------------------ training
+
+def test_training_step_with_the_whole_vocabulary_as_table_is_the_full_heads(target):
+    drafter = make_drafter(target, num_layers=1)
+    cut = with_draft_vocab(drafter, torch.arange(V))
+    ids, loss_mask = batch([40, 33, 21], seed=8)
+    features = context_features(target, ids, drafter.target_layer_ids)
+    cfg = ObjectiveConfig(num_anchors=6, ddtree_budget=12, ddtree_blocks=5)
+    results = []
+    for model in (drafter, cut):
+        loss, metrics = training_step(model, target, features, ids, loss_mask, cfg,
+                                      torch.Generator().manual_seed(9), attention="dense")
+        loss.backward()
+        results.append((loss.detach(), metrics, model.fc.weight.grad.clone()))
+    (full_loss, full, full_grad), (cut_loss, metrics, cut_grad) = results
+    assert torch.equal(full_loss, cut_loss)
+    assert torch.equal(full_grad, cut_grad)
+    assert metrics.pop("out_of_vocab")[0] == 0
+    assert full.keys() == metrics.keys()
+    for name in full:
+        assert torch.equal(full[name], metrics[name]), name
+
+
+def test_out_of_vocab_labels_are_misses_and_left_out_of_the_loss(target):
+    """The loss is the CE over the draft words of the in-vocabulary labels only; acc and the ranks count
+    every supervised slot, an out-of-vocabulary label as a miss."""
+    full = make_drafter(target, num_layers=1)
+    ids, loss_mask = batch([40, 33, 21], seed=8)
+    table = torch.arange(0, V, 2)  # the even ids: about half the labels fall outside
+    drafter = with_draft_vocab(full, table)
+    features = context_features(target, ids, drafter.target_layer_ids)
+    cfg = ObjectiveConfig(num_anchors=6, ddtree_budget=12, ddtree_blocks=5)
+    with torch.no_grad():
+        loss, metrics = training_step(drafter, target, features, ids, loss_mask, cfg,
+                                      torch.Generator().manual_seed(9), attention="dense")
+        anchors, valid = sample_anchors(loss_mask, cfg.num_anchors, torch.Generator().manual_seed(9))
+        blocks = build_blocks(ids, loss_mask, anchors, valid, B, MASK_ID, gamma=resolve_gamma(None, B))
+        hidden = drafter_hidden(drafter, target, features, blocks, "dense")
+        logits = (hidden @ target.get_output_embeddings().weight[table].T).float()  # [b, A, B, K]
+    inside = blocks.labels % 2 == 0
+    draft_labels = torch.where(inside, blocks.labels // 2, 0)
+    supervised = blocks.weights > 0
+    supervised[..., 0] = False
+    assert 0.2 < (~inside[supervised]).float().mean() < 0.8
+    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 2), draft_labels.flatten(), reduction="none")
+    weights = (blocks.weights * inside).flatten()
+    torch.testing.assert_close(loss, (ce * weights).sum() / weights.sum())
+    label_logit = logits.gather(-1, draft_labels[..., None])
+    ranks = torch.where(inside, (logits > label_logit).sum(-1), torch.iinfo(torch.long).max)
+    for name, value in rank_metrics(ranks, blocks).items():
+        torch.testing.assert_close(metrics[name], value, msg=name)
+    assert metrics["acc"][1] == supervised.sum()  # every supervised slot counts
+    torch.testing.assert_close(metrics["out_of_vocab"],
+                               torch.stack([(~inside & supervised).sum(), supervised.sum()]).float())
+
+
+# ------------------------------------------------------------------------------------------ serving
+
+@pytest.fixture(scope="module")
+def cut_trained(trained):
+    """The trained drafter with its head cut to the 64 commonest tokens of its training answers."""
+    answer = torch.zeros_like(trained.sequences)
+    answer[:, trained.prompts.shape[1]:] = 1
+    table = commonest_tokens([answers(list(zip(trained.sequences.tolist(), answer.tolist())))], V, 64)
+    return with_draft_vocab(trained.drafter, table)
+
+
+def test_drafts_are_the_full_logits_best_among_the_draft_words(trained, cut_trained):
+    """The chain is the argmax and the tree the best-budget tree of the drafter's logits with every
+    word outside the table at -inf, in target ids."""
+    table = cut_trained.draft_vocab.target_ids
+    sequence = trained.sequences[:2]
+    features = context_features(trained.target, sequence, cut_trained.target_layer_ids)
+    anchors = torch.tensor([[9, 20], [12, 30]])
+    blocks = build_blocks(sequence, torch.ones_like(sequence), anchors, torch.ones_like(anchors, dtype=torch.bool),
+                          B, MASK_ID, gamma=1.0)
+    with torch.no_grad():
+        hidden = drafter_hidden(cut_trained, trained.target, features, blocks, "dense")[:, :, 1:].flatten(0, 1)
+        full = trained.drafter.head_logits(trained.target, hidden)
+        masked = torch.full_like(full, -torch.inf)
+        masked[..., table] = full[..., table]
+        logits = cut_trained.head_logits(trained.target, hidden)
+    assert logits.shape[-1] == 64
+    assert (masked.argmax(-1) != full.argmax(-1)).any()  # the cut changes some picks
+    assert torch.equal(cut_trained.chain_picks(hidden, logits, None), masked.argmax(-1))
+    assert torch.equal(cut_trained.chain_top(hidden, logits, None, 3)[1], masked.topk(3, dim=-1).indices)
+    tree, expected = cut_trained.block_trees(hidden, logits, None, 12), build_tree(masked, 12)
+    assert torch.equal(tree.tokens, expected.tokens) and torch.equal(tree.parents, expected.parents)
+
+
+@pytest.mark.parametrize("method, budget", [("dflash", None), ("ddtree", 8)])
+def test_served_with_a_draft_vocab_is_lossless_and_accepts(trained, cut_trained, method, budget):
+    for i in range(2):
+        prompt = trained.prompts[i:i + 1]
+        reference = generate(trained.target, prompt, 30).output_ids
+        served = generate(trained.target, prompt, 30, method=method, drafter=cut_trained, budget=budget)
+        assert served.output_ids == reference
+        assert len(served.output_ids) / len(served.acceptance_lengths) > 2.0  # random drafts: about 1
+
+
+# ------------------------------------------------------------------------------------------ export
+
+def test_export_records_the_table_and_loads_it_back(cut_trained, tmp_path):
+    cut_trained.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["draft_vocab_size"] == 64
+    with safe_open(tmp_path / "model.safetensors", "pt") as stored:
+        table = DraftVocab.from_buffers(stored.get_tensor("d2t"), stored.get_tensor("t2d"))
+    assert torch.equal(table.target_ids, cut_trained.draft_vocab.target_ids)
+    loaded = load_drafter(tmp_path)
+    assert torch.equal(loaded.draft_vocab.target_ids, cut_trained.draft_vocab.target_ids)
+    assert torch.equal(loaded.draft_vocab.in_vocab, cut_trained.draft_vocab.in_vocab)
+
+
+def test_a_full_head_export_has_no_table(trained, tmp_path):
+    trained.drafter.save_pretrained(tmp_path)
+    assert "draft_vocab_size" not in json.loads((tmp_path / "config.json").read_text())
+    with safe_open(tmp_path / "model.safetensors", "pt") as stored:
+        assert set(stored.keys()) == set(trained.drafter.state_dict())
+        assert not {"d2t", "t2d"} & set(stored.keys())
