@@ -7,6 +7,7 @@ import datasets
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from conftest import MASK_ID, VARIANTS, make_drafter
 from drafter.config import ConfigError, ObjectiveConfig
@@ -59,6 +60,8 @@ def test_commonest_supervised_tokens_ties_by_id_unseen_last():
     assert commonest_tokens([data], 12, 5).tolist() == [0, 2, 3, 5, 9]
     shuffled = answers([([9, 5, 3, 7, 8], [1, 1, 1, 0, 0]), ([7, 5, 5, 9, 2], [0, 1, 1, 1, 1])])
     assert commonest_tokens([shuffled], 12, 3).tolist() == [2, 5, 9]
+    many = answers([(list(range(0, 300, 3)) * 2 + list(range(300)), [1] * 500)])  # multiples of 3 twice, all once
+    assert commonest_tokens([many], 400, 150).tolist() == sorted({*range(0, 300, 3), *(i for i in range(75) if i % 3)})
     with pytest.raises(ConfigError, match="draft_vocab_size=13"):
         commonest_tokens([data], 12, 13)
 
@@ -113,25 +116,29 @@ def test_training_step_with_the_whole_vocabulary_as_table_is_the_full_heads(targ
 
 def test_out_of_vocab_labels_are_misses_and_left_out_of_the_loss(target):
     """The loss is the CE over the draft words of the in-vocabulary labels only; acc and the ranks count
-    every supervised slot, an out-of-vocabulary label as a miss."""
+    every supervised slot, an out-of-vocabulary label as a miss. The table's first word (draft id 0)
+    is the drafter's commonest pick, so a label taken for draft id 0 would often be a hit."""
     full = make_drafter(target, num_layers=1)
     ids, loss_mask = batch([40, 33, 21], seed=8)
-    table = torch.arange(0, V, 2)  # the even ids: about half the labels fall outside
-    drafter = with_draft_vocab(full, table)
-    features = context_features(target, ids, drafter.target_layer_ids)
+    features = context_features(target, ids, full.target_layer_ids)
     cfg = ObjectiveConfig(num_anchors=6, ddtree_budget=12, ddtree_blocks=5)
+    anchors, valid = sample_anchors(loss_mask, cfg.num_anchors, torch.Generator().manual_seed(9))
+    blocks = build_blocks(ids, loss_mask, anchors, valid, B, MASK_ID, gamma=resolve_gamma(None, B))
+    with torch.no_grad():
+        hidden = drafter_hidden(full, target, features, blocks, "dense")
+        favourite = int(full.head_logits(target, hidden).argmax(-1).flatten().mode().values)
+    table = torch.tensor([favourite] + [i for i in range(favourite + 1, V) if i % 2 == 0])
+    drafter = with_draft_vocab(full, table)
     with torch.no_grad():
         loss, metrics = training_step(drafter, target, features, ids, loss_mask, cfg,
                                       torch.Generator().manual_seed(9), attention="dense")
-        anchors, valid = sample_anchors(loss_mask, cfg.num_anchors, torch.Generator().manual_seed(9))
-        blocks = build_blocks(ids, loss_mask, anchors, valid, B, MASK_ID, gamma=resolve_gamma(None, B))
-        hidden = drafter_hidden(drafter, target, features, blocks, "dense")
-        logits = (hidden @ target.get_output_embeddings().weight[table].T).float()  # [b, A, B, K]
-    inside = blocks.labels % 2 == 0
-    draft_labels = torch.where(inside, blocks.labels // 2, 0)
+    logits = (hidden @ target.get_output_embeddings().weight[table].T).float()  # [b, A, B, K]
+    inside = torch.isin(blocks.labels, table)
+    draft_labels = torch.where(inside, torch.searchsorted(table, blocks.labels), 0)
     supervised = blocks.weights > 0
     supervised[..., 0] = False
     assert 0.2 < (~inside[supervised]).float().mean() < 0.8
+    assert (logits.argmax(-1) == 0)[~inside & supervised].float().mean() > 0.2
     ce = torch.nn.functional.cross_entropy(logits.flatten(0, 2), draft_labels.flatten(), reduction="none")
     weights = (blocks.weights * inside).flatten()
     torch.testing.assert_close(loss, (ce * weights).sum() / weights.sum())
@@ -200,6 +207,15 @@ def test_export_records_the_table_and_loads_it_back(cut_trained, tmp_path):
     loaded = load_drafter(tmp_path)
     assert torch.equal(loaded.draft_vocab.target_ids, cut_trained.draft_vocab.target_ids)
     assert torch.equal(loaded.draft_vocab.in_vocab, cut_trained.draft_vocab.in_vocab)
+
+
+def test_a_table_that_does_not_map_is_refused_at_load(cut_trained, tmp_path):
+    cut_trained.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["d2t"] = -tensors["d2t"]  # the offsets' sign turned: target ids below the draft ids
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=f"{tmp_path}: the draft vocabulary table .* outside the target's"):
+        load_drafter(tmp_path)
 
 
 def test_a_full_head_export_has_no_table(trained, tmp_path):

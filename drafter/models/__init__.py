@@ -12,6 +12,7 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
+from drafter.errors import ConfigError
 from drafter.models.dflash import DFlashDraftModel
 from drafter.models.dflash2 import CandidateSelector, DFlash2DraftModel
 from drafter.models.layers import DraftCache, LayerAttention, compiled_graph_count, layer_attention
@@ -83,8 +84,12 @@ def is_drafter_config(config_dict: dict) -> bool:
 
 
 def load_drafter(directory, **kwargs) -> DFlashDraftModel:
-    """An exported drafter directory, of any registered architecture (`from_pretrained` kwargs pass through)."""
-    return drafter_class(Qwen3Config.from_pretrained(directory)).from_pretrained(directory, **kwargs)
+    """An exported drafter directory, of any registered architecture (`from_pretrained` kwargs pass
+    through); a draft vocabulary table it cannot use is a ConfigError naming the directory."""
+    drafter = drafter_class(Qwen3Config.from_pretrained(directory)).from_pretrained(directory, **kwargs)
+    if drafter.draft_vocab is not None and (problem := drafter.draft_vocab.problem()):
+        raise ConfigError(f"{directory}: the draft vocabulary table (d2t, t2d) of model.safetensors: {problem}")
+    return drafter
 
 
 def drafter_from_state_dict(config: Qwen3Config, state_dict: dict[str, torch.Tensor]) -> DFlashDraftModel:
