@@ -193,8 +193,8 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
     @torch.no_grad()
     def draft_chain(self, target, ctx_features, block_ids, cache: DraftCache) -> torch.Tensor:
         """Inference: the single path [b, B-1] DFlash verifies: the argmax of every slot's logits
-        (arguments: `draft_hidden`)."""
-        return self.to_target_ids(self.draft_states(target, ctx_features, block_ids, cache)[1].argmax(-1))
+        (arguments: `draft_hidden`); with a draft vocabulary, its best draft word at each slot."""
+        return self.draft_logits(target, ctx_features, block_ids, cache).argmax(-1)
 
     def chain_picks(self, hidden, logits, predecessors) -> torch.Tensor:
         """The token (a target id) the drafted path takes at each slot [...] given the token before
