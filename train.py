@@ -43,7 +43,7 @@ from drafter.infra.run_lock import RunDirectoryBusy, hold_run_directory
 from drafter.infra.tracking import RunLogger, TrainedOn, Window, bucket_summary, console_line, eval_line
 from drafter.models import drafter_class, drafter_from_state_dict, load_drafter
 from drafter.models.configure import drafter_config
-from drafter.models.draft_vocab import DraftVocab, commonest_tokens
+from drafter.models.draft_vocab import answer_vocab
 from drafter.serving.decode import stop_token_ids
 from drafter.serving.served import PromptShare, bench_prompts, generation_tau, held_out_prompts, replayed_tau
 from drafter.target.cache import probe_decoding
@@ -290,8 +290,10 @@ def build_drafter(cfg, target, tokenizer, data, rank):
     torch.manual_seed(cfg.run.seed)  # same initial weights on every rank
     drafter = drafter_class(config)(config)
     if cfg.drafter.draft_vocab_size:  # the same table on every rank: the same training answers
-        drafter.set_draft_vocab(DraftVocab.of(commonest_tokens(data[:1], config.vocab_size,
-                                                               cfg.drafter.draft_vocab_size), config.vocab_size))
+        vocab, line = answer_vocab(data[:1], config.vocab_size, cfg.drafter.draft_vocab_size)
+        drafter.set_draft_vocab(vocab)
+        if rank == 0:
+            print(line, flush=True)
     return drafter
 
 

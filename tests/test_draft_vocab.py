@@ -13,7 +13,7 @@ from conftest import MASK_ID, VARIANTS, make_drafter
 from drafter.config import ConfigError, ObjectiveConfig
 from drafter.models import drafter_class, load_drafter
 from drafter.models.configure import drafter_config
-from drafter.models.draft_vocab import DraftVocab, commonest_tokens
+from drafter.models.draft_vocab import DraftVocab, answer_vocab, commonest_tokens, supervised_counts
 from drafter.serving.ddtree import build_tree
 from drafter.serving.decode import generate
 from drafter.target.model import context_features
@@ -55,15 +55,18 @@ def test_commonest_supervised_tokens_ties_by_id_unseen_last():
     data = answers([([7, 5, 5, 9, 2], [0, 1, 1, 1, 1]),  # the unsupervised 7 does not count
                     ([9, 5, 3, 7, 8], [1, 1, 1, 0, 0])])
     # counts: 5 x3, 9 x2, then 2 and 3 once each (ties: lower id first), then the unseen 0, 1, 4, ...
-    assert commonest_tokens([data], 12, 2).tolist() == [5, 9]
-    assert commonest_tokens([data], 12, 3).tolist() == [2, 5, 9]
-    assert commonest_tokens([data], 12, 5).tolist() == [0, 2, 3, 5, 9]
+    assert commonest_tokens(supervised_counts([data], 12), 2).tolist() == [5, 9]
+    assert commonest_tokens(supervised_counts([data], 12), 3).tolist() == [2, 5, 9]
+    assert commonest_tokens(supervised_counts([data], 12), 5).tolist() == [0, 2, 3, 5, 9]
     shuffled = answers([([9, 5, 3, 7, 8], [1, 1, 1, 0, 0]), ([7, 5, 5, 9, 2], [0, 1, 1, 1, 1])])
-    assert commonest_tokens([shuffled], 12, 3).tolist() == [2, 5, 9]
+    assert commonest_tokens(supervised_counts([shuffled], 12), 3).tolist() == [2, 5, 9]
     many = answers([(list(range(0, 300, 3)) * 2 + list(range(300)), [1] * 500)])  # multiples of 3 twice, all once
-    assert commonest_tokens([many], 400, 150).tolist() == sorted({*range(0, 300, 3), *(i for i in range(75) if i % 3)})
+    expected = sorted({*range(0, 300, 3), *(i for i in range(75) if i % 3)})
+    assert commonest_tokens(supervised_counts([many], 400), 150).tolist() == expected
+    vocab, line = answer_vocab([data], 12, 2)
+    assert vocab.target_ids.tolist() == [5, 9] and "71.4% of the 7 supervised training tokens" in line
     with pytest.raises(ConfigError, match="draft_vocab_size=13"):
-        commonest_tokens([data], 12, 13)
+        commonest_tokens(supervised_counts([data], 12), 13)
 
 
 def test_table_is_eagle3s_offsets_and_mask_and_maps_both_ways():
@@ -158,8 +161,9 @@ def cut_trained(trained):
     """The trained drafter with its head cut to the 64 commonest tokens of its training answers."""
     answer = torch.zeros_like(trained.sequences)
     answer[:, trained.prompts.shape[1]:] = 1
-    table = commonest_tokens([answers(list(zip(trained.sequences.tolist(), answer.tolist())))], V, 64)
-    return with_draft_vocab(trained.drafter, table)
+    vocab, line = answer_vocab([answers(list(zip(trained.sequences.tolist(), answer.tolist())))], V, 64)
+    assert line.startswith("draft vocabulary: the 64 commonest of the target's 256 tokens, ")
+    return with_draft_vocab(trained.drafter, vocab.target_ids)
 
 
 def test_drafts_are_the_full_logits_best_among_the_draft_words(trained, cut_trained):
@@ -224,3 +228,23 @@ def test_a_full_head_export_has_no_table(trained, tmp_path):
     with safe_open(tmp_path / "model.safetensors", "pt") as stored:
         assert set(stored.keys()) == set(trained.drafter.state_dict())
         assert not {"d2t", "t2d"} & set(stored.keys())
+
+
+# ------------------------------------------------------------------------------------------ train.py
+
+@pytest.mark.slow
+def test_two_rank_run_trains_serves_and_exports_a_draft_vocab(tmp_path):
+    """train.py on two ranks with drafter.draft_vocab_size: the table is the commonest answer tokens of
+    the training rows, the out-of-vocabulary share is logged, evaluation and generation run, the export
+    loads with its table."""
+    from runs import run_to_end, write_run
+
+    cfg = write_run(tmp_path, max_steps=6, save_every=6, eval_every=6, generate_every=6)
+    run_to_end(cfg, "drafter.draft_vocab_size=24")  # the data's answers use 32 tokens
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    assert len(train) == 6 and all(0 < r["out_of_vocab"] < 0.5 for r in train)
+    assert any(r["kind"] == "eval" for r in records) and any(r["kind"] == "generate" for r in records)
+    exported = load_drafter(tmp_path / "run" / "checkpoints" / "latest" / "drafter")
+    assert exported.config.draft_vocab_size == 24
+    assert set(exported.draft_vocab.target_ids.tolist()) < set(range(32))  # answer tokens, none unseen

@@ -27,19 +27,36 @@ from drafter.errors import ConfigError
 NOT_IN_VOCAB = -1  # a metric label that no drafted token equals
 
 
-def commonest_tokens(datasets, vocab_size: int, k: int) -> torch.Tensor:
-    """The K commonest supervised tokens (input_ids where loss_mask) of `datasets`, ties going to the
-    lower id (tokens never seen come last, by id), as target ids sorted ascending [K]."""
-    if not 1 <= k <= vocab_size:
-        raise ConfigError(f"drafter.draft_vocab_size={k} must be between 1 and the target's vocab_size {vocab_size}")
+def supervised_counts(datasets, vocab_size: int) -> np.ndarray:
+    """[V] how often each token id is supervised (input_ids where loss_mask) in `datasets`."""
     counts = np.zeros(vocab_size, dtype=np.int64)
     for dataset in datasets:
         table = dataset.data.table
         ids = pc.list_flatten(table.column("input_ids")).to_numpy(zero_copy_only=False)
         supervised = pc.list_flatten(table.column("loss_mask")).to_numpy(zero_copy_only=False).astype(bool)
         counts += np.bincount(ids[supervised], minlength=vocab_size)[:vocab_size]
+    return counts
+
+
+def commonest_tokens(counts: np.ndarray, k: int) -> torch.Tensor:
+    """The K commonest token ids by `counts` [V], ties going to the lower id (so tokens never seen
+    come last, by id), sorted ascending [K]."""
+    if not 1 <= k <= len(counts):
+        raise ConfigError(f"drafter.draft_vocab_size={k} must be between 1 and the target's vocab_size {len(counts)}")
     commonest = np.argsort(-counts, kind="stable")[:k]  # stable: equal counts stay in id order
     return torch.from_numpy(np.sort(commonest))
+
+
+def answer_vocab(datasets, vocab_size: int, k: int) -> tuple["DraftVocab", str]:
+    """The draft vocabulary of the K commonest supervised tokens of the training `datasets`, and a
+    line saying how much of them it covers."""
+    counts = supervised_counts(datasets, vocab_size)
+    target_ids = commonest_tokens(counts, k)
+    covered = int(counts[target_ids.numpy()].sum())
+    line = (f"draft vocabulary: the {k} commonest of the target's {vocab_size} tokens, "
+            f"{covered / max(1, counts.sum()):.1%} of the {int(counts.sum())} supervised training tokens "
+            "(the others are left out of the loss and count as misses)")
+    return DraftVocab.of(target_ids, vocab_size), line
 
 
 @dataclass(frozen=True)
