@@ -2,6 +2,7 @@
 target head, serving through it losslessly, and its export."""
 import copy
 import json
+from collections import Counter
 
 import datasets
 import pytest
@@ -9,14 +10,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from conftest import MASK_ID, VARIANTS, make_drafter
+from conftest import MASK_ID, VARIANTS, make_drafter, randomize_
 from drafter.config import ConfigError, ObjectiveConfig
-from drafter.models import drafter_class, load_drafter
+from drafter.models import DFlashDraftModel, drafter_class, load_drafter
 from drafter.models.configure import drafter_config
 from drafter.models.draft_vocab import DraftVocab, answer_vocab, commonest_tokens, supervised_counts
 from drafter.serving.ddtree import build_tree
 from drafter.serving.decode import generate
-from drafter.target.model import context_features
+from drafter.target.model import context_features, random_qwen3
 from drafter.training.metrics import rank_metrics
 from drafter.training.objective import build_blocks, drafter_hidden, resolve_gamma, sample_anchors, training_step
 
@@ -197,6 +198,36 @@ def test_served_with_a_draft_vocab_is_lossless_and_accepts(trained, cut_trained,
         served = generate(trained.target, prompt, 30, method=method, drafter=cut_trained, budget=budget)
         assert served.output_ids == reference
         assert len(served.output_ids) / len(served.acceptance_lengths) > 2.0  # random drafts: about 1
+
+
+@pytest.mark.parametrize("method,budget,sampling", [("dflash", None, "rejection"), ("ddtree", 2, "match")])
+def test_sampled_tokens_with_a_draft_vocab_follow_the_target_distribution(method, budget, sampling):
+    """At T = 1 with 2 of a 3-token target's words drafted (rejection sampling proposes the third with
+    probability 0), the first 3 output tokens still have the target's joint distribution (chi-square,
+    1e-3 level; tests/test_serving.py's check on the whole head), the drafts accepted often."""
+    from test_serving import VOCAB, chi_square_bound, target_joint
+    target = randomize_(random_qwen3(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                     num_key_value_heads=1, head_dim=8, intermediate_size=16), seed=40, scale=0.4)
+    config = drafter_config(target.config, num_layers=1, block_size=3, mask_token_id=VOCAB - 1,
+                            target_layer_ids=[0], draft_vocab_size=2)
+    drafter = randomize_(DFlashDraftModel(config), seed=41, scale=0.6).eval()
+    drafter.set_draft_vocab(DraftVocab.of(torch.tensor([0, 1]), VOCAB))
+    prompt = torch.tensor([[0, 1, 2, 1, 0]])
+    expected = target_joint(target, prompt, 3)
+    torch.manual_seed(0)
+    runs, counts, first_step = 300, Counter(), []
+    for _ in range(runs):
+        result = generate(target, prompt, 3, method=method, drafter=drafter, budget=budget, temperature=1.0,
+                          sampling=sampling)
+        counts[tuple(result.output_ids)] += 1
+        first_step.append(result.acceptance_lengths[0])
+    assert sum(length > 1 for length in first_step) > runs / 4
+    assert any(2 in output for output in counts)  # the word no draft proposes is still sampled
+    cells = [c for c in sorted(expected, key=expected.get, reverse=True) if expected[c] * runs >= 5]
+    observed = [counts[c] for c in cells] + [runs - sum(counts[c] for c in cells)]
+    wanted = [expected[c] * runs for c in cells] + [runs * (1 - sum(expected[c] for c in cells))]
+    statistic = sum((o - e) ** 2 / e for o, e in zip(observed, wanted) if e > 0)
+    assert statistic < chi_square_bound(len(observed) - 1), (statistic, len(observed))
 
 
 # ------------------------------------------------------------------------------------------ export
