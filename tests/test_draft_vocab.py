@@ -17,7 +17,7 @@ from drafter.models.configure import drafter_config
 from drafter.models.draft_vocab import DraftVocab, answer_vocab, commonest_tokens, supervised_counts
 from drafter.serving.ddtree import build_tree
 from drafter.serving.decode import generate
-from drafter.target.model import context_features, random_qwen3
+from drafter.target.model import context_features, features_and_final_hidden, random_qwen3
 from drafter.training.metrics import rank_metrics
 from drafter.training.objective import build_blocks, drafter_hidden, resolve_gamma, sample_anchors, training_step
 
@@ -97,16 +97,18 @@ def test_config_refuses_a_draft_vocab_it_cannot_serve(target):
 
 # ------------------------------------------------------------------------------------------ training
 
-def test_training_step_with_the_whole_vocabulary_as_table_is_the_full_heads(target):
+@pytest.mark.parametrize("objective", [{}, {"labels": "target", "loss": "kl", "position_weights": "dpace"},
+                                       {"loss": "expected_tree", "truncate": "first_failure"}])
+def test_training_step_with_the_whole_vocabulary_as_table_is_the_full_heads(target, objective):
     drafter = make_drafter(target, num_layers=1)
     cut = with_draft_vocab(drafter, torch.arange(V))
     ids, loss_mask = batch([40, 33, 21], seed=8)
-    features = context_features(target, ids, drafter.target_layer_ids)
-    cfg = ObjectiveConfig(num_anchors=6, ddtree_budget=12, ddtree_blocks=5)
+    features, final_hidden = features_and_final_hidden(target, ids, drafter.target_layer_ids)
+    cfg = ObjectiveConfig(num_anchors=6, ddtree_budget=12, ddtree_blocks=5, **objective)
     results = []
     for model in (drafter, cut):
         loss, metrics = training_step(model, target, features, ids, loss_mask, cfg,
-                                      torch.Generator().manual_seed(9), attention="dense")
+                                      torch.Generator().manual_seed(9), attention="dense", final_hidden=final_hidden)
         loss.backward()
         results.append((loss.detach(), metrics, model.fc.weight.grad.clone()))
     (full_loss, full, full_grad), (cut_loss, metrics, cut_grad) = results

@@ -14,7 +14,9 @@ id to its draft id. Serving drafts over the K words and maps its picks back to t
 verifies over its full vocabulary, so decoding stays lossless. Training cannot predict a label outside
 the K words; like EAGLE-3, its loss is over the in-vocabulary labels only (an out-of-vocabulary slot
 weighs 0 in the loss), while the metrics count such a label as a miss, so held-out accuracy compares
-with the full head's.
+with the full head's. Every objective runs on the K rows alike: with objective.labels=target the
+teacher is the target's distribution over the K words, renormalised (EAGLE-3 distils the same way),
+and the weights and block losses read out-of-vocabulary slots as unsupervised.
 """
 from dataclasses import dataclass, replace
 
