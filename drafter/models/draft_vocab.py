@@ -120,20 +120,32 @@ class DraftVocab:
 
 @dataclass(frozen=True)
 class VocabBlocks:
-    """A batch's blocks seen through a draft vocabulary (objective.Blocks in draft ids)."""
-    loss: object           # labels in draft ids, out-of-vocabulary slots weighing 0
-    metrics: object        # labels in draft ids, NOT_IN_VOCAB outside; the original weights
-    in_vocab: torch.Tensor  # [b, A, B] bool
+    """A batch's blocks (objective.Blocks) as a drafter's head sees them: in draft ids with a draft
+    vocabulary (module docstring: the loss leaves out-of-vocabulary labels out, the metrics count
+    them as misses), the blocks themselves without one."""
+    loss: object                   # labels in draft ids (0 outside), out-of-vocabulary slots weighing 0
+    metrics: object                # labels in draft ids (NOT_IN_VOCAB outside), the original weights
+    in_vocab: torch.Tensor | None  # [b, A, B] bool; None: no draft vocabulary
+
+    def misses(self, ranks: torch.Tensor) -> torch.Tensor:
+        """The loss kernel's label ranks [rows] of slots 1..B-1, an out-of-vocabulary label ranked last."""
+        if self.in_vocab is None:
+            return ranks
+        return torch.where(self.in_vocab[..., 1:].reshape(-1), ranks, torch.iinfo(ranks.dtype).max)
+
+    def out_of_vocab(self) -> dict[str, torch.Tensor]:
+        """{"out_of_vocab": [sum, count]}: the share of supervised slots whose label the head lacks."""
+        if self.in_vocab is None:
+            return {}
+        supervised = (self.metrics.weights[..., 1:] > 0).float()
+        outside = (~self.in_vocab[..., 1:]).float() * supervised
+        return {"out_of_vocab": torch.stack([outside.sum(), supervised.sum()])}
 
 
-def vocab_blocks(blocks, vocab: DraftVocab) -> VocabBlocks:
-    """`blocks` (objective.Blocks) for a drafter whose head is `vocab`'s (module docstring: the loss
-    leaves out-of-vocabulary labels out, the metrics count them as misses)."""
+def vocab_blocks(blocks, vocab: DraftVocab | None) -> VocabBlocks:
+    """`blocks` for a drafter whose head is `vocab`'s (None: the target's whole head)."""
+    if vocab is None:
+        return VocabBlocks(blocks, blocks, None)
     labels, in_vocab = vocab.to_draft(blocks.labels)
     return VocabBlocks(replace(blocks, labels=labels, weights=blocks.weights * in_vocab),
                        replace(blocks, labels=torch.where(in_vocab, labels, NOT_IN_VOCAB)), in_vocab)
-
-
-def out_of_vocab_misses(ranks: torch.Tensor, in_vocab: torch.Tensor) -> torch.Tensor:
-    """Label ranks [rows] of slots 1..B-1, an out-of-vocabulary label (`in_vocab` [b, A, B]) ranked last."""
-    return torch.where(in_vocab[..., 1:].reshape(-1), ranks, torch.iinfo(ranks.dtype).max)

@@ -23,9 +23,9 @@ from drafter.errors import ConfigError
 from drafter.losses import block_loss
 from drafter.losses.lm_head import chunk_rows_for, logit_softcap
 from drafter.losses.weights import position_weights
-from drafter.models.draft_vocab import out_of_vocab_misses, vocab_blocks
+from drafter.models.draft_vocab import vocab_blocks
 from drafter.models.layers import FlexMask, LayerAttention, compile_dynamic
-from drafter.training.metrics import block_metrics, sum_count
+from drafter.training.metrics import block_metrics
 
 if TYPE_CHECKING:
     from drafter.config import ObjectiveConfig
@@ -213,20 +213,12 @@ def training_step(drafter, target, features, input_ids, loss_mask, cfg: "Objecti
     # Every slot after the anchor is a row (unsupervised ones weigh 0): static shapes, no host sync.
     head = drafter.head_weight(target)
     chunk_rows = chunk_rows_for(head.shape[0], cfg.chunk_bytes)
-    vocab = drafter.draft_vocab
-    loss_blocks = metric_blocks = blocks
-    if vocab is not None:  # labels as draft ids
-        seen = vocab_blocks(blocks, vocab)
-        loss_blocks, metric_blocks = seen.loss, seen.metrics
-    loss, ranks = block_loss(hidden, head, loss_blocks, final_hidden, cfg, chunk_rows, logit_softcap(target))
-    if vocab is not None:
-        ranks = out_of_vocab_misses(ranks, seen.in_vocab)
-    metrics = block_metrics(hidden.detach(), head, metric_blocks, ranks, cfg.ddtree_budget, cfg.ddtree_blocks,
-                            generator, chunk_rows)
-    if vocab is not None:
-        supervised = blocks.weights[..., 1:] > 0
-        metrics["out_of_vocab"] = sum_count(~seen.in_vocab[..., 1:], supervised)
-    auxiliary = drafter.auxiliary_loss(hidden, loss_blocks, head, chunk_rows)
+    seen = vocab_blocks(blocks, drafter.draft_vocab)  # labels as the head's ids
+    loss, ranks = block_loss(hidden, head, seen.loss, final_hidden, cfg, chunk_rows, logit_softcap(target))
+    metrics = block_metrics(hidden.detach(), head, seen.metrics, seen.misses(ranks), cfg.ddtree_budget,
+                            cfg.ddtree_blocks, generator, chunk_rows)
+    metrics.update(seen.out_of_vocab())
+    auxiliary = drafter.auxiliary_loss(hidden, seen.loss, head, chunk_rows)
     if auxiliary is not None:  # DFlash2's selector loss
         auxiliary_loss, auxiliary_metrics = auxiliary
         metrics.update(auxiliary_metrics)
