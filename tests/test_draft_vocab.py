@@ -266,14 +266,15 @@ def test_a_full_head_export_has_no_table(trained, tmp_path):
 # ------------------------------------------------------------------------------------------ train.py
 
 @pytest.mark.slow
-def test_two_rank_run_trains_serves_and_exports_a_draft_vocab(tmp_path):
+@pytest.mark.parametrize("engine, launcher", [("deepspeed", "deepspeed"), ("fsdp", "torchrun")])
+def test_two_rank_run_trains_serves_and_exports_a_draft_vocab(tmp_path, engine, launcher):
     """train.py on two ranks with drafter.draft_vocab_size: the table is the commonest answer tokens of
     the training rows, the out-of-vocabulary share is logged, evaluation and generation run, the export
     loads with its table."""
     from runs import run_to_end, write_run
 
     cfg = write_run(tmp_path, max_steps=6, save_every=6, eval_every=6, generate_every=6)
-    run_to_end(cfg, "drafter.draft_vocab_size=24")  # the data's answers use 32 tokens
+    run_to_end(cfg, "drafter.draft_vocab_size=24", f"train.engine={engine}", launcher=launcher)  # 32 tokens in all
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
     assert len(train) == 6 and all(0 < r["out_of_vocab"] < 0.5 for r in train)
