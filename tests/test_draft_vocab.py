@@ -282,3 +282,25 @@ def test_two_rank_run_trains_serves_and_exports_a_draft_vocab(tmp_path, engine, 
     exported = load_drafter(tmp_path / "run" / "checkpoints" / "latest" / "drafter")
     assert exported.config.draft_vocab_size == 24
     assert set(exported.draft_vocab.target_ids.tolist()) < set(range(32))  # answer tokens, none unseen
+
+
+def test_eval_serves_a_draft_vocab_checkpoint_losslessly_and_will_not_compare_it_with_the_public_loop(tmp_path):
+    from eval import ddtree_accept
+    from tiny_tokenizer import save_tiny_tokenizer
+
+    target_dir = save_tiny_tokenizer(tmp_path / "target")
+    target = random_qwen3(vocab_size=384, seed=3)
+    target.save_pretrained(target_dir)
+    drafter = make_drafter(target, block_size=4, target_path=str(target_dir),
+                           chat_template_kwargs={"enable_thinking": False})
+    with_draft_vocab(drafter, torch.arange(0, 384, 3)).save_pretrained(tmp_path / "ckpt" / "drafter")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("What is the capital of France?",
+                                                                          "def add(a, b):")))
+    flags = ["--ckpt", str(tmp_path / "ckpt"), "--bench", str(prompts), "--budgets", "2,8",
+             "--max-new-tokens", "10", "--out", str(tmp_path / "results.json")]
+    methods = ddtree_accept.main(flags)["benchmarks"]["prompts"]["methods"]
+    assert list(methods) == ["ar", "dflash", "ddtree@2", "ddtree@8"]
+    assert all(summary["lossless"] == "yes" for summary in methods.values())
+    with pytest.raises(ConfigError, match="--check-public: .* drafts over a draft vocabulary"):
+        ddtree_accept.main(flags + ["--check-public", "1"])
