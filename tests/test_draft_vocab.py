@@ -61,6 +61,8 @@ def test_commonest_supervised_tokens_ties_by_id_unseen_last():
     assert commonest_tokens(supervised_counts([data], 12), 5).tolist() == [0, 2, 3, 5, 9]
     shuffled = answers([([9, 5, 3, 7, 8], [1, 1, 1, 0, 0]), ([7, 5, 5, 9, 2], [0, 1, 1, 1, 1])])
     assert commonest_tokens(supervised_counts([shuffled], 12), 3).tolist() == [2, 5, 9]
+    split = answers([([3, 3], [1, 1]), ([1, 1, 1, 1], [1, 1, 1, 1]), ([7, 5, 5, 9, 2], [0, 1, 1, 1, 1])]).select([2, 0])
+    assert supervised_counts([split], 12).tolist() == [0, 0, 1, 2, 0, 2, 0, 0, 0, 1, 0, 0]  # the split's rows only
     many = answers([(list(range(0, 300, 3)) * 2 + list(range(300)), [1] * 500)])  # multiples of 3 twice, all once
     expected = sorted({*range(0, 300, 3), *(i for i in range(75) if i % 3)})
     assert commonest_tokens(supervised_counts([many], 400), 150).tolist() == expected

@@ -32,11 +32,11 @@ NOT_IN_VOCAB = -1  # a metric label that no drafted token equals
 def supervised_counts(datasets, vocab_size: int) -> np.ndarray:
     """[V] how often each token id is supervised (input_ids where loss_mask) in `datasets`."""
     counts = np.zeros(vocab_size, dtype=np.int64)
-    for dataset in datasets:
-        table = dataset.data.table
-        ids = pc.list_flatten(table.column("input_ids")).to_numpy(zero_copy_only=False)
-        supervised = pc.list_flatten(table.column("loss_mask")).to_numpy(zero_copy_only=False).astype(bool)
-        counts += np.bincount(ids[supervised], minlength=vocab_size)[:vocab_size]
+    for dataset in datasets:  # its rows only (a split's), not the whole table under it; memory bounded
+        for batch in dataset.select_columns(["input_ids", "loss_mask"]).with_format("arrow").iter(batch_size=4096):
+            ids = pc.list_flatten(batch["input_ids"]).to_numpy()
+            supervised = pc.list_flatten(batch["loss_mask"]).to_numpy().astype(bool)
+            counts += np.bincount(ids[supervised], minlength=vocab_size)[:vocab_size]
     return counts
 
 
