@@ -6,10 +6,12 @@
     torchrun --nproc_per_node 8 train.py --cfg ... target.tp_size=8   # a target larger than one GPU
     python train.py --cfg configs/toy.yaml               # one process; CPU + gloo without a GPU
 
-config -> distributed init -> data -> resume decision -> target -> drafter -> engine -> loop ->
-checkpoints. Every rank holds a frozen copy of the target (or, at target.tp_size G, its share of a copy
-that G consecutive ranks hold together: drafter/target/tensor_parallel.py) and gets its own batch's
-features; only the drafter is trained, through the engine interface of drafter/infra/engine.py.
+main: config -> distributed world -> the run directory's lock -> train: data, with every check that
+needs no weights -> resume decision -> memory plan -> target -> drafter -> engine -> the resumed
+state -> loop (evaluation, generation, checkpoints) -> the last checkpoint. Every rank holds a frozen
+copy of the target (or, at target.tp_size G, its share of a copy that G consecutive ranks hold
+together: drafter/target/tensor_parallel.py) and gets its own batch's features; only the drafter is
+trained, through the engine interface of drafter/infra/engine.py.
 """
 import argparse
 import hashlib
@@ -29,36 +31,42 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
-from drafter.config import ConfigError, ObjectiveConfig, load_config, lr_factor, noise_std
-from drafter.data.datasets import DataError, content_fingerprint, load_datasets
-from drafter.data.sampler import held_out_share, make_loader, plan_notes, sampler_from_config
-from drafter.infra.checkpoint import (ResumeError, TrainerState, agree_on_checkpoint, check_resumable, load_checkpoint,
-                                      remove_partial_saves, run_identity, save_checkpoint, set_aside_previous_run)
+from drafter.config import ObjectiveConfig, lr_factor, noise_std
+from drafter.data.datasets import DataError, content_fingerprint, load_datasets, supervised_token_counts
+from drafter.data.loader import make_loader
+from drafter.data.sampler import held_out_share, plan_notes, sampler_from_config
+from drafter.errors import ConfigError, UserError
 from drafter.infra.collectives import all_reduce_sum, any_rank
 from drafter.infra.engine import build_engine, engine_settings
-from drafter.infra.launch import LaunchError, init_distributed, remove_cpu_allreduce_buffer
-from drafter.infra.memory_plan import MemoryPlanError, check_fits, plan_inputs, plan_memory, target_model_config
+from drafter.infra.launch import LaunchError, init_distributed, local_world_size, remove_cpu_allreduce_buffer
 from drafter.infra.progress import StageTimer
-from drafter.infra.run_lock import RunDirectoryBusy, hold_run_directory
-from drafter.infra.tracking import RunLogger, TrainedOn, Window, bucket_summary, console_line, eval_line
-from drafter.models import drafter_class, drafter_from_state_dict, load_drafter
+from drafter.infra.run_lock import hold_run_directory
+from drafter.metric_sums import finalize_metrics
+from drafter.models import drafter_from_state_dict, load_drafter, new_drafter
+from drafter.models.blocks import attention_kernel, blocks_drawn
 from drafter.models.configure import drafter_config
 from drafter.models.draft_vocab import answer_vocab
+from drafter.models.mask_token import check_given_mask_token, choose_mask_token
 from drafter.serving.decode import stop_token_ids
 from drafter.serving.served import PromptShare, bench_prompts, generation_tau, held_out_prompts, replayed_tau
-from drafter.target.cache import probe_decoding
+from drafter.serving.path_memory import check_path_batch_fits
+from drafter.target.cache import TargetCache, probe_decoding
 from drafter.target.calibration import calibrated_features
-from drafter.target.mask_token import check_given_mask_token, choose_mask_token
-from drafter.target.model import TargetError, compute_dtype, input_embedding_scale, random_qwen3
-from drafter.target.tensor_parallel import (TargetFeatures, TensorParallelError, check_tensor_parallel, form_tp_group,
-                                            load_tp_target, shard_target)
-from drafter.training.metrics import finalize_metrics
-from drafter.training.objective import attention_kernel, blocks_drawn, training_step
+from drafter.target.model import compute_dtype, input_embedding_scale, random_qwen3
+from drafter.target.tensor_parallel import (TargetFeatures, check_tensor_parallel, form_tp_group, load_tp_target,
+                                            shard_target)
+from drafter.training.checkpoint import (TrainerState, agree_on_checkpoint, check_resumable, load_checkpoint,
+                                         remove_partial_saves, run_identity, save_checkpoint, set_aside_previous_run)
+from drafter.training.memory_plan import check_fits, plan_inputs, plan_memory, target_model_config
+from drafter.training.objective import training_step
+from drafter.training.run_config import load_config
+from drafter.training.tracking import RunLogger, TrainedOn, Window, bucket_summary, console_line, eval_line
 
-# What a user's choice of config, data or launch causes: reported as one line, without a traceback
-# (EngineConfigError is a ConfigError).
-USER_ERRORS = (ConfigError, DataError, ResumeError, LaunchError, TargetError, RunDirectoryBusy, MemoryPlanError,
-               TensorParallelError)
+# step_generator's streams of (seed, step, rank): each draw of a step has its own, so that resume
+# replays it and one draw never shifts another
+NOISE_STREAM = 1     # + the micro step: the feature noise
+ANCHOR_STREAM = -1   # - the micro step: the training anchors
+EVAL_STREAM = 7      # the held-out batches' anchors (step: the batch's index)
 
 
 def main(argv=None):
@@ -80,7 +88,7 @@ def main(argv=None):
             if lock.note:
                 print(lock.note, file=sys.stderr, flush=True)
             return train(cfg, rank, world_size, device)
-    except USER_ERRORS as error:  # raised on every rank: say it once (or per rank when it differs)
+    except UserError as error:  # raised on every rank: say it once (or per rank when it differs)
         if rank == 0 or getattr(error, "per_rank", False):
             print(f"error: {error}", file=sys.stderr, flush=True)
         return 2
@@ -92,7 +100,7 @@ def main(argv=None):
 
 def train(cfg, rank, world_size, device) -> int:
     if device.type == "cpu":
-        set_cpu_threads(cfg)
+        set_cpu_threads(cfg, world_size)
     stop = StopRequest()
     data, model_config, ds_config = prepare_data(cfg, rank, world_size, device)
     resume_from, saved, notes = decide_resume(cfg, rank, data.identity, data.position)  # before any model loads
@@ -101,10 +109,11 @@ def train(cfg, rank, world_size, device) -> int:
                          data_position=data.position)
     if resume_from is not None:
         load_checkpoint(run.engine, resume_from)
-        state = replace(saved, identity=data.identity, data_position=data.position)
+        state = replace(saved, identity=data.identity, data_position=data.position,
+                        schedule_steps=cfg.train.schedule_steps or saved.schedule_steps)
         notes.append(f"resumed from {resume_from} at step {state.step} "
                      f"(epoch {state.epoch}, micro step {state.micro_step_in_epoch})")
-        notes += schedule_notes(cfg, state, data.total_steps)
+        notes += schedule_notes(cfg, saved, data.total_steps)
     log = RunLogger(cfg, is_main=rank == 0, resume_step=state.step if resume_from else None,
                     resume_id=state.wandb_id)
     state.wandb_id = log.run_id
@@ -153,14 +162,9 @@ class RunParts:
     trained_on: TrainedOn            # this rank's supervised tokens and blocks since they were last counted
 
 
-def set_cpu_threads(cfg):
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-    threads = cfg.train.threads_per_rank or max(1, (os.cpu_count() or 1) // local_ranks)
+def set_cpu_threads(cfg, world_size: int):
+    threads = cfg.train.threads_per_rank or max(1, (os.cpu_count() or 1) // local_world_size(world_size))
     torch.set_num_threads(threads)
-
-
-def node_ranks(world_size: int) -> int:
-    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
 
 
 def prepare_data(cfg, rank, world_size, device):
@@ -171,7 +175,7 @@ def prepare_data(cfg, rank, world_size, device):
                           "the CPU in this torch; train with dense there (auto)")
     model_config = target_model_config(cfg.target.path, cfg.target.random)
     text_config = model_config.get_text_config()
-    check_tensor_parallel(model_config, cfg.target.tp_size, node_ranks(world_size), world_size)
+    check_tensor_parallel(model_config, cfg.target.tp_size, local_world_size(world_size), world_size)
     ds_config = engine_settings(cfg, world_size, device, compute_dtype(cfg.target.dtype, device),
                                 text_config.hidden_size)
     train_set, eval_set = load_datasets(cfg.data, text_config.vocab_size, cfg.target.chat_template_kwargs)
@@ -220,7 +224,7 @@ def decide_resume(cfg, rank, identity, position):
 def build_run(cfg, rank, world_size, device, data: RunData, model_config, ds_config) -> RunParts:
     """The memory plan, then the target, the drafter and its engine, and what generation needs."""
     dtype = compute_dtype(cfg.target.dtype, device)
-    check_memory_plan(cfg, model_config, world_size, device, dtype, ds_config, rank)
+    plan = check_memory_plan(cfg, model_config, world_size, device, dtype, ds_config, rank)
     tp_group = form_tp_group(cfg.target.tp_size)
     target, tokenizer = build_target_and_tokenizer(cfg, device, dtype, tp_group)
     drafter = build_drafter(cfg, target, tokenizer, (data.train_set, data.eval_set), rank)
@@ -230,6 +234,8 @@ def build_run(cfg, rank, world_size, device, data: RunData, model_config, ds_con
     if probe and (refusal := probe.cannot_decode or probe.cannot_verify):
         raise ConfigError(f"{refusal}: set train.generate_every=0 (the replayed tau of the eval steps needs "
                           "no decoding)")
+    if generate_prompts and TargetCache(target).tree_form() == "paths":  # trees as batches of paths
+        check_generation_memory(cfg, target, drafter.block_size, plan, device, rank)
     stops = stop_token_ids(target, tokenizer)
     attention = attention_kernel(cfg.objective.attention, device)
     objective = OmegaConf.to_object(cfg.objective)
@@ -246,7 +252,19 @@ def check_memory_plan(cfg, model_config, world_size, device, dtype, ds_config, r
     if rank == 0:
         print("\n".join(plan.lines(gpu_bytes)), flush=True)
     if gpu_bytes:
-        check_fits(plan, gpu_bytes, node_ranks(world_size))
+        check_fits(plan, gpu_bytes, local_world_size(world_size))
+    return plan
+
+
+def check_generation_memory(cfg, target, block_size, plan, device, rank):
+    """Training's generation verifies DDTree as a batch of paths on this target: printed at the largest
+    of train.tau_budgets, and on a GPU stopped when it cannot fit beside the training plan."""
+    gpu_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    free = gpu_bytes - plan.total if gpu_bytes else 2**62
+    path_plan = check_path_batch_fits(target, max(cfg.train.tau_budgets), block_size,
+                                      cfg.data.max_length + cfg.train.generate_max_new_tokens, free)
+    if rank == 0:
+        print(path_plan.line(), flush=True)
 
 
 def build_target_and_tokenizer(cfg, device, dtype, tp_group):
@@ -260,8 +278,9 @@ def build_target_and_tokenizer(cfg, device, dtype, tp_group):
 def build_drafter(cfg, target, tokenizer, data, rank):
     """fp32 weights (the engines keep fp32 masters and compute in the training dtype). Without
     drafter.mask_token_id the mask token is chosen from the tokenizer and the training `data`
-    (drafter/target/mask_token.py) and recorded in the export's dflash_config; one given is checked against
-    the data."""
+    (drafter/models/mask_token.py) and recorded in the export's dflash_config; one given is checked against
+    the data. With drafter.draft_vocab_size the head is cut to the K commonest supervised tokens of the
+    training split (drafter/models/draft_vocab.py), whose rows also set the final norm's scale."""
     if cfg.drafter.init_from:
         if not (Path(cfg.drafter.init_from) / "config.json").is_file():
             raise ConfigError(f"drafter.init_from={cfg.drafter.init_from}: no exported drafter there (no config.json)")
@@ -287,14 +306,13 @@ def build_drafter(cfg, target, tokenizer, data, rank):
                             input_embedding_scale=input_embedding_scale(target), target_path=cfg.target.path,
                             chat_template_kwargs=dict(cfg.target.chat_template_kwargs),
                             draft_vocab_size=cfg.drafter.draft_vocab_size)
-    torch.manual_seed(cfg.run.seed)  # same initial weights on every rank
-    drafter = drafter_class(config)(config)
+    draft_vocab = None
     if cfg.drafter.draft_vocab_size:  # the same table on every rank: the same training answers
-        vocab, line = answer_vocab(data[:1], config.vocab_size, cfg.drafter.draft_vocab_size)
-        drafter.set_draft_vocab(vocab)
+        counts = supervised_token_counts(data[:1], config.vocab_size)
+        draft_vocab, line = answer_vocab(counts, cfg.drafter.draft_vocab_size)
         if rank == 0:
             print(line, flush=True)
-    return drafter
+    return new_drafter(config, target.get_output_embeddings().weight, cfg.run.seed, draft_vocab)
 
 
 def generation_prompts(cfg, tokenizer, eval_set) -> list[list[int]] | None:
@@ -313,17 +331,16 @@ def generation_prompts(cfg, tokenizer, eval_set) -> list[list[int]] | None:
         raise ConfigError(f"train.generate_prompts={cfg.train.generate_prompts}: {error}") from None
 
 
-def schedule_notes(cfg, state: TrainerState, total_steps) -> list[str]:
-    """On resume the lr schedule keeps the length it started with, unless train.schedule_steps says
-    otherwise (then the learning rate moves at once, as asked)."""
-    if cfg.train.schedule_steps and cfg.train.schedule_steps != state.schedule_steps:
-        before = lr_factor(cfg.optim, state.step, state.schedule_steps)
-        state.schedule_steps = cfg.train.schedule_steps
-        after = lr_factor(cfg.optim, state.step, state.schedule_steps)
+def schedule_notes(cfg, saved: TrainerState, total_steps) -> list[str]:
+    """What a resume from `saved` does to the lr schedule: it keeps the length it started with, unless
+    train.schedule_steps says otherwise (then the learning rate moves at once, as asked)."""
+    if cfg.train.schedule_steps and cfg.train.schedule_steps != saved.schedule_steps:
+        before = lr_factor(cfg.optim, saved.step, saved.schedule_steps)
+        after = lr_factor(cfg.optim, saved.step, cfg.train.schedule_steps)
         return [f"train.schedule_steps={cfg.train.schedule_steps}: the lr factor moves from {before:.3g} "
-                f"to {after:.3g} at step {state.step}"]
-    if total_steps != state.schedule_steps:
-        return [f"this run stops at step {total_steps}; the lr schedule keeps its {state.schedule_steps} "
+                f"to {after:.3g} at step {saved.step}"]
+    if total_steps != saved.schedule_steps:
+        return [f"this run stops at step {total_steps}; the lr schedule keeps its {saved.schedule_steps} "
                 "steps (no jump; set train.schedule_steps to change it)"]
     return []
 
@@ -457,10 +474,10 @@ def micro_step(run: RunParts, batch, step, micro, noise, timers: StageTimer):
         features, final_hidden = run.target_features(input_ids, drafter.target_layer_ids)
         features = calibrated_features(features, run.objective.feature_calibration)
         features = add_feature_noise(features, noise, len(drafter.target_layer_ids),
-                                     step_generator(run.cfg.run.seed, step, run.rank, 1 + micro, run.device))
+                                     step_generator(run.cfg.run.seed, step, run.rank, NOISE_STREAM + micro, run.device))
     with timers("drafter"):
         loss, metrics = training_step(drafter, run.target, features, input_ids, loss_mask, run.objective,
-                                      step_generator(run.cfg.run.seed, step, run.rank, -1 - micro), run.attention,
+                                      step_generator(run.cfg.run.seed, step, run.rank, ANCHOR_STREAM - micro), run.attention,
                                       final_hidden)
         # A non-finite loss makes every gradient NaN, so the engine's global check skips the step on all ranks.
         loss = loss * torch.where(torch.isfinite(loss.detach()), 1.0, math.nan)
@@ -492,9 +509,9 @@ def after_step(run: RunParts, state: TrainerState, log, stop: StopRequest, check
 
 # ----------------------------------------------------------------------------- features
 
-def step_generator(seed: int, step: int, rank: int, salt: int = 0, device="cpu") -> torch.Generator:
+def step_generator(seed: int, step: int, rank: int, stream: int = 0, device="cpu") -> torch.Generator:
     """Anchors and noise for (step, rank) come from their own seed: resume replays them exactly."""
-    return torch.Generator(device=device).manual_seed(hash((seed, step, rank, salt)) % 2**63)
+    return torch.Generator(device=device).manual_seed(hash((seed, step, rank, stream)) % 2**63)
 
 
 def add_feature_noise(features: torch.Tensor, std: float, num_layers: int,
@@ -561,7 +578,7 @@ def eval_metrics(run: RunParts, drafter, features, final_hidden, batch, index: i
     """One held-out batch: the training step's metrics on clean features, and its replayed tau."""
     input_ids, loss_mask = batch["input_ids"].to(run.device), batch["loss_mask"].to(run.device)
     _, metrics = training_step(drafter, run.target, features, input_ids, loss_mask, run.objective,
-                               step_generator(run.cfg.run.seed, index, run.rank, 7), run.attention, final_hidden)
+                               step_generator(run.cfg.run.seed, index, run.rank, EVAL_STREAM), run.attention, final_hidden)
     metrics.update(replayed_tau(drafter, run.target, features, input_ids, loss_mask, run.cfg.train.tau_budgets,
                                 run.attention, blocks_per_forward=run.objective.anchors_per_batch or 2048,
                                 chunk_bytes=run.objective.chunk_bytes))

@@ -22,7 +22,7 @@ import datasets
 import numpy as np
 import torch
 
-from drafter.training.objective import anchor_candidates
+from drafter.models.blocks import anchor_candidates
 
 
 def anchor_pairs(dataset, k: int) -> tuple[np.ndarray, np.ndarray]:

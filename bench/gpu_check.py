@@ -59,19 +59,21 @@ from unittest import mock
 import numpy as np
 import torch
 
-from drafter.config import ObjectiveConfig
-from drafter.data.sampler import BucketSampler, collate, make_buckets
+from drafter.config import ObjectiveConfig, resolve_gamma
+from drafter.data.loader import collate
+from drafter.data.sampler import BucketSampler, make_buckets
 from drafter.infra.host_sync import host_syncs
 from drafter.models import DFlashDraftModel, DraftCache, compiled_graph_count
+from drafter.models.blocks import attention_kernel, build_blocks, drafter_hidden, sample_anchors
 from drafter.models.configure import drafter_config
-from drafter.serving import ddtree
-from drafter.serving.ddtree import build_tree, committed_tokens, follow_tree, tree_verify_inputs
 from drafter.serving.decode import generate, pick
 from drafter.serving.lossless import first_divergence, lossless_verdict, near_tie_share
+from drafter.serving.testing import ReplayDrafter
 from drafter.target.cache import TargetCache
 from drafter.target.model import compute_dtype, context_features, feature_tap, random_qwen3
-from drafter.training.objective import (attention_kernel, build_blocks, drafter_hidden, resolve_gamma,
-                                        sample_anchors, training_step)
+from drafter.training.objective import training_step
+from drafter.tree import ddtree
+from drafter.tree.ddtree import build_tree, committed_tokens, follow_tree, tree_verify_inputs
 
 QWEN3_8B = dict(vocab_size=151_936, hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, intermediate_size=12_288, rope_theta=1e6,
@@ -410,41 +412,6 @@ def check_ddtree_step_syncs(target, drafter, device, run) -> dict:
             cache.rollback(start)
             committed_per_step.append(len(committed))
     return {"budget": run["budget"], "committed_per_step": committed_per_step}
-
-
-class ReplayDrafter:
-    """A drafter whose proposals are a known continuation: the true token ranks first, except at
-    every 4th position where a decoy outranks it, so that a chain stops there and a tree goes on.
-    The real drafter still runs (its cache, its cost); only its logits are replaced."""
-
-    def __init__(self, drafter, continuation: list[int]):
-        self.drafter, self.continuation = drafter, continuation
-        self.block_size, self.mask_token_id = drafter.block_size, drafter.mask_token_id
-        self.target_layer_ids, self.drafts_marginals = drafter.target_layer_ids, drafter.drafts_marginals
-
-    def draft_states(self, target, ctx_features, block_ids, cache, depth=None):
-        hidden, logits = self.drafter.draft_states(target, ctx_features, block_ids, cache, depth)
-        start = cache.length
-        proposal = torch.zeros_like(logits)
-        for k in range(logits.shape[1]):
-            position = start + 1 + k
-            if position < len(self.continuation):
-                true = self.continuation[position]
-                proposal[0, k, true] = 5.0
-                if position % 4 == 0:
-                    proposal[0, k, (true + 1) % logits.shape[-1]] = 6.0
-        return hidden, proposal
-
-    def draft_logits(self, target, ctx_features, block_ids, cache):
-        return self.draft_states(target, ctx_features, block_ids, cache)[1]
-
-    def draft_chain(self, target, ctx_features, block_ids, cache):
-        """DFlash's path through the replaced logits: their argmax."""
-        return self.draft_logits(target, ctx_features, block_ids, cache).argmax(-1)
-
-    def block_trees(self, hidden, logits, roots, budget, backend="auto"):
-        """DFlash's tree of the replaced logits."""
-        return build_tree(logits, budget, backend)
 
 
 def check_lossless(target, drafter, device, run) -> dict:

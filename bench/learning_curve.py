@@ -37,7 +37,7 @@ from omegaconf import OmegaConf  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from floor import slot_floors  # noqa: E402
 
-from drafter.infra.tracking import read_metrics  # noqa: E402
+from drafter.training.tracking import read_metrics  # noqa: E402
 
 SLOTS = (1, 2, 4, 8, 15)  # and the block's last slot, where the block is shorter
 X_AXES = {"supervised_tokens": "supervised tokens seen", "blocks_trained": "blocks trained"}
@@ -136,7 +136,7 @@ def floors_for(cfg) -> list[dict] | None:
     """bench/floor.py's per-slot predictors on the run's own training and held-out rows (None when the
     data cannot be read here, e.g. a run made on another machine)."""
     from drafter.data.datasets import DataError, load_datasets
-    from drafter.infra.memory_plan import target_model_config
+    from drafter.training.memory_plan import target_model_config
 
     try:
         vocab = target_model_config(cfg.target.path, cfg.target.random).get_text_config().vocab_size

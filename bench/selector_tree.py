@@ -29,11 +29,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from drafter.data.sampler import collate  # noqa: E402
+from drafter.data.loader import collate  # noqa: E402
 from drafter.models import load_drafter  # noqa: E402
-from drafter.serving.ddtree import build_tree, teacher_forced_accept  # noqa: E402
 from drafter.serving.served import mean_tau, scored_blocks, walks_of  # noqa: E402
 from drafter.target.model import context_features, load_target  # noqa: E402
+from drafter.training.checkpoint import drafter_dir  # noqa: E402
+from drafter.tree.ddtree import build_tree, teacher_forced_accept  # noqa: E402
 
 
 @torch.no_grad()
@@ -67,8 +68,7 @@ def main():
     parser.add_argument("--batch-rows", type=int, default=16)
     args = parser.parse_args()
     torch.set_grad_enabled(False)
-    directory = Path(args.ckpt) / "drafter" if (Path(args.ckpt) / "drafter").is_dir() else Path(args.ckpt)
-    drafter = load_drafter(directory, dtype=torch.float32).eval()
+    drafter = load_drafter(drafter_dir(args.ckpt), dtype=torch.float32).eval()
     target_path = args.target or drafter.config.dflash_config.get("target_path")
     if not target_path:
         sys.exit(f"{args.ckpt}: the drafter records no target path; pass --target")

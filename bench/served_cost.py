@@ -28,12 +28,12 @@ from omegaconf import OmegaConf
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # data/toy.py's shapes, run from anywhere
 
 from data.toy import TARGET_CONFIG, VOCAB_SIZE  # noqa: E402
-from drafter.config import load_config  # noqa: E402
 from drafter.models import DFlashDraftModel  # noqa: E402
 from drafter.models.configure import drafter_config  # noqa: E402
 from drafter.serving.served import generation_tau, replayed_tau  # noqa: E402
 from drafter.target.model import context_features, random_qwen3  # noqa: E402
 from drafter.training.objective import training_step  # noqa: E402
+from drafter.training.run_config import load_config  # noqa: E402
 
 
 def best_time(fn, repeats: int) -> float:

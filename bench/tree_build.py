@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from drafter.serving.ddtree import DraftTree, build_tree_from_logprobs, fixed_point
+from drafter.tree.ddtree import DraftTree, build_tree_from_logprobs, fixed_point
 
 
 def topk_logprobs(draft_logits: torch.Tensor, budget: int):

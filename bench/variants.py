@@ -8,13 +8,13 @@
     python bench/variants.py --world smollm2 --steps 60 --seeds 0,1 --variants default,dpace
                                                         # the real world (python data/smollm2.py first)
 
-Variants are named overrides of configs/toy.yaml: the objectives of issue 21 (`default`, `target-kl`,
-`target-ce`, `dpace`, `tree`, `muon`), the drafters of issue 20 (`dflash2`, `sliding`,
-`dflash2-sliding`), the objectives of issue 27 (`tv`, `first-failure`, `expected-chain`,
-`expected-tree`), the recipe differences of vLLM's speculators one at a time (`any-anchor`,
+Variants are named overrides of configs/toy.yaml: distillation, position weights and the optimiser
+(`default`, `target-kl`, `target-ce`, `dpace`, `tree`, `muon`), the drafter variants (`dflash2`,
+`sliding`, `dflash2-sliding`), the objectives aimed at acceptance (`tv`, `first-failure`,
+`expected-chain`, `expected-tree`), the recipe differences of vLLM's speculators one at a time (`any-anchor`,
 `no-noise`, `lr-to-0`, `count-norm`) and together (`speculators-recipe`), and a 3x learning rate
 (`lr-6e-3`, on the real world);
-`--variants objectives|drafters|objectives27|recipe|all` or a comma list. Every run is train.py in one
+`--variants objectives|drafters|acceptance|recipe|all` or a comma list. Every run is train.py in one
 process (world of one) under FSDP2, so that the Muon variant trains on the same engine as the others;
 runs differ only by the variant's overrides and run.seed (drafter initialisation, anchors, feature
 noise; the data order stays fixed). Replayed tau (drafter/serving/served.py: serving replayed under teacher
@@ -74,7 +74,7 @@ VARIANTS = {
 }
 GROUPS = {"objectives": ["default", "target-kl", "target-ce", "dpace", "tree", "muon"],
           "drafters": ["default", "dflash2", "sliding", "dflash2-sliding"],
-          "objectives27": ["default", "tv", "first-failure", "expected-chain", "expected-tree"],
+          "acceptance": ["default", "tv", "first-failure", "expected-chain", "expected-tree"],
           "recipe": ["default", "any-anchor", "no-noise", "lr-to-0", "count-norm", "speculators-recipe"]}
 GROUPS["all"] = list(VARIANTS)
 TOY_EVAL = ["data.eval_path=artifacts/toy/heldout_data", "train.eval_batches=1000"]
@@ -202,11 +202,11 @@ def replay(run: Path, data_path: str, threads: int) -> dict[str, float]:
     import torch
     from omegaconf import OmegaConf
 
-    from drafter.data.sampler import collate
+    from drafter.data.loader import collate
+    from drafter.metric_sums import finalize_metrics
     from drafter.models import load_drafter
     from drafter.serving.served import replayed_tau
     from drafter.target.model import context_features, load_target
-    from drafter.training.metrics import finalize_metrics
 
     torch.set_num_threads(threads)
     config = OmegaConf.load(run / "checkpoints" / "latest" / "config.yaml")
@@ -290,7 +290,7 @@ def main():
                         help="a second prepared held-out set: each run's final drafter is replayed on it too "
                              "(default on smollm2: artifacts/smollm2/bench_code_data, the code bench)")
     parser.add_argument("--variants", default="objectives",
-                        help="objectives | drafters | objectives27 | recipe | all | a comma list")
+                        help="objectives | drafters | acceptance | recipe | all | a comma list")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--eval-every", type=int, default=50)

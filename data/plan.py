@@ -13,7 +13,7 @@ the bucket table, padding efficiency, the longest same-bucket run, every sample 
 a warning for samples over the token budget and a picture of the bucket sequence over the epoch;
 --json writes the statistics and, for every global step, the bucket id of each rank.
 
---gpu-memory prints the per-GPU memory plan training prints at start-up (drafter/infra/memory_plan.py: the
+--gpu-memory prints the per-GPU memory plan training prints at start-up (drafter/training/memory_plan.py: the
 target at target.tp_size, the drafter's state under the engine, activations) and, when it does not
 fit, the changes that would; --memory-only skips the dataset.
 """
@@ -27,9 +27,11 @@ import numpy as np
 from omegaconf import OmegaConf
 
 from drafter.config import CONFIG_FILE_ERRORS, Config, ConfigError, config_error_reason
-from drafter.data.sampler import BucketSampler, bucket_table, plan_notes, sampler_from_config, split_holdout
+from drafter.data.sampler import BucketSampler, bucket_table, plan_notes, sampler_from_config
+from drafter.data.splits import split_holdout
 from drafter.infra.engine import deepspeed_config
-from drafter.infra.memory_plan import GiB, fitting_changes, plan_inputs, plan_memory, target_model_config
+from drafter.infra.memory import GiB
+from drafter.training.memory_plan import fitting_changes, plan_inputs, plan_memory, target_model_config
 
 SHADES = " .:-=+*#%@"  # share of a column's steps in a bucket, from none to all
 

@@ -5,9 +5,10 @@
         [--max-length 3072] [--truncate] [--last-turn-only] [--drop-loops] [--num-proc 8]
 
 Inputs: JSONL, JSON (a list of rows), parquet files, directories of them, or hub dataset names; the
-row shapes, repairs and drop reasons are listed in `drafter/data/chat.py`. Bad rows never stop the run:
-each is counted by reason and the first few are printed with their file and line. A file that cannot
-be read as a whole (a `.json` list cut short, say) stops the run naming it, before anything is written.
+row shapes and drop reasons are listed in `drafter/data/chat.py`, the repairs in
+`drafter/data/chat_files.py`. Bad rows never stop the run: each is counted by reason and the first few
+are printed with their file and line. A file that cannot be read as a whole (a `.json` list cut short,
+say) stops the run naming it, before anything is written.
 
 Thinking is one decision: with --no-thinking (the default) reasoning (`<think>` blocks) is removed
 from every answer, so a conversation is rendered exactly as the serving template renders it with
@@ -21,7 +22,7 @@ distinct 4-grams of their 45. A repeated n-gram of up to 16 tokens has exactly n
 the slack allows a few breaks (line wraps); answers shorter than 48 tokens never count.
 
 Output: `datasets.load_from_disk(OUT)` has columns `input_ids`, `loss_mask` (0/1, int8), `length` and
-`group` (the row's group for the held-out split: see `chat.row_group`); `OUT/stats.json` holds the
+`group` (the row's group for the held-out split: see `chat_files.row_group`); `OUT/stats.json` holds the
 kept count, drop counts and first examples per reason, the flags of kept rows with examples, length
 figures, the files of input directories that were not read (`unread_files`) and the settings, and
 marks OUT as this tool's output: an existing --out without that mark is refused, one with it is
@@ -46,7 +47,7 @@ from pathlib import Path
 import datasets
 import numpy as np
 
-from drafter.data import chat
+from drafter.data import chat, chat_files, chat_template
 from drafter.errors import model_path_problem
 
 RAW_FEATURES = datasets.Features({
@@ -105,7 +106,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def conversation_rows(inputs: list[str]):
     """Generator for `Dataset.from_generator`: one record per input row, bad ones with a reason."""
-    for raw in chat.read_rows(inputs):
+    for raw in chat_files.read_rows(inputs):
         messages, reason = [], raw.reason or ""
         if not reason:
             try:
@@ -114,7 +115,7 @@ def conversation_rows(inputs: list[str]):
                 reason = bad.reason
         truncated = isinstance(raw.value, dict) and raw.value.get("truncated") is True
         yield {"messages": json.dumps(messages, ensure_ascii=False), "source": raw.source,
-               "group": chat.row_group(raw), "truncated": truncated,
+               "group": chat_files.row_group(raw), "truncated": truncated,
                "flags": ["lone_surrogate"] if raw.repaired else [], "reason": reason}
 
 
@@ -139,14 +140,14 @@ def tokenize_row(row: dict, target: str, enable_thinking: bool, system_prompt: s
         return result | {"reason": "no_assistant_turn"}
     # Turns after the last answer would only be unsupervised context.
     messages = chat.with_system_prompt(messages[: assistant_turns[-1] + 1], system_prompt)
-    if chat.has_unclosed_reasoning(messages) and not (enable_thinking and row["truncated"]):
+    if chat_template.has_unclosed_reasoning(messages) and not (enable_thinking and row["truncated"]):
         return result | {"reason": "unclosed_think"}
     if not enable_thinking:
-        messages, removed = chat.without_reasoning(messages)
+        messages, removed = chat_template.without_reasoning(messages)
         flags += ["reasoning_removed"] if removed else []
     flags += ["truncated"] if row["truncated"] else []
     try:
-        input_ids, loss_mask = chat.tokenize_conversation(load_tokenizer(target), messages, enable_thinking,
+        input_ids, loss_mask = chat_template.tokenize_conversation(load_tokenizer(target), messages, enable_thinking,
                                                           last_turn_only, closers=not row["truncated"])
     except chat.BadRow as bad:
         return result | {"reason": bad.reason}
@@ -154,7 +155,7 @@ def tokenize_row(row: dict, target: str, enable_thinking: bool, system_prompt: s
         if not truncate:
             return result | {"reason": "too_long", "length": len(input_ids)}
         input_ids, loss_mask = input_ids[:max_length], loss_mask[:max_length]
-    if chat.longest_run(loss_mask) < MIN_SUPERVISED_RUN:
+    if chat_template.longest_supervised_run(loss_mask) < MIN_SUPERVISED_RUN:
         return result | {"reason": "too_little_supervision", "length": len(input_ids)}
     answers = supervised_runs(input_ids, loss_mask)
     if any(repeating_tail(ids if row["truncated"] else ids[:-1]) for ids in answers):
@@ -191,7 +192,8 @@ def digest(*parts) -> str:
 
 def code_digest() -> str:
     """Changes whenever the reading or tokenising code changes, so stale caches are not reused."""
-    return digest(*(Path(f).read_text() for f in (chat.__file__, __file__)))
+    return digest(*(Path(f).read_text() for f in (chat.__file__, chat_files.__file__, chat_template.__file__,
+                                                  __file__)))
 
 
 def tokenizer_digest(tokenizer) -> str:
@@ -201,13 +203,13 @@ def tokenizer_digest(tokenizer) -> str:
 def build(args: argparse.Namespace) -> tuple[datasets.Dataset, dict]:
     """The tokenised dataset (every row, dropped ones with their reason) and the settings used."""
     num_proc = args.num_proc if args.num_proc > 1 else None
-    rows_fingerprint = digest(chat.input_signature(args.input), code_digest())
+    rows_fingerprint = digest(chat_files.input_signature(args.input), code_digest())
     try:
         raw = datasets.Dataset.from_generator(
             conversation_rows, gen_kwargs={"inputs": args.input}, features=RAW_FEATURES,
             cache_dir=args.cache_dir, fingerprint=rows_fingerprint)
     except datasets.exceptions.DatasetGenerationError as error:
-        if isinstance(error.__cause__, chat.InputError):  # a file that cannot be read as a whole
+        if isinstance(error.__cause__, chat_files.InputError):  # a file that cannot be read as a whole
             sys.exit(f"stopped, nothing written: {error.__cause__}")
         raise
     except ValueError as error:  # datasets' words for a generator that yielded nothing
@@ -264,14 +266,14 @@ def summarize(tokenized: datasets.Dataset, settings: dict, inputs: list[str]) ->
         "unread_files": unread_files_summary(inputs),
         # chat_template_kwargs spelled as the training config spells it
         "settings": settings | {
-            "inputs": inputs, "files": chat.expand_inputs(inputs),
+            "inputs": inputs, "files": chat_files.expand_inputs(inputs),
             "chat_template_kwargs": {"enable_thinking": settings["enable_thinking"]}},
     }
     return stats, kept
 
 
 def unread_files_summary(inputs: list[str]) -> dict:
-    unread = chat.unread_files(inputs)
+    unread = chat_files.unread_files(inputs)
     return {"files": len(unread), "examples": unread[:EXAMPLES_PER_REASON]}
 
 
@@ -351,7 +353,7 @@ def report(stats: dict) -> None:
     unread = stats["unread_files"]
     if unread["files"]:
         print(f"not read: {unread['files']} files in the input directories that are not "
-              f"{'/'.join(chat.FILE_SUFFIXES)}: e.g. {', '.join(unread['examples'])}")
+              f"{'/'.join(chat_files.FILE_SUFFIXES)}: e.g. {', '.join(unread['examples'])}")
 
 
 def main(argv=None) -> dict:

@@ -14,7 +14,7 @@ that ends with a user turn gets an answer appended. Reasoning returned separatel
 
 Output (`--out`, JSONL): one `{"id", "source", "group", "messages", "truncated"}` row per
 conversation, in the OpenAI messages shape that prepare reads; `truncated` says an answer hit
---max-tokens; `group` is the input row's group (`chat.row_group`: its `group` field, else its file
+--max-tokens; `group` is the input row's group (`chat_files.row_group`: its `group` field, else its file
 and conversation id), which prepare keeps for the held-out split. `id` hashes the prompt side of the
 conversation, so identical prompts are done once. Assistant turns before the first user turn answer
 nothing and are left out (counted as `leading_assistant_dropped`); conversations with tool calls or
@@ -55,7 +55,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from drafter.data import chat
+from drafter.data import chat, chat_files, chat_template
 from drafter.errors import model_path_problem
 from drafter.infra.progress import progress_bar
 
@@ -132,7 +132,7 @@ def load_jobs(inputs: list[str], system_prompt: str | None, exclude: tuple[str, 
     rows counted by reason."""
     jobs = Jobs([], Counter(), {}, 0, 0)
     seen = set()
-    for raw in chat.read_rows(inputs, exclude):
+    for raw in chat_files.read_rows(inputs, exclude):
         jobs.rows += 1
         try:
             if raw.reason:
@@ -158,7 +158,7 @@ def load_jobs(inputs: list[str], system_prompt: str | None, exclude: tuple[str, 
             jobs.duplicates += 1
             continue
         seen.add(job_id)
-        jobs.todo.append(Job(job_id, raw.source, chat.row_group(raw), prompt))
+        jobs.todo.append(Job(job_id, raw.source, chat_files.row_group(raw), prompt))
     return jobs
 
 
@@ -243,7 +243,7 @@ class ServerBackend:
         except (urllib.error.URLError, OSError, http.client.HTTPException) as error:  # refused, cut, timeout
             raise RetryableError("connection", str(error)) from error
         try:
-            return chat.parse_json(payload.decode("utf-8"))[0]
+            return chat_files.parse_json(payload.decode("utf-8"))[0]
         except (ValueError, RecursionError) as error:  # not UTF-8, not JSON
             raise RetryableError("bad_response", payload[:200].decode("utf-8", "replace")) from error
 
@@ -337,7 +337,7 @@ class LocalBackend:
 
     def prompt(self, history: list[dict]) -> str:
         try:
-            return chat.render(self.tokenizer, history, self.enable_thinking, add_generation_prompt=True)
+            return chat_template.render(self.tokenizer, history, self.enable_thinking, add_generation_prompt=True)
         except chat.BadRow as bad:
             raise RowFailed(bad.reason, str(bad)) from bad
 
@@ -553,7 +553,7 @@ def main(argv=None) -> dict:
     out = Path(args.out)
     try:
         jobs = load_jobs(args.input, args.system_prompt, exclude=(str(out),))
-    except chat.InputError as error:
+    except chat_files.InputError as error:
         sys.exit(f"stopped, nothing written: {error}")
     out.parent.mkdir(parents=True, exist_ok=True)
     settings = {key: getattr(args, key) for key in
@@ -585,7 +585,7 @@ def main(argv=None) -> dict:
         "invalid_examples": jobs.examples,
         "duplicates": jobs.duplicates,
         "leading_assistant_dropped": jobs.leading_assistant_dropped,
-        "unread_files": chat.unread_files(args.input),
+        "unread_files": chat_files.unread_files(args.input),
     }
     side_file(out, "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps({k: v for k, v in summary.items() if k not in ("invalid_examples", "unread_files")}))
@@ -593,7 +593,7 @@ def main(argv=None) -> dict:
         print(f"invalid {jobs.invalid[reason]} {reason}: e.g. {', '.join(sources)}", file=sys.stderr)
     if summary["unread_files"]:
         print(f"not read: {len(summary['unread_files'])} files in the input directories that are not "
-              f"{'/'.join(chat.FILE_SUFFIXES)}: e.g. {', '.join(summary['unread_files'][:EXAMPLES_PER_REASON])}",
+              f"{'/'.join(chat_files.FILE_SUFFIXES)}: e.g. {', '.join(summary['unread_files'][:EXAMPLES_PER_REASON])}",
               file=sys.stderr)
     return summary
 

@@ -284,9 +284,9 @@ def step_bench_code(out: Path) -> None:
 # The target's answers, prepared
 # ---------------------------------------------------------------------------------------------
 
-def generation(out: Path) -> world.Generation:
+def generation(out: Path) -> world.AnswerSettings:
     sizes = json.loads((out / "sizes.json").read_text())
-    return world.Generation(sizes["max_new_tokens"], sizes["batch_size"])
+    return world.AnswerSettings(sizes["max_new_tokens"], sizes["batch_size"])
 
 
 def step_train_data(out: Path) -> None:

@@ -1,8 +1,11 @@
 """The training config: a typed OmegaConf schema, YAML + dotlist overrides, validation.
 
-    cfg = load_config("configs/v3.yaml", ["optim.lr=3e-4", "train.max_steps=100"])
+    cfg = load_config("configs/v3.yaml", ["optim.lr=3e-4", "train.max_steps=100"])  # training/run_config.py
 
-Unknown keys and wrong types fail here, before any model loads, with the full key path.
+Unknown keys and wrong types fail here, before any model loads, with the full key path. The values a
+registered part's key may take (`objective.loss`, `drafter.arch`, ...) come from the registries, which
+sit above this schema: `load_yaml_config` takes them as `choices`, and drafter/training/run_config.py's
+`load_config` reads them from the registries and passes them in.
 """
 import math
 from dataclasses import dataclass, field
@@ -14,13 +17,9 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from drafter.errors import ConfigError
-from drafter.infra.engine import ENGINES, OPTIMIZERS
-from drafter.losses import BLOCK_LOSSES, DIVERGENCES, LABELS, NORMALIZATIONS, POSITION_WEIGHTS, TRUNCATIONS
-from drafter.models import ARCHITECTURES
-from drafter.target.calibration import FEATURE_CALIBRATIONS
-from drafter.training.objective import ANCHOR_CANDIDATES, ATTENTION_KERNELS, resolve_gamma
 
-__all__ = ["Config", "ConfigError", "DrafterVariant", "ObjectiveConfig", "load_config", "lr_factor", "noise_std"]
+__all__ = ["Config", "ConfigError", "DrafterVariant", "ObjectiveConfig", "load_yaml_config", "lr_factor",
+           "noise_std"]
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -49,7 +48,7 @@ class DrafterVariant:
     sliding_window: the window of the sliding layers, in positions, the query's own included.
     causal: None is the public default (sliding layers causal inside the block, full layers
         bidirectional); True / False makes every layer causal / bidirectional (`is_causal`).
-    arch: a name in drafter.models.ARCHITECTURES ("dflash", "dflash2"); the conv_* and selector_*
+    arch: a name in drafter.models.ARCHITECTURES ("dflash", "dflash2", checked there); the conv_* and selector_*
         settings are DFlash2's own (its `variant_keys`): the convolution's taps and channel group, the
         selector's rank and candidates.
     """
@@ -79,8 +78,6 @@ class DrafterVariant:
         if self.sliding_window is not None and not sliding:
             problems.append(f"sliding_window={self.sliding_window} is set but no layer_types entry is "
                             "sliding_attention")
-        if self.arch not in ARCHITECTURES:
-            problems.append(f"arch={self.arch!r} is not one of {', '.join(ARCHITECTURES)}")
         for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
             if getattr(self, key) < 1:
                 problems.append(f"{key}={getattr(self, key)} must be >= 1")
@@ -103,7 +100,7 @@ class DrafterConfig(DrafterVariant):
     num_layers: int = 5
     block_size: int = 16
     target_layer_ids: Optional[list[int]] = None  # null: evenly spaced from 1 to L-3
-    mask_token_id: Optional[int] = None           # null: chosen from the tokenizer and the data (drafter/target/mask_token.py)
+    mask_token_id: Optional[int] = None           # null: chosen from the tokenizer and the data (drafter/models/mask_token.py)
     init_from: Optional[str] = None               # an exported drafter/ dir to start from
     draft_vocab_size: Optional[int] = None        # K: the LM head cut to the K commonest answer tokens
                                                   # (drafter/models/draft_vocab.py); null: the target's whole head
@@ -119,7 +116,7 @@ class ObjectiveConfig:
     ddtree_budget: int = 64
     ddtree_blocks: int = 16
     attention: str = "auto"        # auto (flex_compiled on CUDA, dense elsewhere) | flex_compiled | flex | dense
-                                   # (objective.attention_kernel; flex: eager, materialises the scores)
+                                   # (models.blocks.attention_kernel; flex: eager, materialises the scores)
     labels: str = "data"           # data | target: the target's own next-token distribution (distillation)
     loss: str = "ce"               # ce | kl (forward KL to the target's distribution; needs labels=target)
                                    # | tv (tv_ce_weight x CE + the rest x total variation; labels=target)
@@ -187,7 +184,7 @@ class TrainConfig:
     eval_every: int = 500
     eval_batches: int = 20           # per rank
     keep_last: int = 3
-    resume: str = "auto"             # auto | never | force | a checkpoint dir (see drafter/infra/checkpoint.py)
+    resume: str = "auto"             # auto | never | force | a checkpoint dir (see drafter/training/checkpoint.py)
     max_bad_steps: int = 5           # non-finite steps in a row before the run stops
     engine: str = "deepspeed"        # deepspeed (ZeRO from ds_config) | fsdp (torch FSDP2, the fsdp section)
     ds_config: str = "ds_configs/zero2.json"
@@ -245,8 +242,9 @@ def config_error_reason(error: Exception) -> str:
     return lines[0] if lines and lines[0].strip() else type(error).__name__
 
 
-def load_config(path: str, overrides: list[str] = ()) -> DictConfig:
-    """YAML at `path` + `key.sub=value` overrides, validated against `Config`; names the run."""
+def load_yaml_config(path: str, overrides: list[str], choices: dict[str, tuple]) -> DictConfig:
+    """YAML at `path` + `key.sub=value` overrides, validated against `Config` and `choices` (each
+    key's allowed values); names the run."""
     schema = OmegaConf.structured(Config)
     try:
         cfg = OmegaConf.merge(schema, OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides)))
@@ -256,7 +254,7 @@ def load_config(path: str, overrides: list[str] = ()) -> DictConfig:
     except OmegaConfBaseException as error:
         key = getattr(error, "full_key", None) or "?"
         raise ConfigError(f"{path}: bad config key '{key}': {config_error_reason(error)}") from None
-    problems = validate(cfg)
+    problems = validate(cfg, choices)
     if problems:
         raise ConfigError(f"{path}: " + "; ".join(problems))
     stem = Path(path).stem
@@ -270,20 +268,6 @@ def load_config(path: str, overrides: list[str] = ()) -> DictConfig:
 
 
 DTYPE_ALIASES = {"auto": "auto", "bf16": "bf16", "bfloat16": "bf16", "fp32": "fp32", "float32": "fp32"}
-def choices() -> dict[str, tuple]:
-    """Each key's allowed values, read from the registry that implements them when a config is
-    checked (so that a part registered at run time, as a test registers an architecture, is accepted)."""
-    return {"objective.attention": ("auto", *ATTENTION_KERNELS),
-            "objective.labels": LABELS,
-            "objective.loss": (*DIVERGENCES, *BLOCK_LOSSES),
-            "objective.position_weights": tuple(POSITION_WEIGHTS),
-            "objective.truncate": tuple(TRUNCATIONS),
-            "objective.normalize": tuple(NORMALIZATIONS),
-            "objective.anchor_candidates": ANCHOR_CANDIDATES,
-            "objective.feature_calibration": FEATURE_CALIBRATIONS,
-            "train.engine": ENGINES,
-            "optim.name": OPTIMIZERS,
-            "wandb.mode": (None, "online", "offline", "disabled")}
 POSITIVE = ("target.tp_size", "drafter.num_layers", "objective.num_anchors", "objective.ddtree_budget",
             "objective.chunk_bytes", "optim.grad_accum",
             "data.max_length", "data.num_buckets", "data.tokens_per_batch", "data.max_run",
@@ -299,9 +283,10 @@ FRACTIONS = ("optim.warmup_ratio", "optim.min_lr_ratio", "objective.weight_smoot
              "objective.tv_ce_weight")  # in [0, 1]
 
 
-def validate(cfg) -> list[str]:
-    """Every value problem OmegaConf's types cannot see, each naming its key (empty: all good).
-    Normalises target.dtype aliases (bfloat16 -> bf16, float32 -> fp32) in place."""
+def validate(cfg, choices: dict[str, tuple]) -> list[str]:
+    """Every value problem OmegaConf's types cannot see, each naming its key (empty: all good); a key
+    of `choices` must hold one of its values. Normalises target.dtype aliases (bfloat16 -> bf16,
+    float32 -> fp32) in place."""
     problems = []
     get = lambda key: OmegaConf.select(cfg, key)  # noqa: E731
     dtype = DTYPE_ALIASES.get(cfg.target.dtype)
@@ -309,7 +294,7 @@ def validate(cfg) -> list[str]:
         problems.append(f"target.dtype={cfg.target.dtype!r} is not one of auto, bf16 (bfloat16), fp32 (float32)")
     else:
         cfg.target.dtype = dtype
-    for key, allowed in choices().items():
+    for key, allowed in choices.items():
         if get(key) not in allowed:
             names = ", ".join("null" if c is None else c for c in allowed)
             problems.append(f"{key}={get(key)!r} is not one of {names}")
@@ -366,6 +351,19 @@ def validate(cfg) -> list[str]:
     if not isinstance(cfg.train.resume, str) or not cfg.train.resume:
         problems.append("train.resume must be auto, never, force or a checkpoint directory")
     return problems
+
+
+DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # DFlash paper, by block size
+
+
+def resolve_gamma(gamma: float | None, block_size: int) -> float:
+    """objective.gamma, or where it is null the paper's value for the block size."""
+    if gamma is not None:
+        return float(gamma)
+    if block_size not in DEFAULT_GAMMA:
+        raise ConfigError(f"drafter.block_size={block_size} has no default loss gamma (the paper's are for "
+                          f"block sizes {', '.join(map(str, sorted(DEFAULT_GAMMA)))}); set objective.gamma")
+    return DEFAULT_GAMMA[block_size]
 
 
 def default_run_name(stem: str, cfg) -> str:

@@ -1,8 +1,13 @@
-"""The error a user's setting causes: train.py, eval and the data tools report it in one line."""
+"""The errors a user's setting causes: train.py, eval and the data tools report them in one line."""
 from pathlib import Path
 
 
-class ConfigError(ValueError):
+class UserError(Exception):
+    """What a user's choice of config, data or launch causes, rather than a bug: reported as one line,
+    without a traceback. Every such error of the library is one (ConfigError, DataError, ...)."""
+
+
+class ConfigError(UserError, ValueError):
     """A config value, flag or file choice that cannot work, named by its key."""
 
 

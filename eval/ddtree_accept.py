@@ -16,8 +16,11 @@ ratio of decode time per output token to `ar`'s, prefill excluded). At temperatu
 compares every method's tokens with `ar`'s (`drafter/serving/lossless.py`): yes, ties-only (every divergence
 starts where the target's top-2 logits were within --tie-tolerance: a floating-point tie) or no.
 
-A target with conv or recurrent layers (Qwen3.5, Qwen3-Next, Nemotron-H, LFM2) cannot verify a tree as
-one flat sequence (`drafter.serving.decode.tree_verify_refusal`). There, at temperature 0, each `ddtree@N` row is
+A target with conv, recurrent or compressor layers, or chunked attention (Qwen3.5, Qwen3-Next, Nemotron-H,
+LFM2, DeepSeek-V4, Llama 4) verifies each tree as a batch of its root-to-leaf paths
+(`drafter/serving/path_verify.py`), generated and timed like any other target. A target whose cache
+neither form can verify (`drafter.serving.decode.tree_verify_refusal`: a model's own cache layer that
+cannot copy its state per row) is refused by name; there, at temperature 0, each `ddtree@N` row is
 the exact DDTree tau of `ar`'s own greedy text, replayed under teacher forcing (`drafter.serving.served`: the
 tree of N nodes built from the drafter's block at each step's anchor, walked along the text) and
 labelled `replayed`, with no timing; above temperature 0 those rows are left out. A target whose cached
@@ -38,8 +41,8 @@ sharded forwards are collectives, and their outputs are the same on every member
 the prompts, and each group's first rank reports.
 """
 import argparse
+import importlib.util
 import json
-import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -48,11 +51,11 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoTokenizer
 
 from drafter.data.benchmarks import load_prompts
-from drafter.data.chat import prompt_token_ids
+from drafter.data.chat_template import prompt_token_ids
 from drafter.errors import ConfigError, model_path_problem
-from drafter.infra.launch import LaunchError, init_distributed, launched_world_size, local_device
+from drafter.infra.launch import LaunchError, init_distributed, launched_world_size, local_device, local_world_size
 from drafter.infra.progress import progress_bar
-from drafter.models import ARCHITECTURES, is_drafter_config, load_drafter
+from drafter.models import load_drafter
 from drafter.serving.decode import (SAMPLING, STAGES, Method, generate, speculative_methods, stop_token_ids,
                                     tree_verify_refusal)
 from drafter.serving.lossless import BF16_TIE_TOLERANCE, first_divergence, lossless_verdict, near_tie_share
@@ -61,6 +64,7 @@ from drafter.serving.served import PromptShare, replay_steps
 from drafter.target.cache import probe_decoding
 from drafter.target.model import TargetError, compute_dtype, context_features
 from drafter.target.tensor_parallel import TensorParallelError, check_tensor_parallel, form_tp_group, load_tp_target
+from drafter.training.checkpoint import drafter_dir, read_config_json
 
 
 def parse_args(argv=None):
@@ -120,34 +124,16 @@ def parse_args(argv=None):
     if args.check_public and (args.temperature > 0 or args.tp > 1):
         parser.error("--check-public compares greedy decodes on one whole target: it needs --temperature 0 "
                      "and --tp 1")
+    if args.check_public and importlib.util.find_spec("dflash") is None:
+        parser.error("--check-public runs the public loop of the dflash package, which is not installed: "
+                     "pip install --no-deps dflash==0.1.0")
     return args
-
-
-def read_config(path: Path) -> dict:
-    """A config.json as a dict, or a ValueError that names the file."""
-    try:
-        config = json.loads(path.read_text())
-    except (UnicodeDecodeError, ValueError) as error:
-        raise ValueError(f"{path}: not a JSON config ({error})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path}: not a JSON config (a {type(config).__name__}, not an object)")
-    return config
-
-
-def drafter_dir(ckpt: str) -> Path:
-    """`ckpt` itself when it is a drafter dir, else its `drafter/` subdir."""
-    for candidate in (Path(ckpt), Path(ckpt) / "drafter"):
-        config = candidate / "config.json"
-        if config.is_file() and is_drafter_config(read_config(config)):
-            return candidate
-    names = " or ".join(cls.__name__ for cls in ARCHITECTURES.values())
-    raise FileNotFoundError(f"{ckpt}: no {names} config.json here or in {ckpt}/drafter")
 
 
 def target_path_of(args) -> str:
     """--target, or the target the drafter's config records."""
     directory = drafter_dir(args.ckpt)
-    recorded = (read_config(directory / "config.json").get("dflash_config") or {}).get("target_path")
+    recorded = (read_config_json(directory / "config.json").get("dflash_config") or {}).get("target_path")
     if not (args.target or recorded):
         raise ValueError(f"{directory}/config.json records no dflash_config.target_path: pass --target")
     path = args.target or recorded
@@ -161,7 +147,7 @@ def tensor_parallel_group(args, target_path: str, world: int, device: torch.devi
     """This rank's group of --tp ranks, after checking that the target can be split so (before it loads)."""
     try:
         check_tensor_parallel(AutoConfig.from_pretrained(target_path), args.tp,
-                              int(os.environ.get("LOCAL_WORLD_SIZE", world)), world, key="--tp")
+                              local_world_size(world), world, key="--tp")
     except (TensorParallelError, OSError, ValueError) as error:  # also a hub id that cannot be fetched
         raise SystemExit(f"error: {error}") from None
     return form_tp_group(args.tp, backend="nccl" if device.type == "cuda" else None)

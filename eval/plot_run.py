@@ -29,7 +29,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from drafter.infra.tracking import read_metrics  # noqa: E402
+from drafter.training.tracking import read_metrics  # noqa: E402
 
 def number(value) -> float:
     """A plottable float: NaN for anything that is not a finite or infinite number."""

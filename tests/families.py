@@ -72,7 +72,6 @@ FAMILIES = {
 # Jamba's Mamba restarts its scan on a multi-token forward over a cache: decoding must refuse it
 UNSUPPORTED = {"jamba": dict(attn_layer_offset=1, attn_layer_period=2, expert_layer_offset=1, expert_layer_period=2,
                              num_experts=2, mamba_d_state=8, mamba_expand=2, use_mamba_kernels=False)}
-RECURRENT = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "nemotron_h", "falcon_h1", "lara_mini")
 
 
 def family_config(family: str, **extra):

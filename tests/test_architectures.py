@@ -126,7 +126,8 @@ def test_a_loss_part_registered_at_run_time_is_a_config_choice(monkeypatch, tmp_
     """The config's allowed values are read from the registries when a config is checked: a position
     weight registered by a user's code is accepted (and trains), an unknown one is refused by name."""
     from drafter import losses
-    from drafter.config import ConfigError, load_config
+    from drafter.config import ConfigError
+    from drafter.training.run_config import load_config
     yaml = tmp_path / "run.yaml"
     yaml.write_text("data: {path: /x}\ntarget: {path: /t}\n")
     with pytest.raises(ConfigError, match="objective.position_weights='flat' is not one of exp, dpace, tree"):

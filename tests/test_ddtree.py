@@ -5,16 +5,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.gpu_check import ReplayDrafter
 from bench.tree_build import heapq_tree, topk_logprobs, trees_equal
 from conftest import make_drafter
-from drafter.serving import ddtree
-from drafter.serving.ddtree import (build_tree, build_tree_from_logprobs, committed_tokens,
-                                    compiled_backend_available, fixed_point, follow_tree, teacher_forced_accept,
-                                    tree_verify_inputs, tree_visibility)
 from drafter.serving.decode import generate, speculative_sample
+from drafter.serving.testing import ReplayDrafter
 from drafter.target.cache import TargetCache
 from drafter.target.model import feature_tap
+from drafter.tree import ddtree
+from drafter.tree.ddtree import (build_tree, build_tree_from_logprobs, committed_tokens,
+                                 compiled_backend_available, fixed_point, follow_tree, teacher_forced_accept,
+                                 tree_verify_inputs, tree_visibility)
 from families import random_target
 
 BACKENDS = [pytest.param("compiled", marks=pytest.mark.skipif(
@@ -309,7 +309,7 @@ def test_the_conditional_tree_is_the_best_b_prefixes_by_enumeration():
     """build_conditional_tree (a DFlash2 selector's tree), against every prefix of a first-order
     tree scored and ranked by hand: its nodes are the best B prefixes, each node's parent is its
     prefix, nodes come in score order, and a walk along labels accepts while the label prefix is in."""
-    from drafter.serving.ddtree import build_conditional_tree
+    from drafter.tree.ddtree import build_conditional_tree
     gen = torch.Generator().manual_seed(3)
     n, depth, k = 48, 3, 3
     candidates = torch.stack([torch.randperm(10, generator=gen)[:k].repeat(depth, 1) + 10 * torch.arange(depth)[:, None]

@@ -10,14 +10,16 @@ import torch
 import torch.nn.functional as F
 
 from conftest import MASK_ID, make_drafter
-from drafter.config import ConfigError, load_config
+from drafter.config import ConfigError
 from drafter.config import ObjectiveConfig
 from drafter.losses.acceptance import chain_acceptance, soft_tree_acceptance, tree_threshold
 from drafter.losses.divergences import teacher_rows
 from drafter.losses.lm_head import ChunkedLMHeadLoss, RowLossSpec, dense_row_loss, logit_softcap
 from drafter.losses.weights import dpace_weights, tree_accepted_depth, tree_weights, up_to_first_failure
+from drafter.models.blocks import build_blocks, drafter_hidden, sample_anchors
 from drafter.target.model import context_features, features_and_final_hidden, random_qwen3
-from drafter.training.objective import build_blocks, drafter_hidden, sample_anchors, training_step
+from drafter.training.objective import training_step
+from drafter.training.run_config import load_config
 from runs import REPO
 from test_objective import padded_batch
 
@@ -251,7 +253,7 @@ def test_each_objective_learns_and_differs_from_the_default(target, variant):
 
 
 def test_the_objective_keys_define_the_run():
-    from drafter.infra.checkpoint import run_identity
+    from drafter.training.checkpoint import run_identity
     identity = run_identity(load_config(str(REPO / "configs" / "v3.yaml"), ["data.path=/x"]))
     for key in ("objective.labels", "objective.loss", "objective.position_weights", "objective.weight_smoothing",
                 "objective.tv_ce_weight", "objective.tree_temperature", "objective.block_ce_weight",

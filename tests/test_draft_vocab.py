@@ -1,5 +1,6 @@
 """The draft vocabulary (drafter/models/draft_vocab.py): the table, training on its K rows of the
-target head, serving through it losslessly, and its export."""
+target head, a fresh drafter's final norm scaled by those rows, serving through it losslessly (on a
+hybrid target's path-batch verify too), and its export."""
 import copy
 import json
 from collections import Counter
@@ -11,15 +12,18 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from conftest import MASK_ID, VARIANTS, make_drafter, randomize_
-from drafter.config import ConfigError, ObjectiveConfig
-from drafter.models import DFlashDraftModel, drafter_class, load_drafter
+from drafter.config import ObjectiveConfig, resolve_gamma
+from drafter.data.datasets import supervised_token_counts
+from drafter.errors import ConfigError
+from drafter.models import DFlashDraftModel, drafter_class, initial_norm_scale, load_drafter, new_drafter
+from drafter.models.blocks import build_blocks, drafter_hidden, sample_anchors
 from drafter.models.configure import drafter_config
-from drafter.models.draft_vocab import DraftVocab, answer_vocab, commonest_tokens, supervised_counts
-from drafter.serving.ddtree import build_tree
+from drafter.models.draft_vocab import DraftVocab, answer_vocab, commonest_tokens
 from drafter.serving.decode import generate
 from drafter.target.model import context_features, features_and_final_hidden, random_qwen3
 from drafter.training.metrics import rank_metrics
-from drafter.training.objective import build_blocks, drafter_hidden, resolve_gamma, sample_anchors, training_step
+from drafter.training.objective import training_step
+from drafter.tree.ddtree import build_tree
 
 B = 8
 V = 256
@@ -56,20 +60,21 @@ def test_commonest_supervised_tokens_ties_by_id_unseen_last():
     data = answers([([7, 5, 5, 9, 2], [0, 1, 1, 1, 1]),  # the unsupervised 7 does not count
                     ([9, 5, 3, 7, 8], [1, 1, 1, 0, 0])])
     # counts: 5 x3, 9 x2, then 2 and 3 once each (ties: lower id first), then the unseen 0, 1, 4, ...
-    assert commonest_tokens(supervised_counts([data], 12), 2).tolist() == [5, 9]
-    assert commonest_tokens(supervised_counts([data], 12), 3).tolist() == [2, 5, 9]
-    assert commonest_tokens(supervised_counts([data], 12), 5).tolist() == [0, 2, 3, 5, 9]
+    assert commonest_tokens(supervised_token_counts([data], 12), 2).tolist() == [5, 9]
+    assert commonest_tokens(supervised_token_counts([data], 12), 3).tolist() == [2, 5, 9]
+    assert commonest_tokens(supervised_token_counts([data], 12), 5).tolist() == [0, 2, 3, 5, 9]
     shuffled = answers([([9, 5, 3, 7, 8], [1, 1, 1, 0, 0]), ([7, 5, 5, 9, 2], [0, 1, 1, 1, 1])])
-    assert commonest_tokens(supervised_counts([shuffled], 12), 3).tolist() == [2, 5, 9]
+    assert commonest_tokens(supervised_token_counts([shuffled], 12), 3).tolist() == [2, 5, 9]
     split = answers([([3, 3], [1, 1]), ([1, 1, 1, 1], [1, 1, 1, 1]), ([7, 5, 5, 9, 2], [0, 1, 1, 1, 1])]).select([2, 0])
-    assert supervised_counts([split], 12).tolist() == [0, 0, 1, 2, 0, 2, 0, 0, 0, 1, 0, 0]  # the split's rows only
+    # the split's rows only
+    assert supervised_token_counts([split], 12).tolist() == [0, 0, 1, 2, 0, 2, 0, 0, 0, 1, 0, 0]
     many = answers([(list(range(0, 300, 3)) * 2 + list(range(300)), [1] * 500)])  # multiples of 3 twice, all once
     expected = sorted({*range(0, 300, 3), *(i for i in range(75) if i % 3)})
-    assert commonest_tokens(supervised_counts([many], 400), 150).tolist() == expected
-    vocab, line = answer_vocab([data], 12, 2)
+    assert commonest_tokens(supervised_token_counts([many], 400), 150).tolist() == expected
+    vocab, line = answer_vocab(supervised_token_counts([data], 12), 2)
     assert vocab.target_ids.tolist() == [5, 9] and "71.4% of the 7 supervised training tokens" in line
     with pytest.raises(ConfigError, match="draft_vocab_size=13"):
-        commonest_tokens(supervised_counts([data], 12), 13)
+        commonest_tokens(supervised_token_counts([data], 12), 13)
 
 
 def test_table_is_eagle3s_offsets_and_mask_and_maps_both_ways():
@@ -95,6 +100,23 @@ def test_config_refuses_a_draft_vocab_it_cannot_serve(target):
     with pytest.raises(ConfigError, match="arch=dflash2 drafts over the target's whole vocabulary"):
         drafter_config(target.config, num_layers=2, block_size=B, mask_token_id=MASK_ID,
                        variant=VARIANTS["dflash2"], draft_vocab_size=64)
+
+
+def test_a_fresh_drafters_final_norm_is_scaled_by_the_draft_head_it_trains_through(target):
+    """new_drafter with a table: the table is set, and the final norm is 1 / the RMS row norm of the
+    K rows it trains and drafts through, not of the whole head's (here rows of a third the norm); the other
+    weights are those of the same seed without a table."""
+    config = drafter_config(target.config, num_layers=1, block_size=B, mask_token_id=MASK_ID, draft_vocab_size=16)
+    words = torch.arange(0, 64, 4)
+    head = target.lm_head.weight.detach().clone()
+    head[words] *= 1 / 3
+    drafter = new_drafter(config, head, seed=5, draft_vocab=DraftVocab.of(words, V))
+    assert torch.equal(drafter.draft_vocab.target_ids, words)
+    assert drafter.norm.weight.unique().tolist() == [pytest.approx(initial_norm_scale(head[words]))]
+    assert initial_norm_scale(head[words]) > 2.5 * initial_norm_scale(head)
+    whole = new_drafter(drafter_config(target.config, num_layers=1, block_size=B, mask_token_id=MASK_ID), head, seed=5)
+    assert torch.equal(whole.norm.weight, torch.full_like(whole.norm.weight, initial_norm_scale(head)))
+    assert torch.equal(whole.fc.weight, drafter.fc.weight)
 
 
 # ------------------------------------------------------------------------------------------ training
@@ -166,7 +188,8 @@ def cut_trained(trained):
     """The trained drafter with its head cut to the 64 commonest tokens of its training answers."""
     answer = torch.zeros_like(trained.sequences)
     answer[:, trained.prompts.shape[1]:] = 1
-    vocab, line = answer_vocab([answers(list(zip(trained.sequences.tolist(), answer.tolist())))], V, 64)
+    counts = supervised_token_counts([answers(list(zip(trained.sequences.tolist(), answer.tolist())))], V)
+    vocab, line = answer_vocab(counts, 64)
     assert line.startswith("draft vocabulary: the 64 commonest of the target's 256 tokens, ")
     return with_draft_vocab(trained.drafter, vocab.target_ids)
 
@@ -232,6 +255,36 @@ def test_sampled_tokens_with_a_draft_vocab_follow_the_target_distribution(method
     wanted = [expected[c] * runs for c in cells] + [runs * (1 - sum(expected[c] for c in cells))]
     statistic = sum((o - e) ** 2 / e for o, e in zip(observed, wanted) if e > 0)
     assert statistic < chi_square_bound(len(observed) - 1), (statistic, len(observed))
+
+
+@pytest.mark.parametrize("method", ["ddtree", "dflash"])
+def test_on_a_hybrid_target_the_draft_words_map_back_to_target_ids(method):
+    """A Gated DeltaNet target (ddtree verifies a batch of the tree's paths there, drafter/serving/
+    path_verify.py): the scheduled drafts of tests/test_path_verify.py, scored over a draft vocabulary's
+    K words only. The drafter's own chain and tree map them back to target ids: the output is the
+    target's greedy text and every step accepts as scheduled (a draft id taken for a target id would
+    be rejected at once)."""
+    from families import random_target
+    from test_path_verify import BLOCK, NEW, PROMPT, SCHEDULE, scheduled
+    target = random_target("qwen3_5_text")
+    prompt = torch.randint(0, 250, (1, PROMPT), generator=torch.Generator().manual_seed(3))
+    expected = generate(target, prompt, NEW, method="ar").output_ids
+    schedule = scheduled(target, prompt, expected)
+    tokens = set(prompt[0].tolist() + expected)
+    words = torch.tensor(sorted(tokens | {(t + 1) % V for t in tokens}))  # the true tokens and their decoys
+    assert len(words) < V and not torch.equal(words, torch.arange(len(words)))
+    cut = with_draft_vocab(schedule.drafter, words)
+
+    def draft_states(target, ctx_features, block_ids, cache, depth=None):
+        hidden, proposal = schedule.draft_states(target, ctx_features, block_ids, cache, depth)
+        return hidden, proposal[..., words]  # [.., K]: the head's logits over the draft words
+
+    cut.draft_states = draft_states
+    result = generate(target, prompt, NEW, method=method, drafter=cut, budget=16)
+    assert result.output_ids == expected
+    # a chain takes slot 2's decoy, where the tree branches past it (the schedule's docstring)
+    accepted = [a if method == "ddtree" or a in (0, 1, BLOCK - 1) else 1 for a in SCHEDULE]
+    assert list(result.acceptance_lengths[:len(SCHEDULE)]) == [a + 1 for a in accepted]
 
 
 # ------------------------------------------------------------------------------------------ export

@@ -123,7 +123,7 @@ def test_fsdp_sigkill_then_resume_reproduces_the_uninterrupted_losses(reference_
 # docs/design.md contract 11: the variant launches below train DFlash2 with a sliding layer.
 VARIANT = ["drafter.arch=dflash2", "drafter.layer_types=[sliding_attention]", "drafter.sliding_window=4",
            "drafter.selector_rank=8", "drafter.selector_top_k=8"]
-# objective.* options that only the FSDP launch of tests/test_distill.py ran before (issue 21)
+# objective.* options that only the FSDP launch of tests/test_distill.py ran before: distillation with D-PACE weights
 DISTILL = ["objective.labels=target", "objective.loss=kl", "objective.position_weights=dpace"]
 
 

@@ -13,6 +13,7 @@ from torch.distributed import distributed_c10d as dist_c10d
 from conftest import make_drafter
 from drafter.data.benchmarks import REASON_BOXED, load_jsonl, load_prompts
 from drafter.target.model import random_qwen3
+from drafter.training.checkpoint import drafter_dir
 from drafter.target.tensor_parallel import form_tp_group
 from eval import ddtree_accept
 from tiny_tokenizer import save_tiny_tokenizer
@@ -123,6 +124,16 @@ def test_check_public_reports_the_public_loop_step_by_step(checkpoint, tmp_path,
             ddtree_accept.parse_args(["--ckpt", "x"] + flags)
 
 
+def test_check_public_without_the_dflash_package_is_one_line_before_any_model_loads(monkeypatch, capsys):
+    import importlib.util
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "dflash" else find_spec(name, *a))
+    with pytest.raises(SystemExit):
+        ddtree_accept.parse_args(["--ckpt", "no/such/checkpoint", "--check-public", "1"])
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.endswith("dflash package, which is not installed: pip install --no-deps dflash==0.1.0")
+
+
 def test_target_flag_overrides_the_recorded_target(checkpoint, tmp_path):
     target = random_qwen3(vocab_size=384, seed=3)
     drafter = make_drafter(target, block_size=4, target_path="no/such/target")
@@ -147,7 +158,7 @@ def test_bad_prompt_lines_name_file_and_line(tmp_path):
 
 def test_ckpt_without_a_drafter_is_rejected(tmp_path):
     with pytest.raises(FileNotFoundError, match="no DFlashDraftModel"):
-        ddtree_accept.drafter_dir(str(tmp_path))
+        drafter_dir(str(tmp_path))
 
 
 def record(source, turn, output_ids, margins=()):

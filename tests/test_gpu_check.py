@@ -4,7 +4,7 @@ import json
 import pytest
 
 from bench import gpu_check
-from drafter.training import objective
+from drafter.models import blocks
 
 TINY = ["--tiny", "--warmup", "1", "--steps", "2"]
 
@@ -36,9 +36,9 @@ def test_tiny_run_passes_and_reports_every_figure(capsys):
 
 @pytest.mark.slow
 def test_a_failed_check_makes_the_script_exit_nonzero(monkeypatch, capsys):
-    dense_block_mask = objective.dense_block_mask
+    dense_block_mask = blocks.dense_block_mask
     # the reference the compiled path is held to hides one context position too many
-    monkeypatch.setattr(objective, "dense_block_mask",
+    monkeypatch.setattr(blocks, "dense_block_mask",
                         lambda anchors, *shape: dense_block_mask(anchors - 1, *shape))
     assert gpu_check.main(TINY) == 1
     report = last_json_line(capsys)

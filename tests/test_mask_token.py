@@ -1,4 +1,4 @@
-"""The mask token of drafter/target/mask_token.py on tokenizers built here with the special-token layouts of
+"""The mask token of drafter/models/mask_token.py on tokenizers built here with the special-token layouts of
 real targets: SmolLM2 (every embedding row a token, its special tokens at the front), Llama 3 (the
 vocabulary filled up by reserved special tokens) and Qwen3 (spare embedding rows past the tokenizer),
 and train.py's one-line report when no token qualifies."""
@@ -12,7 +12,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from drafter.config import ConfigError
-from drafter.target.mask_token import ADDED_MASK, choose_mask_token
+from drafter.models.mask_token import ADDED_MASK, choose_mask_token
 from drafter.target.model import random_qwen3
 from runs import REPO, write_run
 from tiny_tokenizer import build_tiny_tokenizer

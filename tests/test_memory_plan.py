@@ -1,4 +1,4 @@
-"""The memory plan (drafter/infra/memory_plan.py) against independent counts: the target's bytes from a model
+"""The memory plan (drafter/training/memory_plan.py) against independent counts: the target's bytes from a model
 actually built, divided by the tp size; the drafter's state from an actually built drafter, sharded
 as each engine and ZeRO stage shards it; the optimizer state that torch's AdamW and Muon actually hold;
 distillation's tensors by hand from their shapes; the loss chunk's logits against the peak resident
@@ -12,12 +12,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from drafter.config import load_config
-from drafter.infra.memory_plan import (GiB, MemoryPlanError, check_fits, plan_inputs, plan_memory, size_text,
-                                       target_model_config)
 from drafter.models import DFlashDraftModel, drafter_class
 from drafter.models.configure import drafter_config
 from drafter.target.model import random_qwen3
+from drafter.infra.memory import GiB, MemoryPlanError, size_text
+from drafter.training.memory_plan import check_fits, plan_inputs, plan_memory, target_model_config
+from drafter.training.run_config import load_config
 from runs import REPO
 
 RANDOM = {"vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 6, "num_attention_heads": 4,
@@ -131,9 +131,9 @@ def test_the_loss_chunk_figure_is_the_peak_memory_of_the_loss(objective):
     more, which malloc maps and unmaps whole, so the resident peak is what the tensors hold. Measured
     here 1.0-1.35 times the plan's figure (what the count misses, up to about one buffer, was not traced),
     so it must lie in 0.9-1.5."""
+    from drafter.config import ObjectiveConfig
     from drafter.losses import loss_chunk_peak_bytes, one_pass_loss, row_loss_spec
     from drafter.losses.lm_head import ChunkedLMHeadLoss, chunk_rows_for, weighted_data_ce
-    from drafter.config import ObjectiveConfig
     cfg = ObjectiveConfig(chunk_bytes=128 * 2**20, **objective)
     vocab, width = 32768, 32
     rows = 2 * chunk_rows_for(vocab, cfg.chunk_bytes)

@@ -6,22 +6,25 @@ import torch
 
 from conftest import MASK_ID, VARIANTS, fit_drafter, make_drafter
 from drafter.config import ConfigError
-from drafter.config import ObjectiveConfig
-from drafter.data.sampler import BucketSampler, collate, make_buckets
+from drafter.config import ObjectiveConfig, resolve_gamma
+from drafter.data.loader import collate
+from drafter.data.sampler import BucketSampler, make_buckets
 from drafter.infra.host_sync import HostSyncCounter
 from drafter.losses.lm_head import dense_lm_head_loss, top_logprobs, weighted_data_ce
 from drafter.losses.weights import position_weights
+from drafter.metric_sums import finalize_metrics
 from drafter.models import layers
 from drafter.models import CandidateSelector, DraftCache, LayerAttention, compiled_graph_count
+from drafter.models import blocks as block_module
+from drafter.models.blocks import (ATTENTION_KERNELS, attention_kernel, build_blocks, dense_block_mask, drafter_hidden,
+                                   sample_anchors)
 from drafter.models.configure import drafter_config
 from drafter.models.dflash2 import SelectorRows, selector_loss, selector_metrics
-from drafter.serving import ddtree
-from drafter.serving.ddtree import build_tree, teacher_forced_accept
 from drafter.target.model import context_features, random_qwen3_config
-from drafter.training import objective
-from drafter.training.metrics import ddtree_accept_metric, finalize_metrics, rank_metrics, sample_complete_blocks
-from drafter.training.objective import (ATTENTION_KERNELS, attention_kernel, build_blocks, dense_block_mask,
-                                        drafter_hidden, resolve_gamma, sample_anchors, training_step)
+from drafter.training.metrics import ddtree_accept_metric, rank_metrics, sample_complete_blocks
+from drafter.training.objective import training_step
+from drafter.tree import ddtree
+from drafter.tree.ddtree import build_tree, teacher_forced_accept
 
 B = 8
 
@@ -322,7 +325,7 @@ def plan_batches(count: int) -> list[dict]:
 
 @pytest.mark.slow  # compiles with inductor on the CPU: about a minute
 def test_compiled_flex_equals_dense_and_compiles_once_for_all_shapes(target, monkeypatch):
-    """Issue 13 item 1: the training forward through the compiled path (compiled block mask, compiled
+    """The training forward through the compiled path (compiled block mask, compiled
     flex_attention, selected by attention="flex_compiled", not by the device) over 12 batch shapes of
     a real plan gives the dense path's logits and loss, for a drafter with a sliding causal layer and
     a full one (contract 11). Bound: one compilation of the block mask (the layer kinds differ only
@@ -331,7 +334,7 @@ def test_compiled_flex_equals_dense_and_compiles_once_for_all_shapes(target, mon
     key/value heads (duck sizing would bake it in), and some batches have a single 128-query tile
     (the filler blocks keep them out of their own compilation)."""
     calls = {"mask": 0, "kernel": 0}
-    for name, module, attribute in (("mask", objective, "_compiled_create_block_mask"),
+    for name, module, attribute in (("mask", block_module, "_compiled_create_block_mask"),
                                     ("kernel", layers, "_compiled_flex_attention")):
         def spy(*args, _compiled=getattr(module, attribute), _name=name, **kwargs):
             calls[_name] += 1
@@ -371,7 +374,7 @@ def test_compiled_flex_equals_dense_and_compiles_once_for_all_shapes(target, mon
 
 
 def test_a_micro_step_waits_on_the_host_once(target, monkeypatch):
-    """Issue 10 item 9: a micro step's library work (target features, training_step forward and
+    """A micro step's library work (target features, training_step forward and
     backward) makes one host sync, the anchor count (the drafter's input shape). The old code made
     42 here (8 loss chunks): one per chunk, four more in each of the 7 chunks holding sampled
     blocks, three nonzero, the anchor count, the target's packed-sequence check and the tree
@@ -388,7 +391,7 @@ def test_a_micro_step_waits_on_the_host_once(target, monkeypatch):
         loss.backward()
     assert len(counter.events) == 1, counter.events
     assert counter.events[0].startswith("aten._local_scalar_dense at ")
-    assert "drafter/training/objective.py" in counter.events[0]
+    assert "drafter/models/blocks.py" in counter.events[0]  # sample_anchors
     assert metrics["anchor_ddtree@16"][1] == cfg.ddtree_blocks  # the metric saw its blocks
 
 

@@ -15,7 +15,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from data import prepare
-from drafter.data import chat
+from drafter.data import chat, chat_files, chat_template
 from tests.tiny_tokenizer import save_tiny_tokenizer
 
 END = "<|im_end|>"
@@ -264,7 +264,7 @@ def test_missing_or_unreadable_files_are_named(target, tmp_path):
     broken = tmp_path / "broken.parquet"
     broken.write_bytes(b"not parquet")
     with pytest.raises(ValueError, match="broken.parquet"):
-        list(chat.read_rows([str(broken)]))
+        list(chat_files.read_rows([str(broken)]))
     damaged = tmp_path / "damaged.parquet"  # its footer is fine, a data page is not
     rows = [[user(f"Question {i}?"), assistant(f"Answer {i}. " * 20)] for i in range(400)]
     pq.write_table(pa.table({"messages": rows}), damaged, row_group_size=100, compression="none")
@@ -279,36 +279,36 @@ def test_missing_or_unreadable_files_are_named(target, tmp_path):
         run(target, tmp_path, [str(empty)])
 
 
-def test_longest_run():
+def test_longest_supervised_run():
     masks = ([], [0, 0], [1], [1, 0, 1, 1, 0, 1], [0, 1, 1, 1])
-    assert [chat.longest_run(mask) for mask in masks] == [0, 0, 1, 2, 3]
+    assert [chat_template.longest_supervised_run(mask) for mask in masks] == [0, 0, 1, 2, 3]
 
 
 @pytest.mark.parametrize("answer", ["    return x + 1\n", "\n    return x + 1\n"])
 def test_span_keeps_the_answer_indentation_and_not_the_header_newlines(tokenizer, answer):
     messages = [user("def f(x):"), assistant(answer)]
     text = tokenizer.apply_chat_template(messages, tokenize=False)
-    (span,) = chat.assistant_spans(text, messages, chat.turn_end_regex(tokenizer))
+    (span,) = chat_template.assistant_spans(text, messages, chat_template.turn_end_regex(tokenizer))
     assert text[span[0]:span[1]] == "    return x + 1\n" + END
 
 
 def test_answer_not_in_rendered_text_is_span_not_found():
     messages = [user("Hi"), assistant("Hello")]
     with pytest.raises(chat.BadRow) as error:
-        chat.assistant_spans("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHey<|im_end|>",
+        chat_template.assistant_spans("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHey<|im_end|>",
                              messages, re.compile(r"\s*<\|im_end\|>"))
     assert error.value.reason == "span_not_found"
 
 
 def test_loss_mask_marks_tokens_by_first_character():
     offsets = [(0, 3), (3, 5), (5, 9), (9, 9), (9, 12)]
-    assert chat.tokens_in_spans(offsets, [(3, 9)]) == [0, 1, 1, 0, 0]
+    assert chat_template.tokens_in_spans(offsets, [(3, 9)]) == [0, 1, 1, 0, 0]
     # a token straddling a span's start or end belongs to the span its first character is in
-    assert chat.tokens_in_spans(offsets, [(0, 4), (9, 12)]) == [1, 1, 0, 0, 1]
-    assert chat.tokens_in_spans(offsets, [(4, 7)]) == [0, 0, 1, 0, 0]
+    assert chat_template.tokens_in_spans(offsets, [(0, 4), (9, 12)]) == [1, 1, 0, 0, 1]
+    assert chat_template.tokens_in_spans(offsets, [(4, 7)]) == [0, 0, 1, 0, 0]
 
 
-# --- issue 9: real corpora ---------------------------------------------------------------------
+# --- real corpora: odd rows repaired or counted, never the end of a run ---------------------------
 
 def test_repairable_and_unreadable_rows_never_end_the_run(target, tokenizer, tmp_path):
     good = {"messages": [user("Hi there"), assistant("Hello world!")]}
@@ -584,7 +584,7 @@ def test_thinking_is_removed_or_kept_and_recorded(target, tokenizer, tmp_path):
                                  "reasoning_content": "Four threes."}]},
     ])
     off, stats = run(target, tmp_path, [path], "off", "--no-thinking")
-    served = chat.render_prompt(tokenizer, history, enable_thinking=False)
+    served = chat_template.render_prompt(tokenizer, history, enable_thinking=False)
     for sample in off:
         assert tokenizer.decode(sample["input_ids"]) == served + "The answer is 12." + END + "\n"
         assert supervised_runs(tokenizer, sample) == ["The answer is 12." + END]
@@ -628,7 +628,7 @@ def test_a_truncated_answer_keeps_its_text_but_not_its_closing_token(target, tok
     assert stats["flags"]["truncated"] == {"rows": 1, "examples": [f"{path}:1"]}
 
 
-# --- issue 14: groups and loops ------------------------------------------------------------------
+# --- groups (rows of one source document) and loops -----------------------------------------------
 
 def test_rows_record_their_group(target, tmp_path):
     def row(**fields):

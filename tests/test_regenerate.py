@@ -15,7 +15,7 @@ import torch
 from transformers import AutoTokenizer
 
 from data import regenerate
-from drafter.data import chat
+from drafter.data import chat, chat_template
 from drafter.target.model import random_qwen3
 from tests.tiny_tokenizer import save_tiny_tokenizer
 
@@ -343,7 +343,7 @@ def test_local_backend_matches_unbatched_greedy_decoding(tmp_path):
     for line, original in enumerate(rows, start=1):
         source = f"{input_path}:{line}"
         if source in failed:  # its first answer was empty
-            first_prompt = chat.render_prompt(tokenizer, original["messages"][:1], enable_thinking=False)
+            first_prompt = chat_template.render_prompt(tokenizer, original["messages"][:1], enable_thinking=False)
             assert greedy_reference(model, tokenizer, first_prompt, 6)[0] == ""
             assert failed[source] == "empty_answer"
             outcomes.add("empty")
@@ -354,7 +354,7 @@ def test_local_backend_matches_unbatched_greedy_decoding(tmp_path):
         truncated_any = False
         for i, message in enumerate(row["messages"]):
             if message["role"] == "assistant":
-                prompt = chat.render_prompt(tokenizer, row["messages"][:i], enable_thinking=False)
+                prompt = chat_template.render_prompt(tokenizer, row["messages"][:i], enable_thinking=False)
                 expected, truncated = greedy_reference(model, tokenizer, prompt, 6)
                 assert message["content"] == expected
                 truncated_any |= truncated
@@ -408,7 +408,7 @@ def test_local_batches_stay_full_whatever_the_number_of_turns(tmp_path):
     assert all(rows[str(i)] == [user(f"q{i}"), assistant(f"re: q{i}")] for i in range(1, 5))
 
 
-# --- issue 9: odd rows, a misbehaving server, signals ---------------------------------------------
+# --- odd rows, a misbehaving server, signals ------------------------------------------------------
 
 def write_rows(path, rows) -> str:
     """Rows are objects (dumped) or raw JSON lines."""

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from data import plan as plan_cli
-from drafter.data.sampler import (BucketSampler, _run_cap_holds, collate, held_out_share, interleave_buckets,
-                                  longest_run, make_buckets, make_loader, min_feasible_run, padded_length, plan_notes,
-                                  split_holdout)
+from drafter.data.loader import collate, make_loader
+from drafter.data.sampler import (BucketSampler, _run_cap_holds, held_out_share, interleave_buckets, longest_run,
+                                  make_buckets, min_feasible_run, padded_length, plan_notes)
+from drafter.data.splits import split_holdout
 
 MAX_LENGTH = 2048
 TOKENS_PER_BATCH = 2048

@@ -13,12 +13,12 @@ from conftest import fit_drafter, make_drafter
 from drafter.config import DrafterVariant
 from drafter.config import ObjectiveConfig
 from drafter.data.benchmarks import load_prompts
+from drafter.metric_sums import finalize_metrics
 from drafter.serving.decode import generate
 from drafter.serving.served import (PromptShare, anchor_acceptance, bench_prompts, every_anchor, generation_tau,
                                     held_out_prompts, mean_tau, replay_steps, replayed_tau, response_spans,
                                     serve_walk)
 from drafter.target.model import context_features
-from drafter.training.metrics import finalize_metrics
 from eval.ddtree_accept import summarize
 from tiny_tokenizer import build_tiny_tokenizer
 
@@ -61,6 +61,21 @@ def world(target):
 def world_dflash2(target):
     """As `world`, with a DFlash2 drafter: `dflash` is its selector chain."""
     return served_world(target, DrafterVariant(arch="dflash2", selector_rank=8, selector_top_k=4))
+
+
+@pytest.fixture(scope="module")
+def world_gated_deltanet():
+    """As `world`, on a hybrid target (Qwen3.5's Gated DeltaNet beside attention): `ddtree` is served
+    as a batch of the tree's paths."""
+    from families import random_target
+    return served_world(random_target("qwen3_5_text"), DrafterVariant())
+
+
+@pytest.fixture(scope="module")
+def world_short_conv():
+    """As `world_gated_deltanet`, with LFM2's short convolutions."""
+    from families import random_target
+    return served_world(random_target("lfm2"), DrafterVariant())
 
 
 def served_world(target, variant):
@@ -111,7 +126,8 @@ def served_world(target, variant):
     return target, drafter, responses, input_ids, loss_mask, features, served
 
 
-@pytest.mark.parametrize("world_name", ["world", "world_dflash2"])
+@pytest.mark.parametrize("world_name", ["world", "world_dflash2", "world_gated_deltanet",
+                                        "world_short_conv"])
 def test_replay_equals_served_steps_at_temperature_zero(request, world_name):
     target, drafter, responses, input_ids, loss_mask, features, served = request.getfixturevalue(world_name)
     replayed = replay_steps(drafter, target, features, input_ids, loss_mask, BUDGETS, attention="dense")

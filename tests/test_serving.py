@@ -11,14 +11,14 @@ import torch
 
 from conftest import MASK_ID, randomize_
 from drafter.models import DFlashDraftModel
+from drafter.models.blocks import build_blocks, drafter_hidden
 from drafter.models.configure import drafter_config
 from drafter.serving import decode
-from drafter.serving.ddtree import build_tree, teacher_forced_accept
 from drafter.serving.decode import generate
 from drafter.serving.lossless import BF16_TIE_TOLERANCE, first_divergence, lossless_verdict, near_tie_share
 from drafter.serving.public_loop import check_public, load_public
 from drafter.target.model import context_features, random_qwen3
-from drafter.training.objective import build_blocks, drafter_hidden
+from drafter.tree.ddtree import build_tree, teacher_forced_accept
 
 SPECULATIVE = [("dflash", None), ("ddtree", 4), ("ddtree", 32)]
 

@@ -16,8 +16,8 @@ import signal
 import pytest
 from transformers import GPT2Config, Qwen3Config
 
-from drafter.config import load_config
 from drafter.target.tensor_parallel import TensorParallelError, check_tensor_parallel
+from drafter.training.run_config import load_config
 from runs import REPO, VENV_BIN, _env, free_port, kill_job, launch, records, run_to_end, train_losses, wait_for_step
 
 RTOL = 1e-4
@@ -111,7 +111,7 @@ def test_the_tp_size_may_change_across_a_resume():
 
     import numpy as np
 
-    from drafter.infra.checkpoint import run_identity
+    from drafter.training.checkpoint import run_identity
     from train import data_position
     tp1, tp2 = (load_config(str(REPO / "configs" / "v3.yaml"), ["data.path=/x", f"target.tp_size={g}"]) for g in (1, 2))
     assert run_identity(tp1) == run_identity(tp2)

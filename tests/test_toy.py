@@ -6,7 +6,7 @@ import torch
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 from data import toy
-from drafter.data import chat
+from drafter.data import chat, chat_template
 from drafter.data import world
 from drafter.data.benchmarks import load_jsonl
 
@@ -97,7 +97,7 @@ def test_reasoning_is_kept_for_the_last_answer_only(saved_tokenizer):
 
 
 def test_loss_mask_of_a_toy_conversation_covers_the_answer(saved_tokenizer):
-    ids, mask = chat.tokenize_conversation(saved_tokenizer, [SYSTEM, USER, ANSWER],
+    ids, mask = chat_template.tokenize_conversation(saved_tokenizer, [SYSTEM, USER, ANSWER],
                                            enable_thinking=False)
     supervised = saved_tokenizer.decode([i for i, bit in zip(ids, mask) if bit])
     assert supervised.endswith("return 1\n<|im_end|>")

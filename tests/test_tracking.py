@@ -1,4 +1,4 @@
-from drafter.infra.tracking import console_line, eval_line
+from drafter.training.tracking import console_line, eval_line
 
 TRAIN_RECORD = {"elapsed_s": 180, "step": 31, "loss": 4.06961, "acc": 0.25, "anchor_streak": 4.521,
                 "anchor_ddtree@32": 5.834, "ddtree_budget": 32, "lr": 6.85e-6, "noise": 0.1,

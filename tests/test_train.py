@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from drafter.config import ConfigError, load_config, lr_factor, noise_std
+from drafter.config import ConfigError, lr_factor, noise_std
 from drafter.infra.engine import EngineConfigError, deepspeed_config
 from drafter.infra.launch import LaunchError, expand_hostlist, launcher_environment, slurm_environment
 from drafter.infra.run_lock import RunDirectoryBusy, acquire
+from drafter.training.run_config import load_config
 from runs import (REPO, descendants, kill_job, launch, records, run_to_end, shm_buffers, train_losses, wait_for_step,
                   write_run)
 
@@ -434,7 +435,7 @@ def test_a_run_directory_belongs_to_one_run(tmp_path):
 
 
 def test_resume_truncates_the_metrics_past_the_checkpoint(tmp_path):
-    from drafter.infra.tracking import truncate_metrics
+    from drafter.training.tracking import truncate_metrics
     path = tmp_path / "metrics.jsonl"
     lines = [json.dumps({"kind": "train", "step": s, "loss": 1.0}) for s in range(1, 6)]
     lines.insert(3, json.dumps({"kind": "eval", "step": 3, "loss": 2.0}))

@@ -1,4 +1,4 @@
-"""trainer_state.json is a named, versioned format (drafter/infra/checkpoint.py TrainerState): today's files
+"""trainer_state.json is a named, versioned format (drafter/training/checkpoint.py TrainerState): today's files
 round-trip, the unversioned files of earlier trainers still resume, and anything else is refused by
 name before a run continues from it."""
 import json
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from drafter.infra.checkpoint import TRAINER_STATE_FORMAT, TRAINER_STATE_VERSION, ResumeError, TrainerState
+from drafter.training.checkpoint import TRAINER_STATE_FORMAT, TRAINER_STATE_VERSION, ResumeError, TrainerState
 
 # A trainer_state.json as the trainers before the format was named wrote it (version 1).
 UNVERSIONED = {"step": 12, "epoch": 1, "micro_step_in_epoch": 3, "skipped_steps": 1, "wandb_id": "abc",

@@ -21,13 +21,13 @@ def fake_regenerate(summary: dict):
 def test_an_unfinished_regeneration_stops_the_build(tmp_path, monkeypatch, summary, message):
     monkeypatch.setattr(world, "run_cli", fake_regenerate(summary))
     with pytest.raises(SystemExit, match=message):
-        world.regenerate(tmp_path, "prompts.jsonl", "answers.jsonl", world.Generation(max_tokens=8, batch_size=2))
+        world.regenerate(tmp_path, "prompts.jsonl", "answers.jsonl", world.AnswerSettings(max_tokens=8, batch_size=2))
 
 
 def test_a_finished_regeneration_passes(tmp_path, monkeypatch):
     done = {"total": 4, "ok": 3, "remaining": 0, "interrupted": False, "failures": {"empty_answer": 1}}
     monkeypatch.setattr(world, "run_cli", fake_regenerate(done))
-    world.regenerate(tmp_path, "prompts.jsonl", "answers.jsonl", world.Generation(max_tokens=8, batch_size=2))
+    world.regenerate(tmp_path, "prompts.jsonl", "answers.jsonl", world.AnswerSettings(max_tokens=8, batch_size=2))
 
 
 def test_stages_run_once_and_a_failed_stage_runs_again(tmp_path):

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import drafter.infra.checkpoint  # noqa: E402
+import drafter.training.checkpoint  # noqa: E402
 import train  # noqa: E402
 
 
@@ -40,6 +40,6 @@ if nan_steps and (ranks("FAULT_NAN_RANKS") is None or rank() in ranks("FAULT_NAN
 
 stale = ranks("FAULT_STALE_LISTING")
 if stale and rank() in stale:
-    drafter.infra.checkpoint.complete_checkpoints = lambda root: []
+    drafter.training.checkpoint.complete_checkpoints = lambda root: []
 
 sys.exit(train.main(sys.argv[1:]))

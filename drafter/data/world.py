@@ -89,13 +89,13 @@ def run_cli(script: str, args: list[str]) -> None:
 
 
 @dataclass(frozen=True)
-class Generation:
+class AnswerSettings:
     """How a world's target writes its answers (data/regenerate.py --backend local, greedy)."""
     max_tokens: int
     batch_size: int
 
 
-def answered_dataset(out: Path, prompts: str, answers: str, dataset: str, generation: Generation,
+def answered_dataset(out: Path, prompts: str, answers: str, dataset: str, generation: AnswerSettings,
                      *prepare_flags: str) -> None:
     """The target's greedy answers to out/prompts, in out/answers, tokenised into out/dataset: one
     stage, whose marker is the dataset."""
@@ -103,7 +103,7 @@ def answered_dataset(out: Path, prompts: str, answers: str, dataset: str, genera
     prepare(out, answers, dataset, *prepare_flags)
 
 
-def regenerate(out: Path, prompts: str, answers: str, generation: Generation) -> None:
+def regenerate(out: Path, prompts: str, answers: str, generation: AnswerSettings) -> None:
     """The target's greedy answers to out/prompts, written to out/answers (data/regenerate.py). An
     interrupted or empty regeneration stops the build: the stage that called it has no output yet, so
     a rerun resumes the regeneration (regenerate skips the answers already written)."""

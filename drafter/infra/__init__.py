@@ -1,3 +1,4 @@
-"""Training infrastructure: the engines (engine.py), checkpoints and run identity (checkpoint.py), the
-distributed world (launch.py, collectives.py), the memory plan (memory_plan.py), logging and progress
-(tracking.py, progress.py), run-directory locking (run_lock.py) and host-sync checks (host_sync.py)."""
+"""The machinery under a run, knowing no model, loss or dataset: the engines (engine.py), the
+distributed world (launch.py, collectives.py), progress bars and stage timers (progress.py),
+run-directory locking (run_lock.py), host-sync checks (host_sync.py) and memory sizes and the
+error of a memory plan that cannot fit (memory.py)."""

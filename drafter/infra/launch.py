@@ -19,8 +19,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from drafter.errors import UserError
 
-class LaunchError(RuntimeError):
+
+class LaunchError(UserError, RuntimeError):
     pass
 
 
@@ -112,6 +114,11 @@ def launched_world_size() -> int:
     launcher, variables = launcher_environment()
     os.environ.update(variables)
     return int(os.environ["WORLD_SIZE"])
+
+
+def local_world_size(world_size: int) -> int:
+    """The ranks on this node: LOCAL_WORLD_SIZE as the launcher set it, else `world_size` (one node)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
 
 
 def init_distributed(timeout_minutes: float = 30.0, backend: str | None = None) -> tuple[int, int, torch.device]:

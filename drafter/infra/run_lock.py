@@ -20,12 +20,14 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from drafter.errors import UserError
+
 LOCK_NAME = "run.lock"
 JOB_VARIABLES = ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "LSB_JOBID", "PBS_JOBID")
 NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
 
-class RunDirectoryBusy(RuntimeError):
+class RunDirectoryBusy(UserError, RuntimeError):
     pass
 
 

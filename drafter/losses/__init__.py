@@ -107,7 +107,7 @@ def loss_chunk_peak_bytes(cfg, vocab_size: int, rows: int) -> int:
 
 def block_loss(hidden, head, blocks, final_hidden, cfg, chunk_rows: int, softcap: float | None = None):
     """(loss, data-label ranks [rows]) of the drafter's final states `hidden` [b, A, B, H] on the batch's
-    `blocks` (objective.Blocks) under the objective `cfg`; `final_hidden` [b, T, H]: the target's
+    `blocks` (models.blocks.Blocks) under the objective `cfg`; `final_hidden` [b, T, H]: the target's
     final-normed hidden states, needed with cfg.labels == "target", its logits capped at `softcap`."""
     b, num_blocks, block_size, width = hidden.shape
     states, labels = hidden[:, :, 1:].reshape(-1, width), blocks.labels[..., 1:].reshape(-1)

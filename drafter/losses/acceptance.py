@@ -10,7 +10,7 @@ import math
 import torch
 
 from drafter.losses.lm_head import top_logprobs
-from drafter.serving.ddtree import build_tree_from_logprobs
+from drafter.tree.ddtree import build_tree_from_logprobs
 
 
 def chain_acceptance(label_logprob: torch.Tensor, supervised: torch.Tensor) -> torch.Tensor:

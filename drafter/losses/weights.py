@@ -10,7 +10,7 @@ their `objective.position_weights` / `objective.truncate` names (drafter/losses/
 import torch
 
 from drafter.losses.lm_head import top_logprobs
-from drafter.serving.ddtree import build_tree_from_logprobs, teacher_forced_accept
+from drafter.tree.ddtree import build_tree_from_logprobs, teacher_forced_accept
 
 
 def position_weights(block_size: int, gamma: float, device: torch.device | str = "cpu") -> torch.Tensor:

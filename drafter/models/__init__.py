@@ -3,7 +3,9 @@
 
 Each architecture is one model class in its own file, `dflash.py` and `dflash2.py`, keeping the
 interface `DraftModel` spells out; nothing outside this package asks which one it holds. A third
-architecture is a new file here and one entry in `ARCHITECTURES`.
+architecture is a new file here and one entry in `ARCHITECTURES`. Beside them: a drafter's blocks
+over a batch and its forward over them (blocks.py), its config from the target's (configure.py) and
+the mask token it drafts with (mask_token.py).
 """
 from typing import ClassVar, Protocol
 
@@ -15,8 +17,9 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 from drafter.errors import ConfigError
 from drafter.models.dflash import DFlashDraftModel
 from drafter.models.dflash2 import CandidateSelector, DFlash2DraftModel
+from drafter.models.draft_vocab import DraftVocab
 from drafter.models.layers import DraftCache, LayerAttention, compiled_graph_count, layer_attention
-from drafter.serving.ddtree import DraftTree
+from drafter.tree.ddtree import DraftTree
 
 __all__ = ["ARCHITECTURES", "CandidateSelector", "DFlash2DraftModel", "DFlashDraftModel", "DraftCache", "DraftModel",
            "LayerAttention", "ServedDrafter", "architecture", "compiled_graph_count", "drafter_class",
@@ -53,6 +56,10 @@ class DraftModel(ServedDrafter, Protocol):
 
     def shard_units(self) -> list[nn.Module]: ...
 
+    def head_weight(self, target) -> torch.Tensor: ...  # the target's head, or its draft vocabulary's rows
+
+    def head_logits(self, target, hidden) -> torch.Tensor: ...
+
     def chain_picks(self, hidden, logits, predecessors) -> torch.Tensor: ...
 
     def chain_top(self, hidden, logits, predecessors, k: int = 2) -> tuple[torch.Tensor, torch.Tensor]: ...
@@ -76,6 +83,34 @@ def drafter_class(config: Qwen3Config) -> type[DFlashDraftModel]:
     by_export_name = export_classes()
     named = [by_export_name[name] for name in (config.architectures or []) if name in by_export_name]
     return named[0] if named else DFlashDraftModel
+
+
+def new_drafter(config: Qwen3Config, head_weight: torch.Tensor, seed: int,
+                draft_vocab: DraftVocab | None = None) -> DFlashDraftModel:
+    """A fresh drafter of `config` (transformers' init from `seed`: the same weights on every rank) for
+    a target whose LM head is `head_weight` [V, H], with its head cut to `draft_vocab` when one is given
+    (`config.draft_vocab_size` words). Its final norm is set to `initial_norm_scale` of the head it
+    trains and drafts through: the whole head, or the draft vocabulary's K rows of it (the commonest
+    words' rows need not have the whole head's norm, and those are the logits the loss sees)."""
+    torch.manual_seed(seed)
+    drafter = drafter_class(config)(config)
+    if draft_vocab is not None:
+        drafter.set_draft_vocab(draft_vocab)
+    head = head_weight if draft_vocab is None else draft_vocab.head(head_weight)
+    with torch.no_grad():
+        drafter.norm.weight.fill_(initial_norm_scale(head))
+    return drafter
+
+
+def initial_norm_scale(head_weight: torch.Tensor) -> float:
+    """1 / the RMS row norm of the LM head: a unit-RMS state of random direction then scores every word
+    with unit std. The drafter's logits are the frozen head on its final norm's output, and at
+    transformers' unit norm they start far too large: SmolLM2-135M's first loss was ~45 nats against
+    ln V = 10.8 (gradient norm ~420; ~18 and ~97 at this scale), and on the tests' target a unit norm
+    kept a drafter from learning even what its anchor token predicts (docs/results.md, "Calibrations").
+    Rounded, so that every rank computes the same value whatever its kernels' reduction order."""
+    rms_row_norm = head_weight.detach().float().pow(2).sum(-1).mean().sqrt().item()
+    return float(f"{1.0 / max(rms_row_norm, 1e-6):.4g}")
 
 
 def is_drafter_config(config_dict: dict) -> bool:

@@ -116,7 +116,9 @@ def drafter_config(target_config, *, num_layers: int, block_size: int, mask_toke
     widths = drafter_widths(text_config)
     problems = variant.problems(num_layers)
     arch = ARCHITECTURES.get(variant.arch)
-    if arch is not None:
+    if arch is None:
+        problems.append(f"arch={variant.arch!r} is not one of {', '.join(ARCHITECTURES)}")
+    else:
         problems += arch.variant_problems(variant, widths["hidden_size"], widths["vocab_size"], block_size)
     layer_problem = feature_layer_problem(target_layer_ids, num_target_layers)
     if layer_problem:

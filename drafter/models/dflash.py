@@ -24,7 +24,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3PreTrainedModel, Qwen3
 from drafter.models.checks import check_drafter_config
 from drafter.models.draft_vocab import DraftVocab
 from drafter.models.layers import DFlashDecoderLayer, DraftCache, LayerInputs, layer_attention
-from drafter.serving.ddtree import DraftTree, build_tree
+from drafter.tree.ddtree import DraftTree, build_tree
 
 
 class DFlashDraftModel(Qwen3PreTrainedModel):
@@ -76,7 +76,7 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
 
     def auxiliary_loss(self, hidden, blocks, head_weight, chunk_rows: int):
         """(loss, metrics) that this architecture adds to the block loss from the training forward's
-        final states `hidden` [b, A, B, H] and the batch's `blocks` (objective.Blocks), or None:
+        final states `hidden` [b, A, B, H] and the batch's `blocks` (models.blocks.Blocks), or None:
         nothing for DFlash."""
         return None
 

@@ -11,10 +11,10 @@ from transformers import Qwen3Config
 from transformers import initialization as init
 
 from drafter.losses.lm_head import top_logprobs
+from drafter.metric_sums import sum_count
 from drafter.models.dflash import DFlashDraftModel
 from drafter.models.layers import DraftCache
-from drafter.serving.ddtree import DraftTree, build_conditional_tree
-from drafter.training.metrics import sum_count
+from drafter.tree.ddtree import DraftTree, build_conditional_tree
 
 
 class DynamicBlockConv(nn.Module):

@@ -21,23 +21,11 @@ and the weights and block losses read out-of-vocabulary slots as unsupervised.
 from dataclasses import dataclass, replace
 
 import numpy as np
-import pyarrow.compute as pc
 import torch
 
 from drafter.errors import ConfigError
 
 NOT_IN_VOCAB = -1  # a metric label that no drafted token equals
-
-
-def supervised_counts(datasets, vocab_size: int) -> np.ndarray:
-    """[V] how often each token id is supervised (input_ids where loss_mask) in `datasets`."""
-    counts = np.zeros(vocab_size, dtype=np.int64)
-    for dataset in datasets:  # its rows only (a split's), not the whole table under it; memory bounded
-        for batch in dataset.select_columns(["input_ids", "loss_mask"]).with_format("arrow").iter(batch_size=4096):
-            ids = pc.list_flatten(batch["input_ids"]).to_numpy()
-            supervised = pc.list_flatten(batch["loss_mask"]).to_numpy().astype(bool)
-            counts += np.bincount(ids[supervised], minlength=vocab_size)[:vocab_size]
-    return counts
 
 
 def commonest_tokens(counts: np.ndarray, k: int) -> torch.Tensor:
@@ -49,10 +37,11 @@ def commonest_tokens(counts: np.ndarray, k: int) -> torch.Tensor:
     return torch.from_numpy(np.sort(commonest))
 
 
-def answer_vocab(datasets, vocab_size: int, k: int) -> tuple["DraftVocab", str]:
-    """The draft vocabulary of the K commonest supervised tokens of the training `datasets`, and a
+def answer_vocab(counts: np.ndarray, k: int) -> tuple["DraftVocab", str]:
+    """The draft vocabulary of the K commonest supervised tokens of the training answers, whose
+    `counts` [V] per token id the data layer reads (`data.datasets.supervised_token_counts`), and a
     line saying how much of them it covers."""
-    counts = supervised_counts(datasets, vocab_size)
+    vocab_size = len(counts)
     target_ids = commonest_tokens(counts, k)
     covered = int(counts[target_ids.numpy()].sum())
     line = (f"draft vocabulary: the {k} commonest of the target's {vocab_size} tokens, "
@@ -120,7 +109,7 @@ class DraftVocab:
 
 @dataclass(frozen=True)
 class VocabBlocks:
-    """A batch's blocks (objective.Blocks) as a drafter's head sees them: in draft ids with a draft
+    """A batch's blocks (models.blocks.Blocks) as a drafter's head sees them: in draft ids with a draft
     vocabulary (module docstring: the loss leaves out-of-vocabulary labels out, the metrics count
     them as misses), the blocks themselves without one."""
     loss: object                   # labels in draft ids (0 outside), out-of-vocabulary slots weighing 0

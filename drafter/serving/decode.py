@@ -17,6 +17,7 @@ target's distribution. `sampling="rejection"` switches DFlash to speculative rej
 (drafted tokens sampled from the drafter, accepted with probability min(1, p/q)), also lossless in
 distribution but not what the papers' T > 0 numbers use.
 """
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -24,9 +25,12 @@ import torch
 
 from drafter.infra.progress import StageTimer
 from drafter.models import DraftCache
-from drafter.serving.ddtree import DraftTree, committed_tokens, follow_tree, tree_verify_inputs
+from drafter.serving.path_memory import check_path_batch_fits
+from drafter.serving.path_verify import PathVerifier
 from drafter.target.cache import TargetCache, probe_decoding
 from drafter.target.model import TargetError, feature_tap, model_type
+from drafter.target.tree_conv import tree_convolution
+from drafter.tree.ddtree import DraftTree, committed_tokens, follow_tree, tree_verify_inputs
 
 METHODS = ("ar", "dflash", "ddtree")
 SAMPLING = ("match", "rejection")
@@ -127,6 +131,9 @@ class _Steps:
         self.rejection = settings.sampling == "rejection" and settings.temperature > 0
         self.max_length, self.timer, self.tree_backend = max_length, timer, settings.tree_backend
         self.cache = TargetCache(target)
+        # trees through conv, recurrent, compressor or chunked-attention layers: a batch of their paths
+        self.paths = (PathVerifier(tap, functools.partial(pick, temperature=self.temperature), timer)
+                      if self.cache.tree_form() == "paths" else None)
         self.draft_cache = DraftCache()
         self.margins = [] if settings.method == "ar" else None  # 0-d tensors, read once at the end
 
@@ -202,10 +209,15 @@ class _Steps:
         with self.timer("tree_build"):  # the drafter's own tree: marginals, or a DFlash2 selector's scores
             tree = self.drafter.block_trees(hidden, logits, block[:, 0], self.budget, self.tree_backend)
             tree = DraftTree(tree.tokens[0], tree.parents[0], tree.depths[0], tree.depth_limit)
+        if self.paths is not None:
+            verified = self.paths.verify(self.cache, tree, block[0, 0], start)
+            self.cache = verified.cache
+            return verified.committed, verified.features
         with self.timer("verify"):
             input_ids, position_ids, visible = tree_verify_inputs(tree, block[0, 0], start)
             mask = self.cache.tree_attention_mask(visible, position_ids[0] - start, start, self.target.dtype)
-            out = self.cache.forward(input_ids, position_ids=position_ids, attention_mask=mask)
+            with tree_convolution(self.target, torch.cat([tree.parents.new_full((1,), -1), tree.parents + 1])):
+                out = self.cache.forward(input_ids, position_ids=position_ids, attention_mask=mask)
             features = self.tap.features()
         with self.timer("commit"):
             picks = pick(out.logits[0], self.temperature)
@@ -257,8 +269,10 @@ def generate(target, prompt_ids: torch.Tensor, max_new_tokens: int, stop_token_i
     """Generate after `prompt_ids` [1, n] with `method` ("ar", "dflash", or "ddtree" with `budget`
     tree nodes); `drafter` is a DFlashDraftModel (or DFlash2DraftModel: `dflash` walks its selector
     chain, `ddtree` the tree of its selector scores) for the speculative methods. `sampling` ("match"
-    or, for dflash, "rejection") is how drafted tokens are accepted at temperature > 0. `ddtree` on a
-    target with conv or recurrent layers raises TreeVerifyUnsupported before any work."""
+    or, for dflash, "rejection") is how drafted tokens are accepted at temperature > 0. `ddtree` verifies
+    a tree mask on attention-only targets and a batch of the tree's paths on the others
+    (`drafter/serving/path_verify.py`); a target neither can verify raises TreeVerifyUnsupported
+    before any work."""
     settings = DecodeSettings(method, budget, temperature, sampling, tree_backend)
     settings.check(drafter)
     if max_new_tokens < 1:
@@ -268,6 +282,9 @@ def generate(target, prompt_ids: torch.Tensor, max_new_tokens: int, stop_token_i
         raise TargetError(probe.cannot_decode or probe.cannot_verify)
     if method == "ddtree" and (refusal := tree_verify_refusal(target)):
         raise TreeVerifyUnsupported(refusal)
+    if method == "ddtree" and target.device.type == "cuda" and TargetCache(target).tree_form() == "paths":
+        check_path_batch_fits(target, budget, drafter.block_size, prompt_ids.shape[1] + max_new_tokens,
+                              torch.cuda.mem_get_info(target.device)[0])
     if method == "ar":
         return _generate(target, prompt_ids, max_new_tokens, stop_token_ids, drafter, settings,
                          synchronize_stages, tap=None)

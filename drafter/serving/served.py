@@ -1,9 +1,10 @@
 """Served acceptance length (tau) during training: replayed under teacher forcing, and generated.
 
 tau is the tokens committed per target verify forward, bonus included (docs/design.md, "tau"). The
-random-anchor metrics of `objective.rank_metrics` (`anchor_streak`, ...) are not tau: they average the
-accepted length over uniformly random anchors, while serving lands on one anchor every L(p) tokens,
-so a run of L accepted tokens is one step when served but L anchors, each with a long streak, there.
+random-anchor metrics of `training.metrics.rank_metrics` (`anchor_streak`, ...) are not tau: they
+average the accepted length over uniformly random anchors, while serving lands on one anchor every
+L(p) tokens, so a run of L accepted tokens is one step when served but L anchors, each with a long
+streak, there.
 
 Replay (`replay_steps`, `replayed_tau`). One masked drafter forward per chunk of anchors scores a block
 at every response position p (the training forward: the block sees the target's features of
@@ -41,12 +42,12 @@ import torch
 import torch.distributed as dist
 
 from drafter.data.benchmarks import load_prompts
-from drafter.data.chat import prompt_token_ids
+from drafter.data.chat_template import prompt_token_ids
 from drafter.losses.lm_head import chunk_rows_for
-from drafter.serving.ddtree import teacher_forced_accept
+from drafter.models.blocks import anchor_candidates, build_blocks, drafter_hidden
 from drafter.serving.decode import generate, speculative_methods, tree_verify_refusal
 from drafter.target.tensor_parallel import TPGroup
-from drafter.training.objective import build_blocks, drafter_hidden
+from drafter.tree.ddtree import teacher_forced_accept
 
 
 # ---------------------------------------------------------------------------------------------
@@ -54,11 +55,10 @@ from drafter.training.objective import build_blocks, drafter_hidden
 # ---------------------------------------------------------------------------------------------
 
 def every_anchor(loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(anchors [b, A], valid [b, A]): every position p with p and p + 1 supervised, in order;
-    rows with fewer get `valid=False` filler anchors at 0."""
+    """(anchors [b, A], valid [b, A]): every position p with p and p + 1 supervised (training's "pair"
+    rule, `anchor_candidates`), in order; rows with fewer get `valid=False` filler anchors at 0."""
     mask = loss_mask.bool()
-    candidates = torch.zeros_like(mask)
-    candidates[:, :-1] = mask[:, :-1] & mask[:, 1:]
+    candidates = anchor_candidates(mask, "pair")
     count = candidates.sum(1)
     width = max(int(count.max()), 1)
     order = torch.argsort((~candidates).to(torch.uint8), dim=1, stable=True)[:, :width]
@@ -188,7 +188,7 @@ def mean_tau(steps_per_response: list[list[int]]) -> torch.Tensor:
 def replayed_tau(drafter, target, features, input_ids, loss_mask, budgets, attention: str,
                  **chunking) -> dict[str, torch.Tensor]:
     """{`tau_dflash`, `tau_ddtree@B`: [sum, count]} over the batch's responses, to be summed over
-    batches and ranks and divided (objective.finalize_metrics)."""
+    batches and ranks and divided (metric_sums.finalize_metrics)."""
     steps = replay_steps(drafter, target, features, input_ids, loss_mask, budgets, attention, **chunking)
     return {f"tau_{method}": mean_tau(responses) for method, responses in steps.items()}
 
@@ -263,8 +263,8 @@ def generation_tau(target, drafter, prompts: list[list[int]], share: PromptShare
     [seconds, 1]} (float64, CPU) for the caller to all-reduce (sum) and divide: the mean tau over the
     responses and the mean seconds per decoding group (a rank, or a tp group). A rank that decoded
     nothing contributes its seconds and zero responses; a member that does not report contributes
-    zeros throughout. On a target that refuses tree verification (conv or recurrent layers:
-    `decode.tree_verify_refusal`) only `dflash` is generated; the replayed `tau_ddtree@B` of the eval
+    zeros throughout. On a target that refuses tree verification (a cache layer neither tree form can
+    verify: `decode.tree_verify_refusal`) only `dflash` is generated; the replayed `tau_ddtree@B` of the eval
     steps is exact there. The only collectives are those of a group (its sharded forwards and the
     time agreement). The drafter is put in eval mode and given back in the mode it came in; the
     global torch, CUDA and numpy RNGs are not used.

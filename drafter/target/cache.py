@@ -12,16 +12,21 @@ rejected draft needs until the next rollback trims it back to its window. On top
                     a cache layer class the model defines itself (DeepSeek-V4's compressor
                     caches: a window cut at every forward, pooling buffers, compressed entries),
                     whose state is kept whole;
-  trees             `tree_attention_mask` gives each attention layer type the tree mask over the
-                    keys that layer holds (a sliding layer: the last window - 1 positions, each node
-                    seeing only positions within its window); `compact` keeps the accepted path's
-                    rows. A tree cannot pass through a conv, recurrent or compressor layer as one
-                    flat sequence (each branch must continue its parent's state), so `tree_refusal`
-                    names such a target before any work.
+  trees             on attention-only targets (`tree_form` "mask") `tree_attention_mask` gives each
+                    attention layer type the tree mask over the keys that layer holds (a sliding
+                    layer: the last window - 1 positions, each node seeing only positions within its
+                    window), LFM2's short convs read along the tree (drafter/target/tree_conv.py);
+                    `compact` keeps the accepted path's rows (keys, conv history). A tree cannot pass
+                    through any other conv, or a recurrent or compressor layer, as one flat sequence
+                    (each branch must continue its parent's state), nor chunked attention: there
+                    (`tree_form` "paths") the tree runs as a batch of its root-to-leaf paths on a
+                    per-row copy of the cache (`forks_by_row`; drafter/serving/path_verify.py).
+                    `tree_refusal` names a target neither form can verify, before any work.
 A cache layer of a kind not listed here stops decoding by name (`TargetError`), and so does a family
 whose forward over several new tokens does not continue its cached state (Jamba's Mamba restarts its
 scan there: `probe_decoding` probes it once per target), since every verify is such a forward.
 """
+import copy
 import inspect
 import weakref
 from dataclasses import dataclass
@@ -31,6 +36,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DummyLayer, DynamicLayer, LinearAttentionCacheLayerMixin
 
 from drafter.target.model import TargetError, model_type
+from drafter.target.tree_conv import tree_conv_layers
 
 
 def is_state_layer(layer) -> bool:
@@ -45,6 +51,30 @@ def is_own_layer(layer) -> bool:
     its tensors on update (concatenation) rather than writing into them, so a copy of its attributes
     (dicts one level deep) is a copy of its state."""
     return type(layer).__module__ != DynamicLayer.__module__
+
+
+def forks_itself(layer) -> bool:
+    """Whether a model's own cache layer class defines its own `reorder_cache` (the batch op that
+    copies its state per row), rather than inheriting transformers' one for per-position keys."""
+    return type(layer).reorder_cache.__module__ == type(layer).__module__
+
+
+def forks_by_row(cache: DynamicCache, rows: torch.Tensor) -> DynamicCache:
+    """A new cache whose batch row i is row `rows[i]` of `cache`, every layer through its class's own
+    `reorder_cache`; `cache` is untouched (each layer is a shallow copy, its dicts of states copied,
+    and `reorder_cache` replaces every state tensor by a new one)."""
+    forked = copy.copy(cache)
+    forked.layers = [_layer_copy(layer) for layer in cache.layers]
+    forked.reorder_cache(rows)
+    return forked
+
+
+def _layer_copy(layer):
+    copied = copy.copy(layer)
+    for name, value in vars(layer).items():
+        if isinstance(value, dict):
+            setattr(copied, name, dict(value))
+    return copied
 
 
 def is_attention_layer(layer) -> bool:
@@ -121,12 +151,13 @@ class TargetCache:
 
     # ------------------------------------------------------------------ trees
 
-    def tree_refusal(self) -> str | None:
-        """Why a flat tree verify would be wrong for this target, or None."""
+    def flat_tree_refusal(self) -> str | None:
+        """Why one flat forward under a tree mask would be wrong for this target, or None."""
         kinds = sorted({kind for kind in (self.layer_types or []) if kind in ("chunked_attention",)})
         if kinds:
             return f"its {', '.join(kinds)} layers have no tree mask here"
-        if any(is_state_layer(layer) for layer in self.cache.layers):
+        over_trees = tree_conv_layers(self.target)  # LFM2's short convs read along a tree's branches
+        if any(is_state_layer(layer) and index not in over_trees for index, layer in enumerate(self.cache.layers)):
             return ("its conv / recurrent layers (Gated DeltaNet, Mamba, short conv) would run the tree as one "
                     "flat sequence, while each branch must continue its parent's state")
         own = sorted({type(layer).__name__ for layer in self.cache.layers if is_own_layer(layer)})
@@ -134,6 +165,23 @@ class TargetCache:
             return (f"its own cache layers ({', '.join(own)}: state beyond per-position keys, such as compressors "
                     "pooling consecutive positions) would run the tree as one flat sequence, while each branch "
                     "must continue its parent's state")
+        return None
+
+    def tree_form(self) -> str:
+        """How a DDTree verify runs here: "mask", one flat forward under a tree mask (attention-only
+        targets), or "paths", a batch of the tree's root-to-leaf paths (`drafter/serving/path_verify.py`)."""
+        return "mask" if self.flat_tree_refusal() is None else "paths"
+
+    def tree_refusal(self) -> str | None:
+        """Why neither form can verify a tree exactly on this target, or None: a model's own cache layer
+        whose class does not say how to copy its state per batch row (no `reorder_cache` of its own)."""
+        if self.tree_form() == "mask":
+            return None
+        unforkable = sorted({type(layer).__name__ for layer in self.cache.layers
+                             if is_own_layer(layer) and not forks_itself(layer)})
+        if unforkable:
+            return (f"{self.flat_tree_refusal()}; and its own cache layers ({', '.join(unforkable)}) define no "
+                    "reorder_cache of their own, so their state cannot be copied per path of the tree")
         return None
 
     def _attention_layers(self) -> dict[str, object]:
@@ -178,9 +226,15 @@ class TargetCache:
     _PER_POSITION = (("keys", -2), ("values", -2), ("indexer_keys", 1), ("indexer_position_ids", -1))
 
     def compact(self, tree_rows: int, keep_rows: torch.Tensor) -> None:
-        """After a verify forward of `tree_rows` rows: keep, in each attention layer, its past and
-        then the rows `keep_rows` (in that order); drop the other tree rows."""
+        """After a verify forward of `tree_rows` rows: keep, in each attention layer and each conv
+        history, its past and then the rows `keep_rows` (in that order); drop the other tree rows."""
         for layer in self.cache.layers:
+            if is_state_layer(layer):  # a conv history computed over the tree (drafter/target/tree_conv.py)
+                for index, states in layer.conv_states.items():
+                    past = states.shape[-1] - tree_rows
+                    layer.conv_states[index] = torch.cat(
+                        [states[..., :past], states[..., past:].index_select(-1, keep_rows)], dim=-1)
+                continue
             if not is_attention_layer(layer):
                 continue
             for name, dim in self._PER_POSITION:

@@ -20,7 +20,7 @@ from torch import nn
 from transformers import (AutoModelForCausalLM, AutoModelForImageTextToText, Qwen3Config, Qwen3ForCausalLM,
                           masking_utils)
 
-from drafter.errors import model_path_problem
+from drafter.errors import UserError, model_path_problem
 
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
@@ -35,7 +35,7 @@ def compute_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-class TargetError(ValueError):
+class TargetError(UserError, ValueError):
     """A target whose structure this code cannot read (no decoder layers it can find, ...)."""
 
 

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from drafter.errors import UserError
 from drafter.target.model import context_features, features_and_final_hidden, load_target
 
 SPLIT_DIM = {"colwise": -2, "packed_colwise": -2, "rowwise": -1}  # the weight dim each style splits
@@ -35,7 +36,7 @@ WHOLE = ("replicated_with_grad_allreduce",)  # kept whole (its gradient all-redu
 SPLIT_WIDTHS = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size")
 
 
-class TensorParallelError(ValueError):
+class TensorParallelError(UserError, ValueError):
     pass
 
 

@@ -1,3 +1,4 @@
-"""The training step: anchors, blocks, the block mask, the drafter forward and the loss with its
-metrics (objective.py; the losses themselves are drafter/losses/), and metrics as [sum, count]
-tensors (metrics.py)."""
+"""A training run: its config with the registries' names checked (run_config.py), the training step's
+loss and metrics (objective.py, metrics.py; blocks are drafter/models/blocks.py, the losses
+drafter/losses/), checkpoints, run identity and resume decisions (checkpoint.py), the memory plan
+(memory_plan.py) and logging (tracking.py)."""

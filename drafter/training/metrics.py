@@ -1,30 +1,15 @@
-"""Training metrics as [sum, count] tensors, so that ranks and micro batches add up before one
-division (`finalize_metrics`), and nothing waits for the device until a log line is written: the
-teacher-forced metrics of a training step's blocks (`block_metrics`)."""
-import math
+"""The teacher-forced metrics of a training step's blocks (`block_metrics`), as [sum, count] tensors
+(drafter/metric_sums.py) so that nothing waits for the device until a log line is written."""
 from typing import TYPE_CHECKING
 
 import torch
 
 from drafter.losses.lm_head import top_logprobs
-from drafter.serving.ddtree import build_tree_from_logprobs, teacher_forced_accept
+from drafter.metric_sums import sum_count
+from drafter.tree.ddtree import build_tree_from_logprobs, teacher_forced_accept
 
 if TYPE_CHECKING:
-    from drafter.training.objective import Blocks
-
-
-def sum_count(values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
-    """[sum, count] of `values` over `where`."""
-    return torch.stack([(values.float() * where).sum(), where.float().sum()])
-
-
-def finalize_metrics(summed: dict[str, torch.Tensor]) -> dict[str, float | list[float]]:
-    """[sum, count] -> mean (NaN where count is 0); per-position rows -> a list per slot 1..B-1."""
-    out = {}
-    for name, value in summed.items():
-        ratio = value[..., 0] / value[..., 1]
-        out[name] = ratio.tolist() if ratio.dim() else (float(ratio) if value[1] > 0 else math.nan)
-    return out
+    from drafter.models.blocks import Blocks
 
 
 def block_metrics(hidden, head, blocks: "Blocks", ranks, budget: int, ddtree_blocks: int, generator: torch.Generator,

@@ -16,7 +16,7 @@ the plan is for sizing a run and catching one that cannot fit, not for accountin
 Distillation (objective.labels=target) runs every target layer, but without gradient one layer's
 working set is alive at a time, as for features alone; it adds the final hidden states [tokens, H]
 kept for the loss, their rows gathered per block slot [rows, H], and its loss chunks hold both
-sides' logits (objective.loss_chunk_peak_bytes: total variation, objective.loss=tv, holds as many as
+sides' logits (losses.loss_chunk_peak_bytes: total variation, objective.loss=tv, holds as many as
 KL; the block losses, objective.loss=expected_chain and expected_tree, are a pass of CE rows like
 D-PACE's).
 """
@@ -26,14 +26,11 @@ from dataclasses import dataclass, replace
 import torch
 from omegaconf import OmegaConf
 
-GiB = 2**30
+from drafter.infra.memory import MemoryPlanError, size_text
+
 ADAM_BYTES = 8    # fp32 m and v per parameter
 MUON_BYTES = 4    # torch.optim.Muon's fp32 momentum buffer per parameter
 MASTER_BYTES = 4  # DeepSpeed's fp32 copy of the weights it optimises
-
-
-def size_text(size: int) -> str:
-    return f"{size / GiB:.2f} GiB" if size >= GiB / 100 else f"{size / 2**20:.2f} MiB"
 
 
 @dataclass(frozen=True)
@@ -58,7 +55,7 @@ class PlanInputs:
     feature_layers: int
     drafter_layers: int
     target_labels: bool       # objective.labels=target: the loss reads the target's final hidden states
-    loss_chunk_peak: int      # bytes of logits alive at a loss chunk's peak (objective.loss_chunk_peak_bytes)
+    loss_chunk_peak: int      # bytes of logits alive at a loss chunk's peak (losses.loss_chunk_peak_bytes)
 
 
 @dataclass(frozen=True)
@@ -148,10 +145,6 @@ def fitting_changes(p: PlanInputs, gpu_bytes: int, node_ranks: int) -> list[str]
                            replace(p, anchors=max(1, p.anchors // factor))))
     return [f"{knob} ({size_text(plan_memory(changed).total)})" for knob, changed in candidates
             if plan_memory(changed).total <= gpu_bytes]
-
-
-class MemoryPlanError(RuntimeError):
-    pass
 
 
 def check_fits(plan: MemoryPlan, gpu_bytes: int, node_ranks: int) -> None:

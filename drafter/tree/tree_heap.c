@@ -1,5 +1,5 @@
 /* Best-first DDTree construction (the reference algorithm), compiled for the CPU path of
- * drafter/serving/ddtree.py, which builds and loads this file through ctypes.
+ * drafter/tree/ddtree.py, which builds and loads this file through ctypes.
  *
  * Scores are fixed-point summed log-probabilities (int64), so sums are exact and ties are real.
  * A heap entry is a prefix of top-k ranks (r_1..r_d); it pops before another when its score is

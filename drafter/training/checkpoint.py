@@ -34,8 +34,9 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 from transformers.utils import logging as transformers_logging
 
+from drafter.errors import UserError
 from drafter.infra.collectives import every_rank
-from drafter.models import drafter_from_state_dict
+from drafter.models import ARCHITECTURES, drafter_from_state_dict, is_drafter_config
 from drafter.nested import flatten
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -51,7 +52,7 @@ RESUMABLE_KEYS = ("run.name", "run.out_dir", "target.tp_size", "objective.chunk_
 RUN_FILES = ("checkpoints", "metrics.jsonl", "config.yaml", "wandb")  # what a run writes in out_dir
 
 
-class ResumeError(RuntimeError):
+class ResumeError(UserError, RuntimeError):
     def __init__(self, message: str, per_rank: bool = False):
         super().__init__(message)
         self.per_rank = per_rank  # the message differs between ranks
@@ -253,6 +254,28 @@ def _fsync_tree(directory: Path) -> None:
         if path.is_file() or path.is_dir():
             _fsync(path)
     _fsync(directory)
+
+
+def read_config_json(path: Path) -> dict:
+    """A config.json as a dict, or a ValueError that names the file."""
+    try:
+        config = json.loads(path.read_text())
+    except (UnicodeDecodeError, ValueError) as error:
+        raise ValueError(f"{path}: not a JSON config ({error})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: not a JSON config (a {type(config).__name__}, not an object)")
+    return config
+
+
+def drafter_dir(ckpt: str) -> Path:
+    """`ckpt` itself when it is an exported drafter dir, else its `drafter/` subdir (a run checkpoint,
+    as `save_checkpoint` lays it out)."""
+    for candidate in (Path(ckpt), Path(ckpt) / "drafter"):
+        config = candidate / "config.json"
+        if config.is_file() and is_drafter_config(read_config_json(config)):
+            return candidate
+    names = " or ".join(cls.__name__ for cls in ARCHITECTURES.values())
+    raise FileNotFoundError(f"{ckpt}: no {names} config.json here or in {ckpt}/drafter")
 
 
 def export_drafter(state_dict: dict[str, torch.Tensor], config, directory: Path, dtype: torch.dtype) -> None:

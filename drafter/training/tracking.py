@@ -14,8 +14,8 @@ from omegaconf import OmegaConf
 
 from drafter.data.sampler import bucket_table, plan_notes
 from drafter.infra.collectives import all_reduce_sum, comm_device
+from drafter.metric_sums import finalize_metrics
 from drafter.nested import flatten
-from drafter.training.metrics import finalize_metrics
 
 
 def human_duration(seconds: float) -> str:

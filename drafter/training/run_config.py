@@ -1,0 +1,36 @@
+"""A run's config: the schema (drafter/config.py) with each registered part's key checked against
+its registry, read when the config is loaded (so that a part registered at run time, as a test
+registers an architecture, is accepted).
+
+    cfg = load_config("configs/v3.yaml", ["optim.lr=3e-4", "train.max_steps=100"])
+"""
+from omegaconf import DictConfig
+
+from drafter.config import load_yaml_config
+from drafter.infra.engine import ENGINES, OPTIMIZERS
+from drafter.losses import BLOCK_LOSSES, DIVERGENCES, LABELS, NORMALIZATIONS, POSITION_WEIGHTS, TRUNCATIONS
+from drafter.models import ARCHITECTURES
+from drafter.models.blocks import ANCHOR_CANDIDATES, ATTENTION_KERNELS
+from drafter.target.calibration import FEATURE_CALIBRATIONS
+
+
+def choices() -> dict[str, tuple]:
+    """Each key's allowed values, read from the registry that implements them."""
+    return {"objective.attention": ("auto", *ATTENTION_KERNELS),
+            "objective.labels": LABELS,
+            "objective.loss": (*DIVERGENCES, *BLOCK_LOSSES),
+            "objective.position_weights": tuple(POSITION_WEIGHTS),
+            "objective.truncate": tuple(TRUNCATIONS),
+            "objective.normalize": tuple(NORMALIZATIONS),
+            "objective.anchor_candidates": ANCHOR_CANDIDATES,
+            "objective.feature_calibration": FEATURE_CALIBRATIONS,
+            "drafter.arch": tuple(ARCHITECTURES),
+            "train.engine": ENGINES,
+            "optim.name": OPTIMIZERS,
+            "wandb.mode": (None, "online", "offline", "disabled")}
+
+
+def load_config(path: str, overrides: list[str] = ()) -> DictConfig:
+    """YAML at `path` + `key.sub=value` overrides, validated against the schema and the registries;
+    names the run. Raises ConfigError naming the file and every bad key."""
+    return load_yaml_config(path, overrides, choices())
