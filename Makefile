@@ -33,9 +33,10 @@ demo: $(STAMP)
 	$(PY) eval/ddtree_accept.py --ckpt runs/toy/checkpoints/latest --bench artifacts/toy/bench.jsonl \
 		--budgets 8,32,128 --max-new-tokens 64 --save-samples --out runs/toy/eval.json
 	$(PY) eval/plot_run.py runs/toy
+	$(PY) bench/learning_curve.py runs/toy
 
 # A real world end to end: build (cached, resumable) into $(1), train on 2 ranks into $(2) with the
-# train.py overrides $(3) (and data/smollm2.py flags $(4)), evaluate on both benches, plot.
+# train.py overrides $(3) (and data/smollm2.py flags $(4)), evaluate on both benches, plot, draw the learning curve.
 define real_world
 	$(PY) data/smollm2.py --out $(1) $(4)
 	.venv/bin/deepspeed --num_gpus 2 train.py --cfg configs/smollm2.yaml $(3)
@@ -43,6 +44,7 @@ define real_world
 		--bench $(1)/bench_chat.jsonl,$(1)/bench_code.jsonl --max-samples 8 \
 		--budgets 8,16,32,64 --max-new-tokens 96 --save-samples --out $(2)/eval.json
 	$(PY) eval/plot_run.py $(2)
+	$(PY) bench/learning_curve.py $(2)
 endef
 
 # A real model end to end on this machine's CPUs: SmolLM2-135M-Instruct, ShareGPT and HumanEval from

@@ -33,7 +33,7 @@ from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
 from drafter.config import ObjectiveConfig, lr_factor, noise_std
-from drafter.data.datasets import DataError, content_fingerprint, load_datasets
+from drafter.data.datasets import DataError, content_fingerprint, load_datasets, supervised_token_counts
 from drafter.data.feature_store import (FeatureStore, StoreFeatures, load_stored_head, store_model_config,
                                         store_refusal)
 from drafter.data.loader import make_loader
@@ -49,6 +49,7 @@ from drafter.metric_sums import finalize_metrics
 from drafter.models import drafter_from_state_dict, load_drafter, new_drafter
 from drafter.models.blocks import attention_kernel, blocks_drawn
 from drafter.models.configure import drafter_config
+from drafter.models.draft_vocab import answer_vocab
 from drafter.models.mask_token import check_given_mask_token, choose_mask_token
 from drafter.serving.decode import stop_token_ids
 from drafter.serving.served import PromptShare, bench_prompts, generation_tau, held_out_prompts, replayed_tau
@@ -321,11 +322,16 @@ def build_drafter(cfg, target, tokenizer, data, rank):
     """fp32 weights (the engines keep fp32 masters and compute in the training dtype). Without
     drafter.mask_token_id the mask token is chosen from the tokenizer and the training `data`
     (drafter/models/mask_token.py) and recorded in the export's dflash_config; one given is checked against
-    the data."""
+    the data. With drafter.draft_vocab_size the head is cut to the K commonest supervised tokens of the
+    training split (drafter/models/draft_vocab.py), whose rows also set the final norm's scale."""
     if cfg.drafter.init_from:
         if not (Path(cfg.drafter.init_from) / "config.json").is_file():
             raise ConfigError(f"drafter.init_from={cfg.drafter.init_from}: no exported drafter there (no config.json)")
-        return load_drafter(cfg.drafter.init_from, dtype=torch.float32)
+        drafter = load_drafter(cfg.drafter.init_from, dtype=torch.float32)
+        if cfg.drafter.draft_vocab_size not in (None, getattr(drafter.config, "draft_vocab_size", None)):
+            raise ConfigError(f"drafter.draft_vocab_size={cfg.drafter.draft_vocab_size}: the drafter of "
+                              f"drafter.init_from={cfg.drafter.init_from} has another (set it to null to keep its own)")
+        return drafter
     mask_token_id = cfg.drafter.mask_token_id
     if mask_token_id is None:
         if tokenizer is None:
@@ -341,8 +347,15 @@ def build_drafter(cfg, target, tokenizer, data, rank):
                             target_layer_ids=cfg.drafter.target_layer_ids,
                             variant=OmegaConf.to_object(cfg.drafter),
                             input_embedding_scale=input_embedding_scale(target), target_path=cfg.target.path,
-                            chat_template_kwargs=dict(cfg.target.chat_template_kwargs))
-    return new_drafter(config, target.get_output_embeddings().weight, cfg.run.seed)
+                            chat_template_kwargs=dict(cfg.target.chat_template_kwargs),
+                            draft_vocab_size=cfg.drafter.draft_vocab_size)
+    draft_vocab = None
+    if cfg.drafter.draft_vocab_size:  # the same table on every rank: the same training answers
+        counts = supervised_token_counts(data[:1], config.vocab_size)
+        draft_vocab, line = answer_vocab(counts, cfg.drafter.draft_vocab_size)
+        if rank == 0:
+            print(line, flush=True)
+    return new_drafter(config, target.get_output_embeddings().weight, cfg.run.seed, draft_vocab)
 
 
 def generation_prompts(cfg, tokenizer, eval_set) -> list[list[int]] | None:

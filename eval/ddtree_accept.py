@@ -52,7 +52,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from drafter.data.benchmarks import load_prompts
 from drafter.data.chat_template import prompt_token_ids
-from drafter.errors import model_path_problem
+from drafter.errors import ConfigError, model_path_problem
 from drafter.infra.launch import LaunchError, init_distributed, launched_world_size, local_device, local_world_size
 from drafter.infra.progress import progress_bar
 from drafter.models import load_drafter
@@ -192,6 +192,9 @@ class Evaluator:
         if args.check_public and self.verify_refusal:
             raise TargetError(f"--check-public: the public loop verifies by one cached multi-token forward, "
                               f"which this target cannot continue ({self.verify_refusal})")
+        if args.check_public and self.drafter.draft_vocab is not None:
+            raise ConfigError(f"--check-public: {directory} drafts over a draft vocabulary (d2t, t2d), which the "
+                              "public dflash 0.1.0 loop does not read")
         self.public = load_public(directory, dtype, device) if args.check_public else None
 
     def replays(self, method: Method) -> bool:

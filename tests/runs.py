@@ -2,6 +2,7 @@
 (deepspeed, torchrun, a SLURM-style pair of `srun` tasks, plain python) with two CPU ranks over gloo."""
 import hashlib
 import json
+import math
 import os
 import signal
 import socket
@@ -19,6 +20,10 @@ VENV_BIN = Path(sys.executable).parent
 FAULTS = Path(__file__).with_name("train_with_faults.py")
 
 
+TINY_VOCAB = 256
+UNIFORM_LOSS = math.log(TINY_VOCAB)  # where a fresh drafter starts on write_run's target (models.new_drafter)
+
+
 def write_run(tmp_path: Path, **train) -> Path:
     """A tiny prepared dataset (arithmetic sequences over 32 tokens) and a config for a random target."""
     rng = np.random.default_rng(0)
@@ -34,7 +39,7 @@ def write_run(tmp_path: Path, **train) -> Path:
         (tmp_path / "data" / "stats.json").write_text(json.dumps({"settings": settings}))
     cfg = {
         "run": {"out_dir": str(tmp_path / "run"), "seed": 0},
-        "target": {"random": {"vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 4,
+        "target": {"random": {"vocab_size": TINY_VOCAB, "hidden_size": 64, "num_hidden_layers": 4,
                               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
                               "intermediate_size": 128,
                               "initializer_range": 0.3}},  # a frozen LM head with room to learn through

@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from runs import REPO, kill_job, launch, records, run_to_end, train_losses, wait_for_step
+from runs import REPO, UNIFORM_LOSS, kill_job, launch, records, run_to_end, train_losses, wait_for_step
 
 pytestmark = pytest.mark.slow
 ENGINE_RTOL = 1e-4
@@ -97,7 +97,7 @@ def test_fsdp_trains_like_deepspeed_and_exports_for_dflash(reference_run, fsdp_r
     assert "fsdp2 (fp32" in out and params_line(out) == params_line(ref_out)
     losses, expected = train_losses(run), train_losses(ref_dir / "run")
     assert list(losses) == list(range(1, 25))
-    assert sum(list(losses.values())[-4:]) < 0.8 * sum(list(losses.values())[:4])
+    assert sum(list(losses.values())[-4:]) / 4 < UNIFORM_LOSS - 0.5  # well below where a fresh drafter starts
     assert_same_trajectory(losses, expected, range(1, 21), ENGINE_RTOL)
     assert_same_weights(exported(run, 24), exported(ref_dir / "run", 24), rtol=10 * ENGINE_RTOL)
     assert (run / "checkpoints" / "step_24" / "fsdp" / ".metadata").exists()  # torch.distributed.checkpoint

@@ -20,8 +20,8 @@ from drafter.infra.engine import EngineConfigError, deepspeed_config
 from drafter.infra.launch import LaunchError, expand_hostlist, launcher_environment, slurm_environment
 from drafter.infra.run_lock import RunDirectoryBusy, acquire
 from drafter.training.run_config import load_config
-from runs import (REPO, descendants, kill_job, launch, records, run_to_end, shm_buffers, train_losses, wait_for_step,
-                  write_run)
+from runs import (REPO, UNIFORM_LOSS, descendants, kill_job, launch, records, run_to_end, shm_buffers, train_losses,
+                  wait_for_step, write_run)
 
 
 def assert_loadable_by_public_dflash(ckpt: Path):
@@ -46,7 +46,7 @@ def test_two_rank_run_learns_logs_and_exports(reference_run):
     assert len(train[-1]["prefetch_queue"]) == 2  # one queue depth per rank
     assert any(r["kind"] == "eval" for r in records)
     losses = [r["loss"] for r in train]
-    assert np.mean(losses[-4:]) < 0.8 * np.mean(losses[:4])
+    assert np.mean(losses[-4:]) < UNIFORM_LOSS - 0.5  # well below the uniform distribution it starts at
     assert "step=24 loss=" in out  # the console line
     assert "memory plan per GPU (target.tp_size=1, 2 ranks, ZeRO-2)" in out and "target weights" in out
     for cause in ("skipped (too long)", "dropped (ranks)", "cut (accumulation)"):  # the start-up plan

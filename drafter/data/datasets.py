@@ -64,6 +64,19 @@ def token_occurs(prepared: list[datasets.Dataset], token_id: int) -> bool:
                for dataset in prepared for chunk in dataset.data.table.column("input_ids").chunks)
 
 
+def supervised_token_counts(prepared: list[datasets.Dataset], vocab_size: int) -> np.ndarray:
+    """int64 [vocab_size]: how often each token id is supervised (its `input_ids` where `loss_mask`) in
+    the datasets: each dataset's own rows (a split's), not the whole table under it, a record batch at
+    a time."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for dataset in prepared:
+        for batch in dataset.select_columns(["input_ids", "loss_mask"]).with_format("arrow").iter(batch_size=4096):
+            ids = pc.list_flatten(batch["input_ids"]).to_numpy()
+            supervised = pc.list_flatten(batch["loss_mask"]).to_numpy().astype(bool)
+            counts += np.bincount(ids[supervised], minlength=vocab_size)[:vocab_size]
+    return counts
+
+
 def check_prepared_thinking(path: str, chat_template_kwargs) -> None:
     """Raise DataError when the dataset at `path` was prepared with another enable_thinking than the
     training config's `target.chat_template_kwargs` (the drafter would learn text the target does

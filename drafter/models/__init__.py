@@ -14,8 +14,10 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
+from drafter.errors import ConfigError
 from drafter.models.dflash import DFlashDraftModel
 from drafter.models.dflash2 import CandidateSelector, DFlash2DraftModel
+from drafter.models.draft_vocab import DraftVocab
 from drafter.models.layers import DraftCache, LayerAttention, compiled_graph_count, layer_attention
 from drafter.tree.ddtree import DraftTree
 
@@ -54,6 +56,10 @@ class DraftModel(ServedDrafter, Protocol):
 
     def shard_units(self) -> list[nn.Module]: ...
 
+    def head_weight(self, target) -> torch.Tensor: ...  # the target's head, or its draft vocabulary's rows
+
+    def head_logits(self, target, hidden) -> torch.Tensor: ...
+
     def chain_picks(self, hidden, logits, predecessors) -> torch.Tensor: ...
 
     def chain_top(self, hidden, logits, predecessors, k: int = 2) -> tuple[torch.Tensor, torch.Tensor]: ...
@@ -79,13 +85,20 @@ def drafter_class(config: Qwen3Config) -> type[DFlashDraftModel]:
     return named[0] if named else DFlashDraftModel
 
 
-def new_drafter(config: Qwen3Config, head_weight: torch.Tensor, seed: int) -> DFlashDraftModel:
+def new_drafter(config: Qwen3Config, head_weight: torch.Tensor, seed: int,
+                draft_vocab: DraftVocab | None = None) -> DFlashDraftModel:
     """A fresh drafter of `config` (transformers' init from `seed`: the same weights on every rank) for
-    a target whose LM head is `head_weight` [V, H], its final norm set to `initial_norm_scale`."""
+    a target whose LM head is `head_weight` [V, H], with its head cut to `draft_vocab` when one is given
+    (`config.draft_vocab_size` words). Its final norm is set to `initial_norm_scale` of the head it
+    trains and drafts through: the whole head, or the draft vocabulary's K rows of it (the commonest
+    words' rows need not have the whole head's norm, and those are the logits the loss sees)."""
     torch.manual_seed(seed)
     drafter = drafter_class(config)(config)
+    if draft_vocab is not None:
+        drafter.set_draft_vocab(draft_vocab)
+    head = head_weight if draft_vocab is None else draft_vocab.head(head_weight)
     with torch.no_grad():
-        drafter.norm.weight.fill_(initial_norm_scale(head_weight))
+        drafter.norm.weight.fill_(initial_norm_scale(head))
     return drafter
 
 
@@ -106,8 +119,12 @@ def is_drafter_config(config_dict: dict) -> bool:
 
 
 def load_drafter(directory, **kwargs) -> DFlashDraftModel:
-    """An exported drafter directory, of any registered architecture (`from_pretrained` kwargs pass through)."""
-    return drafter_class(Qwen3Config.from_pretrained(directory)).from_pretrained(directory, **kwargs)
+    """An exported drafter directory, of any registered architecture (`from_pretrained` kwargs pass
+    through); a draft vocabulary table it cannot use is a ConfigError naming the directory."""
+    drafter = drafter_class(Qwen3Config.from_pretrained(directory)).from_pretrained(directory, **kwargs)
+    if drafter.draft_vocab is not None and (problem := drafter.draft_vocab.problem()):
+        raise ConfigError(f"{directory}: the draft vocabulary table (d2t, t2d) of model.safetensors: {problem}")
+    return drafter
 
 
 def drafter_from_state_dict(config: Qwen3Config, state_dict: dict[str, torch.Tensor]) -> DFlashDraftModel:

@@ -94,7 +94,8 @@ def drafter_widths(text_config) -> dict:
 
 def drafter_config(target_config, *, num_layers: int, block_size: int, mask_token_id: int,
                    target_layer_ids: list[int] | None = None, input_embedding_scale: float = 1.0,
-                   variant: DrafterVariant = DrafterVariant(), **record) -> Qwen3Config:
+                   variant: DrafterVariant = DrafterVariant(), draft_vocab_size: int | None = None,
+                   **record) -> Qwen3Config:
     """A drafter config for any HF causal-LM target config (`drafter_widths`), of `variant`.
 
     `input_embedding_scale` is the target's embedding scale (`target.input_embedding_scale`): the
@@ -102,7 +103,9 @@ def drafter_config(target_config, *, num_layers: int, block_size: int, mask_toke
     drafter's logits are the target's LM head on its states, without the target's final soft-capping
     (tanh keeps the order, so argmax and the tree's top-k are the same; the drafter is trained on
     the uncapped logits). `record` lands in `dflash_config` (e.g. target_path, chat_template_kwargs)
-    so that a checkpoint can be evaluated without flags. Settings the target cannot take raise a
+    so that a checkpoint can be evaluated without flags. `draft_vocab_size` K cuts the LM head to K of
+    the target's words (drafter/models/draft_vocab.py; the model's `set_draft_vocab` fills in which);
+    None keeps the whole head and writes no key. Settings the target cannot take raise a
     ConfigError that names their `drafter.*` keys.
     """
     text_config = target_config.get_text_config()
@@ -123,6 +126,7 @@ def drafter_config(target_config, *, num_layers: int, block_size: int, mask_toke
     if not 0 <= mask_token_id < text_config.vocab_size:
         problems.append(f"mask_token_id={mask_token_id} has no row in the target's embedding "
                         f"(vocab_size {text_config.vocab_size})")
+    problems += draft_vocab_problems(draft_vocab_size, arch, widths["vocab_size"])
     if problems:
         raise ConfigError("; ".join(f"drafter.{problem}" for problem in problems))
     model_type = getattr(text_config, "model_type", None)
@@ -131,6 +135,7 @@ def drafter_config(target_config, *, num_layers: int, block_size: int, mask_toke
             **widths, num_hidden_layers=num_layers, num_target_layers=num_target_layers,
             block_size=block_size, tie_word_embeddings=False, **variant.config_fields(num_layers),
             architectures=[arch.__name__],
+            **({} if draft_vocab_size is None else {"draft_vocab_size": int(draft_vocab_size)}),
             dflash_config={"target_layer_ids": target_layer_ids, "mask_token_id": int(mask_token_id),
                            "input_embedding_scale": float(input_embedding_scale), "target_model_type": model_type,
                            **arch.variant_dflash_config(variant), **record})
@@ -138,3 +143,17 @@ def drafter_config(target_config, *, num_layers: int, block_size: int, mask_toke
         raise ConfigError(f"drafter config (target {model_type}): {error.__cause__ or error}") from error
     check_drafter_config(config)
     return config
+
+
+def draft_vocab_problems(draft_vocab_size: int | None, arch, vocab_size: int) -> list[str]:
+    """What a draft vocabulary of `draft_vocab_size` words cannot do here, naming its key."""
+    if draft_vocab_size is None:
+        return []
+    if isinstance(draft_vocab_size, bool) or not isinstance(draft_vocab_size, int) \
+            or not 1 <= draft_vocab_size <= vocab_size:
+        return [f"draft_vocab_size={draft_vocab_size!r} must be null or an integer from 1 to the target's "
+                f"vocab_size {vocab_size}"]
+    if arch is not None and not arch.takes_draft_vocab:
+        return [f"draft_vocab_size={draft_vocab_size}: arch={arch.arch} drafts over the target's whole "
+                "vocabulary (use arch=dflash or draft_vocab_size=null)"]
+    return []

@@ -12,6 +12,7 @@ sequence, a block mask) and inference (one block, ctx = new context positions ap
 `DraftCache`; a mask only for sliding and causal layers). Weight names and config follow the public
 `dflash` format, so `save_pretrained` output loads in `dflash.model.DFlashDraftModel`, SGLang and vLLM.
 """
+from dataclasses import replace
 from typing import ClassVar
 
 import torch
@@ -21,6 +22,7 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3PreTrainedModel, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
 from drafter.models.checks import check_drafter_config
+from drafter.models.draft_vocab import DraftVocab
 from drafter.models.layers import DFlashDecoderLayer, DraftCache, LayerInputs, layer_attention
 from drafter.tree.ddtree import DraftTree, build_tree
 
@@ -34,6 +36,7 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
     arch: ClassVar[str] = "dflash"                 # its name in the config (`drafter.arch`)
     variant_keys: ClassVar[tuple[str, ...]] = ()  # its own `drafter.*` settings, exported in dflash_config
     drafts_marginals: ClassVar[bool] = True      # its chain is the argmax of its slots' marginals
+    takes_draft_vocab: ClassVar[bool] = True     # its head may be a draft vocabulary's (draft_vocab.py)
 
     def __init__(self, config: Qwen3Config):
         check_drafter_config(config)
@@ -46,6 +49,10 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.layer_attention = layer_attention(config)
         self._add_variant_modules(config)
+        if getattr(config, "draft_vocab_size", None):  # the table, filled by `set_draft_vocab` or the checkpoint
+            self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+            self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        self._draft_head = (None, None)  # (what it was gathered from, the draft head)
         self.post_init()
 
     def _add_variant_modules(self, config: Qwen3Config):
@@ -84,6 +91,38 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
     @property
     def mask_token_id(self) -> int:
         return self.config.dflash_config["mask_token_id"]
+
+    @property
+    def draft_vocab(self) -> DraftVocab | None:
+        """The draft vocabulary its LM head is cut to, or None: the target's whole head."""
+        return DraftVocab.from_buffers(self.d2t, self.t2d) if hasattr(self, "d2t") else None
+
+    def set_draft_vocab(self, vocab: DraftVocab):
+        for name, value in vocab.buffers().items():
+            getattr(self, name).copy_(value)
+
+    def head_weight(self, target) -> torch.Tensor:
+        """The frozen LM head [V or K, H] its logits come from: the target's, or its draft vocabulary's
+        rows of it (gathered once per head and table)."""
+        weight = target.get_output_embeddings().weight
+        vocab = self.draft_vocab
+        if vocab is None:
+            return weight
+        source = (weight.data_ptr(), weight._version, weight.dtype, self.d2t.data_ptr(), self.d2t._version)
+        if self._draft_head[0] != source:
+            self._draft_head = (source, vocab.head(weight.detach()))
+        return self._draft_head[1]
+
+    def head_logits(self, target, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [..., V or K] of final states `hidden` under `head_weight`."""
+        if self.draft_vocab is None:
+            return target.get_output_embeddings()(hidden.to(target.dtype)).float()
+        return F.linear(hidden.to(target.dtype), self.head_weight(target)).float()
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Token ids of its head's rows as the target's ids."""
+        vocab = self.draft_vocab
+        return draft_ids if vocab is None else vocab.to_target(draft_ids)
 
     def embed_block(self, target, block_ids: torch.Tensor) -> torch.Tensor:
         """The block's input states: the target's raw embedding rows times
@@ -134,34 +173,39 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
     @torch.no_grad()
     def draft_states(self, target, ctx_features, block_ids, cache: DraftCache, depth: int | None = None):
         """Inference: (states [b, D, H], fp32 logits [b, D, V]) of block positions 1..D, D = `depth`
-        (None: all B-1), what `block_trees` builds a tree from (arguments: `draft_hidden`). The whole
+        (None: all B-1), what `block_trees` builds a tree from (arguments: `draft_hidden`); with a
+        draft vocabulary the logits are over its K words [b, D, K] (`head_logits`). The whole
         block is drafted either way; only the LM head, the draft step's largest cost, skips the later
         slots. A tree of N nodes is at most N deep, so ddtree@N asks for min(N, B-1) slots and gets
         the tree all B-1 would give (`tests/test_ddtree.py`)."""
         hidden = self.draft_hidden(target, ctx_features, block_ids, cache)[:, 1:]
         hidden = hidden if depth is None else hidden[:, :depth]
-        return hidden, target.get_output_embeddings()(hidden.to(target.dtype)).float()
+        return hidden, self.head_logits(target, hidden)
 
     @torch.no_grad()
     def draft_logits(self, target, ctx_features, block_ids, cache: DraftCache) -> torch.Tensor:
-        """Inference: fp32 logits [b, B-1, V] for block positions 1..B-1 (arguments: `draft_hidden`)."""
-        return self.draft_states(target, ctx_features, block_ids, cache)[1]
+        """Inference: fp32 logits [b, B-1, V] over the target's ids for block positions 1..B-1
+        (arguments: `draft_hidden`); -inf outside a draft vocabulary."""
+        logits = self.draft_states(target, ctx_features, block_ids, cache)[1]
+        vocab = self.draft_vocab
+        return logits if vocab is None else vocab.full_logits(logits)
 
     @torch.no_grad()
     def draft_chain(self, target, ctx_features, block_ids, cache: DraftCache) -> torch.Tensor:
         """Inference: the single path [b, B-1] DFlash verifies: the argmax of every slot's logits
-        (arguments: `draft_hidden`)."""
+        (arguments: `draft_hidden`); with a draft vocabulary, its best draft word at each slot."""
         return self.draft_logits(target, ctx_features, block_ids, cache).argmax(-1)
 
     def chain_picks(self, hidden, logits, predecessors) -> torch.Tensor:
-        """The token the drafted path takes at each slot [...] given the token before it
-        (`predecessors` [...]; unused by DFlash) from the slot's state and logits [..., V]."""
-        return logits.argmax(-1)
+        """The token (a target id) the drafted path takes at each slot [...] given the token before
+        it (`predecessors` [...]; unused by DFlash) from the slot's state and logits [..., V or K]."""
+        return self.to_target_ids(logits.argmax(-1))
 
     def chain_top(self, hidden, logits, predecessors, k: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
-        """(scores, tokens) [..., k]: the k best tokens of the drafted path at each slot by the score
-        `chain_picks` takes the argmax of (DFlash: the logits), best first."""
-        return logits.topk(k, dim=-1)
+        """(scores, tokens) [..., k]: the k best tokens (target ids) of the drafted path at each slot
+        by the score `chain_picks` takes the argmax of (DFlash: the logits), best first."""
+        scores, tokens = logits.topk(k, dim=-1)
+        return scores, self.to_target_ids(tokens)
 
     @property
     def chain_candidates(self) -> int | None:
@@ -170,5 +214,7 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
 
     def block_trees(self, hidden, logits, roots, budget: int, backend: str = "auto") -> DraftTree:
         """The best-`budget` DDTree of each block [n] from its slots' states [n, B-1, H] and logits
-        [n, B-1, V] after the anchor tokens `roots` [n]: for DFlash, from the slots' marginals."""
-        return build_tree(logits, budget, backend)
+        [n, B-1, V or K] after the anchor tokens `roots` [n]: for DFlash, from the slots' marginals;
+        its tokens are target ids."""
+        tree = build_tree(logits, budget, backend)
+        return replace(tree, tokens=self.to_target_ids(tree.tokens))

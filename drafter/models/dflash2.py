@@ -111,6 +111,7 @@ class DFlash2DraftModel(DFlashDraftModel):
     CandidateSelector over the block's slots (`dflash.model.DFlash2DraftModel`'s structure)."""
     _no_split_modules = ["DFlashDecoderLayer", "CandidateSelector"]
     arch: ClassVar[str] = "dflash2"
+    takes_draft_vocab: ClassVar[bool] = False  # its selector scores the target's whole vocabulary
     variant_keys: ClassVar[tuple[str, ...]] = ("conv_kernel_size", "conv_group_size", "selector_rank",
                                                "selector_top_k")
     drafts_marginals: ClassVar[bool] = False  # it drafts its selector chain

@@ -89,8 +89,7 @@ def scored_blocks(drafter, target, features, input_ids, loss_mask, attention: st
     """
     b = input_ids.shape[0]
     block_size = drafter.block_size
-    head = target.get_output_embeddings()
-    rows_per_chunk = chunk_rows_for(head.weight.shape[0] * (block_size - 1), chunk_bytes)
+    rows_per_chunk = chunk_rows_for(drafter.head_weight(target).shape[0] * (block_size - 1), chunk_bytes)
     anchors, valid = every_anchor(loss_mask)
     per_row = max(1, blocks_per_forward // b)
     for first in range(0, anchors.shape[1], per_row):
@@ -107,7 +106,7 @@ def scored_blocks(drafter, target, features, input_ids, loss_mask, attention: st
         for start in range(0, len(labels), rows_per_chunk):
             part = slice(start, start + rows_per_chunk)
             # as DFlashDraftModel.draft_logits computes them at serving time
-            logits = head(hidden[part].to(target.dtype)).float()
+            logits = drafter.head_logits(target, hidden[part])
             yield AnchorBlocks(rows[part].cpu(), positions[part].cpu(), hidden[part], logits, labels[part],
                                predecessors[part])
 
