@@ -230,7 +230,7 @@ def test_a_slurm_world_that_cannot_form_fails_clearly(reference_run, tmp_path):
     start = time.time()
     proc = subprocess.run([sys.executable, "train.py", "--cfg", str(cfg), "train.dist_timeout_minutes=0.1",
                            f"run.out_dir={tmp_path / 'run'}"], cwd=REPO, capture_output=True, text=True,
-                          timeout=120, env={**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")},
+                          timeout=120, env={**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")},
                                             **env, "MASTER_PORT": str(20000 + os.getpid() % 10000)})
     assert proc.returncode != 0 and time.time() - start < 100
     assert "launch error: could not form a world of 2 ranks (srun: rank 0, master localhost" in proc.stderr

@@ -3,6 +3,7 @@ training's own, bit for bit, on any batch; the plan, resume and the refusals of 
 a store that does not match the run or is not whole. Through the launchers (slow): a two-rank dump, and
 training from the store equal to training online."""
 import json
+import os
 import re
 import shutil
 import signal
@@ -24,6 +25,16 @@ from drafter.target.tensor_parallel import TargetFeatures, feature_code_version,
 from drafter.training.run_config import load_config
 from runs import (REPO, VENV_BIN, _env, free_port, kill_job, launch, records, run_to_end, train_losses, wait_for_step,
                   write_run)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def own_environment():
+    """A dump run in this process forms a world of one, which sets RANK, MASTER_ADDR and the rest in
+    os.environ: put it back, so that the processes later tests launch do not inherit them."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def dump(cfg: Path, out: Path, *extra: str) -> int:
