@@ -28,25 +28,22 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
-from drafter.data.datasets import DataError, check_prepared_thinking, load_prepared
+from drafter.data.datasets import check_prepared_thinking, load_prepared
 from drafter.data.feature_store import (DTYPE_NAMES, FORMAT, HEAD, INDEX, OWN_FILES, STORE_DTYPES, TARGET_DIR,
                                         FeatureStoreError, identity_digest, identity_mismatch, row_key, shard_name,
                                         shard_problem, store_identity, write_shard)
-from drafter.errors import ConfigError
+from drafter.errors import ConfigError, UserError
 from drafter.data.loader import collate
 from drafter.infra.launch import LaunchError, init_distributed, set_cpu_threads
 from drafter.infra.memory import size_text
 from drafter.infra.progress import progress_bar
-from drafter.infra.run_lock import RunDirectoryBusy, hold_run_directory
+from drafter.infra.run_lock import hold_run_directory
 from drafter.models.configure import drafter_config
-from drafter.target.model import TargetError, compute_dtype, input_embedding_scale, load_target, random_qwen3
+from drafter.target.model import compute_dtype, input_embedding_scale, load_target, random_qwen3
 from drafter.target.tensor_parallel import TargetFeatures, feature_code_version, form_tp_group
 from drafter.training.run_config import load_config
 
 SHARD_BYTES = 2 * 2**30  # about this much of features per shard
-USER_ERRORS = (ConfigError, DataError, LaunchError, TargetError, RunDirectoryBusy)
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cfg", required=True, help="the training config (target, drafter and data sections)")
@@ -75,7 +72,7 @@ def main(argv=None) -> int:
         with hold_run_directory(args.out):
             dump(cfg, args, rank, world_size, device)
         return 0
-    except USER_ERRORS as error:
+    except UserError as error:  # a config, data, launch, target or directory the user chose
         if rank == 0 or getattr(error, "per_rank", False):
             print(f"error: {error}", file=sys.stderr, flush=True)
         return 2
