@@ -15,7 +15,6 @@ even what the anchor token alone says. Both are counted over every anchor of the
 run's accuracy over the anchors its eval drew.
 """
 import argparse
-import json
 from pathlib import Path
 
 import datasets
@@ -23,6 +22,7 @@ import numpy as np
 import torch
 
 from drafter.models.blocks import anchor_candidates
+from drafter.training.tracking import read_metrics
 
 
 def anchor_pairs(dataset, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -71,16 +71,11 @@ def slot_floors(train, held_out, block_size: int) -> list[dict]:
 
 
 def last_eval_accuracy(run: Path) -> tuple[int, list[float]] | None:
-    """(step, held-out accuracy per slot) of the last eval record of a run's metrics.jsonl."""
-    last = None
-    for line in (run / "metrics.jsonl").read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:  # a line cut short by a kill
-            continue
-        if isinstance(record, dict) and record.get("kind") == "eval" and "acc_pos" in record:
-            last = (record["step"], record["acc_pos"])
-    return last
+    """(step, held-out accuracy per slot) of the last eval record of a run's metrics.jsonl (lines a
+    kill cut short are skipped, as `read_metrics` reads any run's log)."""
+    records, _ = read_metrics(run / "metrics.jsonl")
+    evals = [r for r in records.get("eval", []) if "acc_pos" in r]
+    return (evals[-1]["step"], evals[-1]["acc_pos"]) if evals else None
 
 
 def main(argv=None) -> list[dict]:
