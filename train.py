@@ -41,8 +41,7 @@ from drafter.data.sampler import held_out_share, plan_notes, sampler_from_config
 from drafter.errors import ConfigError, UserError
 from drafter.infra.collectives import all_reduce_sum, any_rank
 from drafter.infra.engine import build_engine, engine_settings
-from drafter.infra.launch import (LaunchError, init_distributed, local_world_size, remove_cpu_allreduce_buffer,
-                                  set_cpu_threads)
+from drafter.infra.launch import local_world_size, remove_cpu_allreduce_buffer, set_cpu_threads
 from drafter.infra.progress import StageTimer
 from drafter.infra.run_lock import hold_run_directory
 from drafter.metric_sums import finalize_metrics
@@ -63,7 +62,7 @@ from drafter.training.checkpoint import (TrainerState, agree_on_checkpoint, chec
                                          remove_partial_saves, run_identity, save_checkpoint, set_aside_previous_run)
 from drafter.training.memory_plan import check_fits, plan_inputs, plan_memory, target_model_config
 from drafter.training.objective import training_step
-from drafter.training.run_config import load_config
+from drafter.training.run_config import config_and_world
 from drafter.training.tracking import RunLogger, TrainedOn, Window, bucket_summary, console_line, eval_line
 
 # step_generator's streams of (seed, step, rank): each draw of a step has its own, so that resume
@@ -79,14 +78,7 @@ def main(argv=None):
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed
     parser.add_argument("overrides", nargs="*", help="key.sub=value")
     args = parser.parse_args(argv)
-    try:
-        cfg = load_config(args.cfg, args.overrides)
-    except (ConfigError, FileNotFoundError) as error:
-        sys.exit(f"config error: {error}")
-    try:
-        rank, world_size, device = init_distributed(cfg.train.dist_timeout_minutes)
-    except LaunchError as error:
-        sys.exit(f"launch error: {error}")
+    cfg, rank, world_size, device = config_and_world(args.cfg, args.overrides)
     try:
         with hold_run_directory(cfg.run.out_dir) as lock:  # one live run per run.out_dir, until this exits
             if lock.note:

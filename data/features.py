@@ -32,16 +32,16 @@ from drafter.data.datasets import check_prepared_thinking, load_prepared
 from drafter.data.feature_store import (DTYPE_NAMES, FORMAT, HEAD, INDEX, OWN_FILES, STORE_DTYPES, TARGET_DIR,
                                         FeatureStoreError, identity_digest, identity_mismatch, row_key, shard_name,
                                         shard_problem, store_identity, write_shard)
-from drafter.errors import ConfigError, UserError
+from drafter.errors import UserError
 from drafter.data.loader import collate
-from drafter.infra.launch import LaunchError, init_distributed, set_cpu_threads
+from drafter.infra.launch import set_cpu_threads
 from drafter.infra.memory import size_text
 from drafter.infra.progress import progress_bar
 from drafter.infra.run_lock import hold_run_directory
 from drafter.models.configure import drafter_config
 from drafter.target.model import compute_dtype, input_embedding_scale, load_target, random_qwen3
 from drafter.target.tensor_parallel import TargetFeatures, feature_code_version, form_tp_group
-from drafter.training.run_config import load_config
+from drafter.training.run_config import config_and_world
 
 SHARD_BYTES = 2 * 2**30  # about this much of features per shard
 def main(argv=None) -> int:
@@ -59,14 +59,7 @@ def main(argv=None) -> int:
     overrides = [f"data.path={args.data}", *args.overrides]
     if args.layers:
         overrides.append(f"drafter.target_layer_ids=[{','.join(map(str, args.layers))}]")
-    try:
-        cfg = load_config(args.cfg, overrides)
-    except (ConfigError, FileNotFoundError) as error:
-        sys.exit(f"config error: {error}")
-    try:
-        rank, world_size, device = init_distributed(cfg.train.dist_timeout_minutes)
-    except LaunchError as error:
-        sys.exit(f"launch error: {error}")
+    cfg, rank, world_size, device = config_and_world(args.cfg, overrides)
     try:
         check_out_dir(Path(args.out))
         with hold_run_directory(args.out):

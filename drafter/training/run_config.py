@@ -4,9 +4,13 @@ registers an architecture, is accepted).
 
     cfg = load_config("configs/v3.yaml", ["optim.lr=3e-4", "train.max_steps=100"])
 """
+import sys
+
 from omegaconf import DictConfig
 
 from drafter.config import load_yaml_config
+from drafter.errors import ConfigError
+from drafter.infra.launch import LaunchError, init_distributed
 from drafter.infra.engine import ENGINES, OPTIMIZERS
 from drafter.losses import BLOCK_LOSSES, DIVERGENCES, LABELS, NORMALIZATIONS, POSITION_WEIGHTS, TRUNCATIONS
 from drafter.models import ARCHITECTURES
@@ -35,3 +39,16 @@ def load_config(path: str, overrides: list[str] = ()) -> DictConfig:
     """YAML at `path` + `key.sub=value` overrides, validated against the schema and the registries;
     names the run. Raises ConfigError naming the file and every bad key."""
     return load_yaml_config(path, overrides, choices())
+
+
+def config_and_world(path: str, overrides: list[str] = ()):
+    """(cfg, rank, world size, device) for an entry point that trains or runs the target: the config,
+    then the world its launcher formed. A config or a launch that cannot work exits with one line."""
+    try:
+        cfg = load_config(path, overrides)
+    except (ConfigError, FileNotFoundError) as error:
+        sys.exit(f"config error: {error}")
+    try:
+        return (cfg, *init_distributed(cfg.train.dist_timeout_minutes))
+    except LaunchError as error:
+        sys.exit(f"launch error: {error}")
