@@ -21,6 +21,10 @@ outputs this tool writes and nothing else):
   bench_code.jsonl       HumanEval as a chat bench
   regenerated.jsonl      the target's greedy answers (data/regenerate.py, local backend)
   train_data/            data/prepare.py's training set (answers that loop dropped)
+  sharegpt_answers.jsonl ShareGPT's own first answers to training prompts (written by people and
+                         ChatGPT, not the target): no regeneration, so ~70x the tokens per CPU-hour;
+                         train on them with `objective.labels=target` (the Makefile's demo-real-sharegpt)
+  sharegpt_data/         those answers prepared (cut to 768 tokens)
   bench_chat_data/       each bench with the target's greedy answers, prepared: replayed tau during
   bench_code_data/       training is the served tau of the bench prompts
   build.json             the seconds each stage took in this build and the sizes used
@@ -52,9 +56,11 @@ CODE_INSTRUCTION = ("Complete the following Python function. Answer with the who
                     "```python code block.\n\n```python\n{prompt}```")
 # Sized to `make demo-real` on a 2-core CPU: a batch of 32 answers takes ~1.5 s per new token on one
 # busy core, so the answers, not the target's conversion or the data, set the build's time.
-SIZES = {"train_prompts": 256, "bench_chat": 16, "bench_code": 16, "max_new_tokens": 160, "batch_size": 32}
+SIZES = {"train_prompts": 256, "bench_chat": 16, "bench_code": 16, "max_new_tokens": 160, "batch_size": 32,
+         "sharegpt_answers": 2048}
+SHAREGPT_MAX_LENGTH = 768  # configs/smollm2*.yaml data.max_length
 OUTPUTS = (["target", "target.tmp", "sizes.json", "sharegpt.json", "prompts.jsonl", "bench_chat.jsonl",
-            "bench_code.jsonl", "train_data", "bench_chat_data", "bench_code_data", "datasets_cache",
+            "bench_code.jsonl", "sharegpt_answers.jsonl", "sharegpt_data", "train_data", "bench_chat_data", "bench_code_data", "datasets_cache",
             "build.json"]
            + [name for answers in ("regenerated", "bench_chat_answers", "bench_code_answers")
               for name in world.answer_outputs(answers)])
@@ -233,8 +239,18 @@ def first_user_turn(record) -> tuple[str | None, str]:
     return text.strip(), ""
 
 
+def first_answer(record) -> str | None:
+    """The conversation's first answer (its second turn, from gpt), or None."""
+    turns = record["conversations"]
+    if len(turns) < 2 or not isinstance(turns[1], dict) or turns[1].get("from") != "gpt":
+        return None
+    text = turns[1].get("value")
+    return text.strip() if isinstance(text, str) and text.strip() else None
+
+
 def sharegpt_prompts(records: list) -> tuple[dict[str, list[dict]], dict]:
-    """Chat prompts {"messages", "group"} by split ("train" / "bench"), first occurrence of each text."""
+    """Chat prompts {"messages", "group", "answer"} by split ("train" / "bench"), first occurrence of
+    each text; "answer" is the conversation's own first answer, or None."""
     splits, dropped, seen = {"train": [], "bench": []}, {}, set()
     for index, record in enumerate(records):
         text, reason = first_user_turn(record)
@@ -246,7 +262,8 @@ def sharegpt_prompts(records: list) -> tuple[dict[str, list[dict]], dict]:
         seen.add(text)
         group = conversation_group(str(record.get("id", f"row{index}")))
         split = "bench" if in_bench(group) else "train"
-        splits[split].append({"messages": [{"role": "user", "content": text}], "group": group})
+        splits[split].append({"messages": [{"role": "user", "content": text}], "group": group,
+                              "answer": first_answer(record)})
     return splits, {"kept": {name: len(rows) for name, rows in splits.items()}, "dropped": dropped}
 
 
@@ -259,12 +276,30 @@ def step_sharegpt(out: Path) -> None:
             raise SystemExit(f"{path}: no {split} prompts (kept {counts['kept']}, dropped {counts['dropped']} "
                              f"of {salvage['complete']} complete conversations)")
     sizes = json.loads((out / "sizes.json").read_text())
-    world.write_jsonl(out / "prompts.jsonl", world.sample_in_order(splits["train"], sizes["train_prompts"], SEED))
-    world.write_jsonl(out / "bench_chat.jsonl", world.sample_in_order(splits["bench"], sizes["bench_chat"], SEED))
+    prompts = [{"messages": row["messages"], "group": row["group"]} for row in splits["train"]]
+    world.write_jsonl(out / "prompts.jsonl", world.sample_in_order(prompts, sizes["train_prompts"], SEED))
+    bench = [{"messages": row["messages"], "group": row["group"]} for row in splits["bench"]]
+    world.write_jsonl(out / "bench_chat.jsonl", world.sample_in_order(bench, sizes["bench_chat"], SEED))
     report = {"package": SHAREGPT_SOURCE[0], "version": SHAREGPT_SOURCE[1], "file": path.name, **salvage, **counts}
     (out / "sharegpt.json").write_text(json.dumps(report, indent=1) + "\n")
     print(f"sharegpt: {salvage['complete']} complete conversations, {salvage['cut']} cut; prompts kept "
           f"{counts['kept']}, dropped {counts['dropped']}", flush=True)
+
+
+def step_sharegpt_answers(out: Path) -> None:
+    """ShareGPT's own first answers to training prompts (the same train split, never a bench
+    conversation), as chats: data to train on with the target's labels, without regenerating."""
+    records, _ = salvage_json_list(package_file(*SHAREGPT_SOURCE))
+    splits, _ = sharegpt_prompts(records)
+    chats = [{"messages": row["messages"] + [{"role": "assistant", "content": row["answer"]}], "group": row["group"]}
+             for row in splits["train"] if row["answer"] is not None]
+    sizes = json.loads((out / "sizes.json").read_text())
+    world.write_jsonl(out / "sharegpt_answers.jsonl", world.sample_in_order(chats, sizes["sharegpt_answers"], SEED))
+
+
+def step_sharegpt_data(out: Path) -> None:
+    world.prepare(out, "sharegpt_answers.jsonl", "sharegpt_data", "--max-length", str(SHAREGPT_MAX_LENGTH),
+                  "--truncate")
 
 
 def humaneval_chats(path: Path) -> list[dict]:
@@ -312,6 +347,10 @@ def record_sizes(out: Path, sizes: dict) -> None:
             recorded = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise SystemExit(f"{path}: not the sizes this tool writes ({error}); --force rebuilds") from None
+        added = {k: v for k, v in sizes.items() if k not in recorded}  # sizes newer than the build
+        if added:
+            recorded |= added
+            path.write_text(json.dumps(recorded, indent=1) + "\n")
         if recorded != sizes:
             changed = {k: (recorded.get(k), v) for k, v in sizes.items() if recorded.get(k) != v}
             raise SystemExit(f"{path}: this build was started with other sizes {changed} (recorded, asked); "
@@ -347,6 +386,8 @@ def main(argv=None) -> dict:
         (step_sharegpt, "sharegpt.json"),  # written after prompts.jsonl and bench_chat.jsonl
         (step_bench_code, "bench_code.jsonl"),
         (step_train_data, "train_data"),
+        (step_sharegpt_answers, "sharegpt_answers.jsonl"),
+        (step_sharegpt_data, "sharegpt_data"),
         (step_bench_chat_data, "bench_chat_data"),
         (step_bench_code_data, "bench_code_data"),
     ])

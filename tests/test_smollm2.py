@@ -94,11 +94,41 @@ def test_prompts_split_by_conversation_and_dropped_by_reason(monkeypatch):
         {"id": "a7_0", "conversations": []},
     ]
     splits, counts = smollm2.sharegpt_prompts(rows)
-    assert splits["train"] == [{"messages": [{"role": "user", "content": "Hi there"}], "group": "a1"}]
-    assert splits["bench"] == [{"messages": [{"role": "user", "content": "Bench me"}], "group": "b2"}]
+    assert splits["train"] == [{"messages": [{"role": "user", "content": "Hi there"}], "group": "a1", "answer": None}]
+    assert splits["bench"] == [{"messages": [{"role": "user", "content": "Bench me"}], "group": "b2", "answer": None}]
     assert counts["dropped"] == {"continuation": 1, "duplicate": 1, "not_human_first": 1, "too_long": 1,
                                  "not_english": 1, "no_turns": 1}
     assert smollm2.conversation_group("QWJhYvA_12") == smollm2.conversation_group("QWJhYvA_0") == "QWJhYvA"
+
+
+def test_sharegpt_answers_are_the_train_splits_own_first_answers(tmp_path, monkeypatch):
+    """Each training conversation's first answer after its prompt; a bench conversation never, and a
+    conversation whose second turn is no answer is left out."""
+    rows = [
+        {"id": "a1_0", "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": " Hello! "},
+                                         {"from": "human", "value": "more"}, {"from": "gpt", "value": "later"}]},
+        {"id": "b2", "conversations": [{"from": "human", "value": "Bench me"}, {"from": "gpt", "value": "no"}]},
+        {"id": "a3", "conversations": [{"from": "human", "value": "Alone"}]},
+        {"id": "a4", "conversations": [{"from": "human", "value": "Twice"}, {"from": "human", "value": "x"}]},
+        {"id": "a5", "conversations": [{"from": "human", "value": "Q"}, {"from": "gpt", "value": "A"}]},
+    ]
+    monkeypatch.setattr(smollm2, "package_file", lambda *source: write(tmp_path, json.dumps(rows)))
+    monkeypatch.setattr(smollm2, "in_bench", lambda group: group.startswith("b"))
+    (tmp_path / "sizes.json").write_text(json.dumps(smollm2.SIZES))
+    smollm2.step_sharegpt_answers(tmp_path)
+    chats = [json.loads(line) for line in (tmp_path / "sharegpt_answers.jsonl").read_text().splitlines()]
+    assert chats == [
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}], "group": "a1"},
+        {"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}], "group": "a5"}]
+
+
+def test_a_build_started_before_a_size_existed_resumes_with_its_default(tmp_path):
+    old = {k: v for k, v in smollm2.SIZES.items() if k != "sharegpt_answers"}
+    (tmp_path / "sizes.json").write_text(json.dumps(old))
+    smollm2.record_sizes(tmp_path, dict(smollm2.SIZES))
+    assert json.loads((tmp_path / "sizes.json").read_text()) == smollm2.SIZES
+    with pytest.raises(SystemExit, match="other sizes"):
+        smollm2.record_sizes(tmp_path, {**smollm2.SIZES, "sharegpt_answers": 7})
 
 
 @pytest.mark.parametrize("text, empty", [("[", "train"), (json.dumps(records(3)), "bench")])
@@ -126,7 +156,7 @@ def test_another_version_of_a_package_is_refused_with_the_pinned_ones_pip_line()
 
 
 @pytest.mark.parametrize("flag", ["--train-prompts", "--bench-chat", "--bench-code", "--max-new-tokens",
-                                  "--batch-size", "--threads"])
+                                  "--batch-size", "--sharegpt-answers", "--threads"])
 def test_a_size_below_one_is_refused_before_the_build(flag, capsys):
     for value in ("0", "-3"):
         with pytest.raises(SystemExit):
