@@ -49,6 +49,7 @@ from drafter.models import drafter_from_state_dict, load_drafter, new_drafter
 from drafter.models.blocks import attention_kernel, blocks_drawn
 from drafter.models.configure import drafter_config
 from drafter.models.draft_vocab import answer_vocab
+from drafter.models.from_target import start_layers_from_target
 from drafter.models.mask_token import check_given_mask_token, choose_mask_token
 from drafter.serving.decode import stop_token_ids
 from drafter.serving.served import PromptShare, bench_prompts, generation_tau, held_out_prompts, replayed_tau
@@ -347,7 +348,12 @@ def build_drafter(cfg, target, tokenizer, data, rank):
         draft_vocab, line = answer_vocab(counts, cfg.drafter.draft_vocab_size)
         if rank == 0:
             print(line, flush=True)
-    return new_drafter(config, target.get_output_embeddings().weight, cfg.run.seed, draft_vocab)
+    drafter = new_drafter(config, target.get_output_embeddings().weight, cfg.run.seed, draft_vocab)
+    if cfg.drafter.layers_from_target is not None:
+        line = start_layers_from_target(drafter, target, list(cfg.drafter.layers_from_target))
+        if rank == 0:
+            print(line, flush=True)
+    return drafter
 
 
 def generation_prompts(cfg, tokenizer, eval_set) -> list[list[int]] | None:

@@ -102,6 +102,8 @@ class DrafterConfig(DrafterVariant):
     target_layer_ids: Optional[list[int]] = None  # null: evenly spaced from 1 to L-3
     mask_token_id: Optional[int] = None           # null: chosen from the tokenizer and the data (drafter/models/mask_token.py)
     init_from: Optional[str] = None               # an exported drafter/ dir to start from
+    layers_from_target: Optional[list[int]] = None  # target layer ids that start the drafter's layers, one
+                                                  # per layer (drafter/models/from_target.py); null: fresh
     draft_vocab_size: Optional[int] = None        # K: the LM head cut to the K commonest answer tokens
                                                   # (drafter/models/draft_vocab.py); null: the target's whole head
 

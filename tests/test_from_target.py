@@ -1,0 +1,59 @@
+"""Starting the drafter's layers from the target's (drafter/models/from_target.py): the copied layers
+hold the target's weights, and the context path is started so that the first drafter layer reads,
+at every context position, exactly the keys and values its target layer computes there."""
+import pytest
+import torch
+
+from drafter.errors import ConfigError
+from drafter.models import new_drafter
+from drafter.models.configure import drafter_config
+from drafter.models.from_target import start_layers_from_target, suggested_layers
+from drafter.target.model import decoder_layers, input_embedding_scale, random_qwen3
+
+
+def target_and_drafter(layer_ids=(1, 4)):
+    target = random_qwen3(num_hidden_layers=6)
+    with torch.no_grad():  # norms of ones would hide a norm not copied
+        for name, param in target.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(len(name)))
+    config = drafter_config(target.config, num_layers=2, block_size=4, mask_token_id=255,
+                            target_layer_ids=list(layer_ids), input_embedding_scale=input_embedding_scale(target))
+    return target, new_drafter(config, target.lm_head.weight, seed=0)
+
+
+def test_copied_layers_hold_the_target_layers_weights_and_the_rest_is_untouched():
+    target, drafter = target_and_drafter()
+    fresh_norm = drafter.norm.weight.clone()
+    line = start_layers_from_target(drafter, target, [2, 3])
+    layers = decoder_layers(target)
+    for drafter_layer, target_id in zip(drafter.layers, [2, 3]):
+        for name, tensor in drafter_layer.state_dict().items():
+            assert torch.equal(tensor, layers[target_id].state_dict()[name]), name
+    assert torch.equal(drafter.norm.weight, fresh_norm)  # the final norm keeps the head's scale rule
+    assert "copied" in line and "self_attn.q_proj.weight" in line
+
+
+def test_the_first_layer_reads_its_target_layers_context_keys_and_values():
+    """Target layer 2 reads layer 1's output; with layers_from_target starting at 2 and feature
+    layer 1 first, the drafter's fc + hidden_norm + k/v projections give layer 2's own k and v."""
+    target, drafter = target_and_drafter(layer_ids=(1, 4))
+    ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(0))
+    start_layers_from_target(drafter, target, suggested_layers([1, 4], 2))
+    with torch.no_grad():
+        hidden = target(ids, output_hidden_states=True).hidden_states
+        features = torch.cat([hidden[1 + 1], hidden[4 + 1]], dim=-1)
+        ctx = drafter.hidden_norm(drafter.fc(features))
+        layer2 = decoder_layers(target)[2]
+        normed = layer2.input_layernorm(hidden[2])
+        attn = drafter.layers[0].self_attn
+        torch.testing.assert_close(attn.v_proj(ctx), layer2.self_attn.v_proj(normed), rtol=0, atol=1e-6)
+        torch.testing.assert_close(attn.k_proj(ctx), layer2.self_attn.k_proj(normed), rtol=0, atol=1e-6)
+
+
+def test_layer_ids_that_do_not_fit_are_refused_by_key():
+    target, drafter = target_and_drafter()
+    with pytest.raises(ConfigError, match=r"drafter.layers_from_target=\[2\]: one target layer per drafter layer"):
+        start_layers_from_target(drafter, target, [2])
+    with pytest.raises(ConfigError, match=r"\[6\] not layers of a target of 6 layers"):
+        start_layers_from_target(drafter, target, [2, 6])
