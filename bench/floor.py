@@ -12,7 +12,8 @@ Two predictors that read no target feature:
 A drafter whose held-out slot accuracy (`--run`: the last eval of its metrics.jsonl) sits at the
 unigram column predicts the answers' commonest token; below the anchor column it has not yet learned
 even what the anchor token alone says. Both are counted over every anchor of the held-out rows, the
-run's accuracy over the anchors its eval drew.
+run's accuracy over every anchor of its replayed responses (`replay_acc_pos`; older runs: the few
+anchors its eval's training step drew, `acc_pos`).
 """
 import argparse
 from pathlib import Path
@@ -75,7 +76,7 @@ def last_eval_accuracy(run: Path) -> tuple[int, list[float]] | None:
     kill cut short are skipped, as `read_metrics` reads any run's log)."""
     records, _ = read_metrics(run / "metrics.jsonl")
     evals = [r for r in records.get("eval", []) if "acc_pos" in r]
-    return (evals[-1]["step"], evals[-1]["acc_pos"]) if evals else None
+    return (evals[-1]["step"], evals[-1].get("replay_acc_pos", evals[-1]["acc_pos"])) if evals else None
 
 
 def main(argv=None) -> list[dict]:

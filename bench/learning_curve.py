@@ -4,7 +4,8 @@
     python bench/learning_curve.py runs/a_s0 runs/a_s1 runs/b_s0 runs/b_s1 --out runs/ab   # overlay
 
 Each run's eval records (metrics.jsonl, kind "eval") give, at every eval step, the held-out accuracy of
-block slots 1, 2, 4, 8 and 15 (`acc_pos`) and the replayed tau (`tau_dflash`, `tau_ddtree@B` for the
+block slots 1, 2, 4, 8 and 15 (`replay_acc_pos`: every anchor of the replayed responses; runs from
+before it: `acc_pos`, the few random anchors of the eval's training step) and the replayed tau (`tau_dflash`, `tau_ddtree@B` for the
 run's train.tau_budgets: 8 and 32 in the shipped configs), against two x axes, log scale: the supervised (answer) tokens of the training
 batches and the blocks trained so far, all ranks together (train.py counts both into the trainer
 state, so they carry across a resume).
@@ -79,7 +80,7 @@ def read_run(run_dir: Path) -> dict:
     cfg = OmegaConf.load(config)
     points = []
     for r in evals:
-        acc = r["acc_pos"]
+        acc = r.get("replay_acc_pos", r["acc_pos"])  # every anchor; older runs: training's random draw
         points.append({"step": r["step"], **{x: r[x] for x in X_AXES},
                        "acc": {s: acc[s - 1] for s in curve_slots(len(acc) + 1)},
                        "tau": {k: v for k, v in r.items() if k.startswith("tau_") and isinstance(v, (int, float))}})

@@ -15,7 +15,7 @@ from drafter.config import ObjectiveConfig
 from drafter.data.benchmarks import load_prompts
 from drafter.metric_sums import finalize_metrics
 from drafter.serving.decode import generate
-from drafter.serving.served import (PromptShare, anchor_acceptance, bench_prompts, every_anchor, generation_tau,
+from drafter.serving.served import (PromptShare, acceptance_and_slot_hits, anchor_acceptance, bench_prompts, every_anchor, generation_tau,
                                     held_out_prompts, mean_tau, replay_steps, replayed_tau, response_spans,
                                     serve_walk)
 from drafter.target.model import context_features
@@ -149,6 +149,27 @@ def test_replayed_tau_is_eval_tau(world):
                     "stage_seconds": g.stage_seconds} for i, g in enumerate(served[method])]
         assert tau[f"tau_{method}"] == summarize(records, records, greedy=False, save_samples=False)["tau"]
     assert tau["tau_dflash"] > 1.3 and tau["tau_ddtree@16"] > tau["tau_dflash"]
+
+
+def test_every_anchor_slot_accuracy_counts_the_supervised_labels_the_chain_walked(world):
+    """Slot k counts every anchor p whose label x_{p+k} is supervised; slot 1's hits are the anchors
+    where DFlash accepts at least one token, and slot k hits at least where it accepts k."""
+    target, drafter, _, input_ids, loss_mask, features, _ = world
+    accepted, slot_hits = acceptance_and_slot_hits(drafter, target, features, input_ids, loss_mask, BUDGETS,
+                                                   "dense", blocks_per_forward=7)
+    chain = accepted["dflash"]
+    anchors, valid = every_anchor(loss_mask)
+    rows = torch.arange(len(anchors))[:, None].expand_as(anchors)[valid]
+    positions = anchors[valid]
+    length = loss_mask.shape[1]
+    for k in range(1, B):
+        at = positions + k
+        counted = (at < length) & loss_mask[rows, at.clamp(max=length - 1)].bool()
+        assert slot_hits[k - 1, 1] == counted.sum(), k
+        assert slot_hits[k - 1, 0] >= (counted & (chain[rows, positions] >= k)).sum(), k
+    counted = loss_mask[rows, (positions + 1).clamp(max=length - 1)].bool() & (positions + 1 < length)
+    assert slot_hits[0, 0] == (counted & (chain[rows, positions] >= 1)).sum()
+    assert 0 < slot_hits[0, 0] < slot_hits[0, 1]
 
 
 def test_chunking_does_not_change_acceptance(world):

@@ -117,17 +117,35 @@ def anchor_acceptance(drafter, target, features, input_ids, loss_mask, budgets, 
     """Drafted tokens a verify at each anchor would accept, per method: {method: [b, T] long on the
     CPU}, -1 where p is no anchor. The labels are the text as it goes on, past the response's end
     too (`serve_walk` cuts every step at that end). `chunking`: see `scored_blocks`."""
+    return acceptance_and_slot_hits(drafter, target, features, input_ids, loss_mask, budgets, attention,
+                                    tree_backend=tree_backend, **chunking)[0]
+
+
+@torch.no_grad()
+def acceptance_and_slot_hits(drafter, target, features, input_ids, loss_mask, budgets, attention: str, *,
+                             tree_backend: str = "auto", **chunking) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """`anchor_acceptance`, and from the same blocks each slot's top-1 accuracy at every anchor:
+    [B-1, 2] (hits, count) for slots 1..B-1, slot k counted where its label x_{p+k} is supervised.
+    Every anchor, not training's random draw of a few: the learning curve's slot accuracy."""
     chain, *trees = speculative_methods(budgets)
     accepted = {str(m): torch.full(input_ids.shape, -1, dtype=torch.long) for m in (chain, *trees)}
+    supervised = loss_mask.bool().cpu()
+    length = supervised.shape[1]
+    slot_hits = torch.zeros(drafter.block_size - 1, 2, dtype=torch.float64)
     for part in scored_blocks(drafter, target, features, input_ids, loss_mask, attention, **chunking):
         where = (part.rows, part.positions)
         drafted = drafter.chain_picks(part.hidden, part.logits, part.predecessors)
-        accepted[str(chain)][where] = (drafted == part.labels).long().cumprod(-1).sum(-1).cpu()
+        hits = drafted == part.labels
+        accepted[str(chain)][where] = hits.long().cumprod(-1).sum(-1).cpu()
+        label_at = part.positions[:, None] + torch.arange(1, drafter.block_size)
+        counted = (label_at < length) & supervised[part.rows[:, None], label_at.clamp(max=length - 1)]
+        slot_hits[:, 0] += (hits.cpu() & counted).sum(0)
+        slot_hits[:, 1] += counted.sum(0)
         for method in trees:
             tree = drafter.block_trees(part.hidden, part.logits, part.predecessors[:, 0], method.budget,
                                        tree_backend)
             accepted[str(method)][where] = (teacher_forced_accept(tree, part.labels) - 1).cpu()
-    return accepted
+    return accepted, slot_hits
 
 
 def walks_of(accepted: dict[str, torch.Tensor], loss_mask: torch.Tensor) -> dict[str, list[list[int]]]:
@@ -187,10 +205,14 @@ def mean_tau(steps_per_response: list[list[int]]) -> torch.Tensor:
 
 def replayed_tau(drafter, target, features, input_ids, loss_mask, budgets, attention: str,
                  **chunking) -> dict[str, torch.Tensor]:
-    """{`tau_dflash`, `tau_ddtree@B`: [sum, count]} over the batch's responses, to be summed over
-    batches and ranks and divided (metric_sums.finalize_metrics)."""
-    steps = replay_steps(drafter, target, features, input_ids, loss_mask, budgets, attention, **chunking)
-    return {f"tau_{method}": mean_tau(responses) for method, responses in steps.items()}
+    """{`tau_dflash`, `tau_ddtree@B`: [sum, count]} over the batch's responses, and `replay_acc_pos`:
+    [B-1, 2] each slot's top-1 hits and count over every anchor (`acceptance_and_slot_hits`), to be
+    summed over batches and ranks and divided (metric_sums.finalize_metrics)."""
+    accepted, slot_hits = acceptance_and_slot_hits(drafter, target, features, input_ids, loss_mask, budgets,
+                                                   attention, **chunking)
+    steps = walks_of(accepted, loss_mask)
+    return {**{f"tau_{method}": mean_tau(responses) for method, responses in steps.items()},
+            "replay_acc_pos": slot_hits}
 
 
 # ---------------------------------------------------------------------------------------------
