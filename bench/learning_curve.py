@@ -14,7 +14,7 @@ The floor is drawn in: bench/floor.py's two predictors that read no target featu
 answer token (unigram) and the commonest token k after the anchor token (anchor), fitted on the run's
 training set and scored on its held-out set.
 
-Runs of one recipe (the same config but for run.seed, run.name and run.out_dir) are one group: its
+Runs of one recipe (the same config but for run.seed, data.seed, run.name and run.out_dir) are one group: its
 mean over seeds is drawn as a line, the seeds' range as a band. Runs evaluated on different held-out
 rows are never drawn together: the script names them and stops. A run without eval records, or whose
 records predate the trained-on counts, is named too. One run: curve.png and curve.json go into its own
@@ -42,7 +42,7 @@ from drafter.training.tracking import read_metrics  # noqa: E402
 
 SLOTS = (1, 2, 4, 8, 15)  # and the block's last slot, where the block is shorter
 X_AXES = {"supervised_tokens": "supervised tokens seen", "blocks_trained": "blocks trained"}
-PER_RUN_KEYS = ("run.seed", "run.name", "run.out_dir")  # what may differ between the seeds of one recipe
+PER_RUN_KEYS = ("run.seed", "run.name", "run.out_dir", "data.seed")  # what may differ between seeds of one recipe
 
 
 class CurveError(ValueError):
@@ -52,10 +52,10 @@ class CurveError(ValueError):
 def recipe_key(cfg) -> str:
     """The run's config without the keys that differ between seeds of one recipe."""
     container = OmegaConf.to_container(cfg, resolve=True)
-    run = dict(container.get("run", {}))
     for key in PER_RUN_KEYS:
-        run.pop(key.split(".", 1)[1], None)
-    return json.dumps({**container, "run": run}, sort_keys=True, default=str)
+        section, name = key.split(".", 1)
+        container[section] = {k: v for k, v in container.get(section, {}).items() if k != name}
+    return json.dumps(container, sort_keys=True, default=str)
 
 
 def read_run(run_dir: Path) -> dict:

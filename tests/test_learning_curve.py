@@ -1,0 +1,56 @@
+"""bench/learning_curve.py: seeds of one recipe drawn as one line with a band, other recipes apart,
+every-anchor slot accuracy read before the eval step's few anchors, and runs it cannot draw named."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import learning_curve  # noqa: E402
+
+from drafter.config import Config  # noqa: E402
+
+
+def make_run(root: Path, name: str, seed: int, lr: float, slot1: list[float], held_out_set="abc", counts=True):
+    run = root / name
+    run.mkdir()
+    cfg = OmegaConf.structured(Config)
+    cfg.run.name, cfg.run.out_dir, cfg.run.seed, cfg.data.seed, cfg.optim.lr = name, str(run), seed, seed, lr
+    cfg.drafter.block_size = 4
+    OmegaConf.save(cfg, run / "config.yaml")
+    lines = []
+    for i, acc in enumerate(slot1):
+        record = {"kind": "eval", "step": 10 * (i + 1), "acc_pos": [0.0, 0.0, 0.0],
+                  "replay_acc_pos": [acc, acc / 2, acc / 4], "tau_dflash": 1 + acc}
+        if counts:
+            record |= {"supervised_tokens": 100 * (i + 1), "blocks_trained": 10 * (i + 1), "held_out_set": held_out_set}
+        lines.append(json.dumps(record))
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    return run
+
+
+def test_seeds_group_into_a_band_and_recipes_apart(tmp_path):
+    runs = [make_run(tmp_path, "a_s0", 0, 1e-3, [0.1, 0.3]), make_run(tmp_path, "a_s1", 1, 1e-3, [0.2, 0.5]),
+            make_run(tmp_path, "b_s0", 0, 2e-3, [0.0, 0.1])]
+    report = learning_curve.main([*map(str, runs), "--out", str(tmp_path / "ab"), "--no-floor"])
+    assert [g["seeds"] for g in report["groups"]] == [[0, 1], [0]]
+    assert (tmp_path / "ab" / "curve.png").stat().st_size > 0
+    group = {"runs": [learning_curve.read_run(r) for r in runs[:2]]}
+    x, mean, low, high = learning_curve.group_series(group, "supervised_tokens", lambda p: p["acc"][1])
+    assert x.tolist() == [100, 200] and mean.tolist() == pytest.approx([0.15, 0.4])
+    assert low.tolist() == [0.1, 0.3] and high.tolist() == [0.2, 0.5]  # every-anchor accuracy, not acc_pos
+
+
+def test_runs_it_cannot_draw_are_named(tmp_path, capsys):
+    a = make_run(tmp_path, "a", 0, 1e-3, [0.1])
+    other = make_run(tmp_path, "other", 0, 1e-3, [0.1], held_out_set="xyz")
+    with pytest.raises(SystemExit, match=r"different held-out sets.*abc: .*a; xyz: .*other"):
+        learning_curve.main([str(a), str(other), "--out", str(tmp_path / "o"), "--no-floor"])
+    old = make_run(tmp_path, "old", 0, 1e-3, [0.1], counts=False)
+    with pytest.raises(SystemExit, match=r"old: the evals at steps \[10\] hold no trained-on counts"):
+        learning_curve.main([str(old), "--no-floor"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="empty: not a train.py run directory"):
+        learning_curve.main([str(tmp_path / "empty"), "--no-floor"])
