@@ -15,6 +15,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from data import prepare
+from drafter.data import prepared
 from drafter.data import chat, chat_files, chat_template
 from tests.tiny_tokenizer import save_tiny_tokenizer
 
@@ -207,7 +208,7 @@ def test_rerun_is_deterministic_and_reuses_the_cache(target, tmp_path, monkeypat
     first, _ = run(target, tmp_path, [path], "first")
 
     calls = {"read": 0, "tokenize": 0}
-    read, tokenize = prepare.conversation_rows, prepare.tokenize_row
+    read, tokenize = prepared.conversation_rows, prepared.tokenize_row
 
     def counted_read(**kwargs):
         calls["read"] += 1
@@ -217,8 +218,8 @@ def test_rerun_is_deterministic_and_reuses_the_cache(target, tmp_path, monkeypat
         calls["tokenize"] += 1
         return tokenize(*args, **kwargs)
 
-    monkeypatch.setattr(prepare, "conversation_rows", counted_read)
-    monkeypatch.setattr(prepare, "tokenize_row", counted_tokenize)
+    monkeypatch.setattr(prepared, "conversation_rows", counted_read)
+    monkeypatch.setattr(prepared, "tokenize_row", counted_tokenize)
     second, _ = run(target, tmp_path, [path], "second")
     assert calls == {"read": 0, "tokenize": 0}
     assert second.to_dict() == first.to_dict()
@@ -461,7 +462,7 @@ def test_a_failure_while_writing_leaves_the_earlier_output_whole(target, tmp_pat
     def disk_full(*args):
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(prepare, "plot_lengths", disk_full)  # fails after the new rows are saved
+    monkeypatch.setattr(prepared, "plot_lengths", disk_full)  # fails after the new rows are saved
     with pytest.raises(OSError, match="No space left"):
         run(target, tmp_path, [path], "out", "--system-prompt", "Be brief.")
     assert datasets.load_from_disk(str(tmp_path / "out")).to_dict() == first.to_dict()
@@ -656,7 +657,7 @@ def test_answers_that_loop_are_counted_and_dropped_on_request(target, tokenizer,
     ])
     out, stats = run(target, tmp_path, [path])
     assert stats["flags"]["loop"] == {"rows": 2, "examples": [f"{path}:1", f"{path}:2"]} and stats["kept"] == 4
-    assert stats["loop_rule"] == prepare.LOOP_RULE
+    assert stats["loop_rule"] == prepared.LOOP_RULE
 
     kept, stats = run(target, tmp_path, [path], "dropped", "--drop-loops")
     assert stats["dropped"] == {"loop": 2} and "loop" not in stats["flags"]
@@ -665,19 +666,19 @@ def test_answers_that_loop_are_counted_and_dropped_on_request(target, tokenizer,
 
 @pytest.mark.parametrize("period", [1, 3, 10, 16])
 def test_repeating_tail_rule(period):
-    window = prepare.LOOP_WINDOW
+    window = prepared.LOOP_WINDOW
     loop = (list(range(100, 100 + period)) * window)[:window]
     head = list(range(50))
-    assert prepare.repeating_tail(head + loop)
-    assert not prepare.repeating_tail(loop[1:])                             # one token short of the window
-    assert not prepare.repeating_tail(head + loop + list(range(200, 230)))  # the loop ended
-    assert not prepare.repeating_tail(list(range(200)))
+    assert prepared.repeating_tail(head + loop)
+    assert not prepared.repeating_tail(loop[1:])                             # one token short of the window
+    assert not prepared.repeating_tail(head + loop + list(range(200, 230)))  # the loop ended
+    assert not prepared.repeating_tail(list(range(200)))
 
 
 def test_repeating_tail_bounds_and_line_wraps():  # the rule as documented: 16 distinct 4-grams in 48 tokens
-    assert prepare.repeating_tail(list(range(16)) * 3)
-    assert not prepare.repeating_tail((list(range(17)) * 3)[:48])
-    assert not prepare.repeating_tail((list(range(16)) * 3)[:47])
+    assert prepared.repeating_tail(list(range(16)) * 3)
+    assert not prepared.repeating_tail((list(range(17)) * 3)[:48])
+    assert not prepared.repeating_tail((list(range(16)) * 3)[:47])
     # "self.name, self.name, self.name,\n    self.name, ...": 4 tokens, a line break every 3 times
     wrapped = ([1, 2, 3, 4] * 3 + [9, 10]) * 5
-    assert prepare.repeating_tail(wrapped)
+    assert prepared.repeating_tail(wrapped)
