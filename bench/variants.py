@@ -98,7 +98,7 @@ def build_micro_target(directory: Path, steps: int = 150) -> None:
     loads it like any target (the token ids, not the text, are what matters here)."""
     import torch
 
-    from data.toy import build_tokenizer
+    from drafter.synthesis.toy_tokenizer import build_tokenizer
     from drafter.target.model import random_qwen3
 
     target = random_qwen3(**MICRO_TARGET).train().requires_grad_(True)
