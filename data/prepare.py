@@ -1,7 +1,7 @@
 """Tokenise chat data for drafter training: input_ids, loss_mask (assistant tokens only), length, group.
 
     python data/prepare.py --input chat.jsonl more.parquet owner/hub-dataset:train \\
-        --target Qwen/Qwen3-8B --out prepared/v3 [--no-thinking] [--system-prompt TEXT] \\
+        --target Qwen/Qwen3-8B --out artifacts/qwen3-8b [--no-thinking] [--system-prompt TEXT] \\
         [--max-length 3072] [--truncate] [--last-turn-only] [--drop-loops] [--num-proc 8]
 
 Inputs: JSONL, JSON (a list of rows), parquet files, directories of them, or hub dataset names; the

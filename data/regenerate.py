@@ -1,10 +1,10 @@
 """Rewrite the assistant turns of chat data with the target itself (the DFlash data recipe).
 
     # any OpenAI-compatible server (vLLM, SGLang) serving the target
-    python data/regenerate.py --input chat.jsonl --out regen/chat.jsonl \\
+    python data/regenerate.py --input chat.jsonl --out artifacts/regen/chat.jsonl \\
         --base-url http://127.0.0.1:8000/v1 --model Qwen/Qwen3-8B --concurrency 64 --no-thinking
     # small local targets (the toy world, the tests): transformers generate, batched
-    python data/regenerate.py --input chat.jsonl --out regen/chat.jsonl --backend local --target PATH
+    python data/regenerate.py --input chat.jsonl --out artifacts/regen/chat.jsonl --backend local --target PATH
 
 Conversations are read with the same readers and shapes as `data/prepare.py` (see
 `drafter/data/chat.py`). Turn by turn, every assistant turn is replaced by the target's answer to the

@@ -144,11 +144,11 @@ def target_path_of(args) -> str:
     return path
 
 
-def tensor_parallel_group(args, target_path: str, world: int, device: torch.device):
+def tensor_parallel_group(args, target_path: str, world_size: int, device: torch.device):
     """This rank's group of --tp ranks, after checking that the target can be split so (before it loads)."""
     try:
         check_tensor_parallel(AutoConfig.from_pretrained(target_path), args.tp,
-                              local_world_size(world), world, key="--tp")
+                              local_world_size(world_size), world_size, key="--tp")
     except (TensorParallelError, OSError, ValueError) as error:  # also a hub id that cannot be fetched
         raise SystemExit(f"error: {error}") from None
     return form_tp_group(args.tp, backend="nccl" if device.type == "cuda" else None)
@@ -280,10 +280,10 @@ def run_benchmark(evaluator: Evaluator, name: str, prompts, share: PromptShare) 
     return records
 
 
-def gather_records(records: dict[str, dict[str, list[dict]]], world: int) -> dict:
+def gather_records(records: dict[str, dict[str, list[dict]]], world_size: int) -> dict:
     """Every rank's records of every benchmark, merged on rank 0 (one gather, after all benchmarks,
     under the process group's explicit timeout); None on the other ranks."""
-    gathered = [None] * world if dist.get_rank() == 0 else None
+    gathered = [None] * world_size if dist.get_rank() == 0 else None
     dist.gather_object(records, gathered, dst=0)
     if gathered is None:
         return None
@@ -296,7 +296,7 @@ def in_prompt_order(records: dict[str, list[dict]], prompts) -> dict[str, list[d
     return {m: sorted(rs, key=lambda r: order[(r["source"], r["turn"])]) for m, rs in records.items()}
 
 
-def report(records_by_bench: dict, args, evaluator: Evaluator, world: int,
+def report(records_by_bench: dict, args, evaluator: Evaluator, world_size: int,
            public_checks: dict[str, list[tuple[str, PublicAgreement]]]) -> dict:
     benchmarks = {}
     for bench, records in records_by_bench.items():
@@ -321,7 +321,7 @@ def report(records_by_bench: dict, args, evaluator: Evaluator, world: int,
               "temperature": args.temperature, "sampling": args.sampling,
               "tie_tolerance": args.tie_tolerance, "max_new_tokens": args.max_new_tokens,
               "enable_thinking": evaluator.enable_thinking, "dtype": str(evaluator.dtype),
-              "device": str(evaluator.target.device), "world_size": world, "tp_size": args.tp,
+              "device": str(evaluator.target.device), "world_size": world_size, "tp_size": args.tp,
               "block_size": evaluator.drafter.block_size, "tree_verify_refusal": evaluator.tree_refusal,
               "verify_refusal": evaluator.verify_refusal, "check_public": args.check_public,
               "stage_times_synchronized":
@@ -342,14 +342,14 @@ def load_prompt_sets(bench: str, max_samples: int | None) -> dict[str, list]:
 
 def main(argv=None) -> dict | None:
     args = parse_args(argv)
-    rank, world, device = setup_distributed(args.gather_timeout)
+    rank, world_size, device = setup_distributed(args.gather_timeout)
     try:  # what the flags name, checked before any model loads
         target_path = target_path_of(args)
         prompt_sets = load_prompt_sets(args.bench, args.max_samples)
     except (OSError, ValueError) as error:  # also a hub benchmark that cannot be fetched
         raise SystemExit(f"error: {error}") from None
-    tp_group = tensor_parallel_group(args, target_path, world, device)
-    share = PromptShare.of(tp_group, world)  # the groups split the prompts, as generation in training does
+    tp_group = tensor_parallel_group(args, target_path, world_size, device)
+    share = PromptShare.of(tp_group, world_size)  # the groups split the prompts, as generation in training does
     torch.manual_seed(args.seed + share.index)  # a group's members sample alike, in lockstep
     evaluator = Evaluator(args, device, target_path, tp_group)
     records = {}
@@ -358,15 +358,15 @@ def main(argv=None) -> dict | None:
             print(f"{name}: {len(prompts)} prompts, methods {', '.join(map(str, evaluator.methods))}", flush=True)
         ran = run_benchmark(evaluator, name, prompts, share)
         records[name] = ran if share.reports else {method: [] for method in ran}  # one report per group
-    if world > 1:
-        records = gather_records(records, world)
+    if world_size > 1:
+        records = gather_records(records, world_size)
         dist.destroy_process_group()
     if rank != 0:
         return None
     records = {name: in_prompt_order(records[name], prompts) for name, prompts in prompt_sets.items()}
     public_checks = {name: evaluator.check_public(prompts[:args.check_public])
                      for name, prompts in prompt_sets.items()} if args.check_public else {}
-    results = report(records, args, evaluator, world, public_checks)
+    results = report(records, args, evaluator, world_size, public_checks)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
