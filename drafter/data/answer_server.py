@@ -25,12 +25,12 @@ MAX_BACKOFF = 60.0  # seconds, before jitter
 class ServerBackend:
     """One chat completion at a time per call, over an OpenAI-compatible HTTP API (stdlib only)."""
 
-    def __init__(self, args: RegenerateSettings, stop: threading.Event):
-        self.url = args.base_url.rstrip("/") + "/chat/completions"
-        self.body = {"model": args.model, "temperature": args.temperature,
-                     "max_tokens": args.max_tokens,
-                     "chat_template_kwargs": {"enable_thinking": args.thinking}}
-        self.max_retries, self.backoff, self.timeout = args.max_retries, args.backoff, args.timeout
+    def __init__(self, settings: RegenerateSettings, stop: threading.Event):
+        self.url = settings.base_url.rstrip("/") + "/chat/completions"
+        self.body = {"model": settings.model, "temperature": settings.temperature,
+                     "max_tokens": settings.max_tokens,
+                     "chat_template_kwargs": {"enable_thinking": settings.thinking}}
+        self.max_retries, self.backoff, self.timeout = settings.max_retries, settings.backoff, settings.timeout
         self.stop = stop
 
     def answer(self, history: list[dict]) -> tuple[str, bool]:

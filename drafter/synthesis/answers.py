@@ -18,7 +18,7 @@ class LocalBackend:
     """Batched `model.generate` on a local HF target (left padding); greedy at temperature 0. A
     generate call ends at the next token once `stop` is set."""
 
-    def __init__(self, args: RegenerateSettings, stop: threading.Event):
+    def __init__(self, settings: RegenerateSettings, stop: threading.Event):
         import torch
         from transformers import AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 
@@ -28,16 +28,16 @@ class LocalBackend:
             def __call__(self, input_ids, scores, **kwargs):
                 return torch.full((len(input_ids),), stop.is_set(), device=input_ids.device)
 
-        self.tokenizer = AutoTokenizer.from_pretrained(args.target, padding_side="left")
+        self.tokenizer = AutoTokenizer.from_pretrained(settings.target, padding_side="left")
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model = load_target(args.target, args.device, getattr(torch, args.dtype))
-        self.enable_thinking, self.max_tokens = args.thinking, args.max_tokens
-        self.sampling = {"do_sample": True, "temperature": args.temperature} \
-            if args.temperature > 0 else {"do_sample": False}
+        self.model = load_target(settings.target, settings.device, getattr(torch, settings.dtype))
+        self.enable_thinking, self.max_tokens = settings.thinking, settings.max_tokens
+        self.sampling = {"do_sample": True, "temperature": settings.temperature} \
+            if settings.temperature > 0 else {"do_sample": False}
         self.eos_ids = sorted({self.tokenizer.eos_token_id} | set(self._config_eos_ids()))
         self.until_stopped = StoppingCriteriaList([UntilStopped()])
-        torch.manual_seed(args.seed)
+        torch.manual_seed(settings.seed)
 
     def _config_eos_ids(self) -> list[int]:
         eos = self.model.generation_config.eos_token_id
