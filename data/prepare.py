@@ -35,10 +35,9 @@ re-run with the same inputs and settings does no work. Output order follows inpu
 """
 import argparse
 import os
-import signal
 import sys
 
-from drafter.data.prepared import PrepareSettings, prepare
+from drafter.data.prepared import PrepareSettings, prepare, unwind_on_sigterm
 from drafter.errors import UserError, model_path_problem
 
 
@@ -77,12 +76,6 @@ def main(argv=None) -> dict:
         sys.exit(str(error))
 
 
-def exit_on_sigterm(signum, frame):
-    """SIGTERM (a scheduler's, kill's) unwinds as Ctrl-C does, so that the output's writer removes its
-    half-written temporary directory instead of leaving the data set's size behind, hidden."""
-    sys.exit(128 + signum)
-
-
 if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, exit_on_sigterm)
+    unwind_on_sigterm()
     main()

