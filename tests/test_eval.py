@@ -323,7 +323,7 @@ def test_flags_that_cannot_work_stop_eval_with_one_line_before_any_model_loads(c
 
 def test_a_missing_local_target_directory_is_named_as_one_by_every_tool(tmp_path, capsys):
     """transformers calls a missing path of three parts a malformed hub id; each tool says it is missing."""
-    from data import prepare, regenerate
+    from data_tools import prepare, regenerate
     from drafter.target.model import TargetError, load_target, target_config
     missing = str(tmp_path / "world" / "target")
     for load in (lambda: load_target(missing, "cpu", ddtree_accept.torch.float32), lambda: target_config(missing, None)):

@@ -25,7 +25,7 @@ LAYERS = [
     ("serving", 6, ("drafter.serving",)),
     ("training", 7, ("drafter.training",)),
 ]
-ENTRY_POINTS = ("train", "data", "eval", "bench", "tests")  # train.py, the command lines, the tests
+ENTRY_POINTS = ("train", "data_tools", "eval", "bench", "tests")  # train.py, the command lines, the tests
 
 
 def module_name(path: Path) -> str:

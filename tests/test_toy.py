@@ -1,11 +1,11 @@
-"""data/toy.py pieces at tiny sizes: tokenizer, chat template, corpus split, examples, training."""
+"""data_tools/toy.py pieces at tiny sizes: tokenizer, chat template, corpus split, examples, training."""
 import json
 
 import pytest
 import torch
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-from data import toy
+from data_tools import toy
 from drafter.data import chat, chat_template
 from drafter.data.benchmarks import load_jsonl
 from drafter.synthesis import stdlib_corpus, toy_tokenizer, world

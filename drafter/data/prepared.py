@@ -1,5 +1,5 @@
 """A prepared dataset: chat data tokenised for drafter training, with input_ids, loss_mask (assistant
-tokens only), length and group; the work of `data/prepare.py`, whose docstring gives the user's view.
+tokens only), length and group; the work of `data_tools/prepare.py`, whose docstring gives the user's view.
 
 Thinking is one decision: with enable_thinking off reasoning (`<think>` blocks) is removed from every
 answer, so a conversation is rendered exactly as the serving template renders it with
@@ -55,7 +55,8 @@ TOKENIZED_FEATURES = datasets.Features({
     "reason": datasets.Value("string"),
 })
 OUTPUT_COLUMNS = ["input_ids", "loss_mask", "length", "group"]
-WRITTEN_BY = "data/prepare.py"  # stats.json's mark: this directory is ours to replace
+WRITTEN_BY = "data_tools/prepare.py"  # stats.json's mark: this directory is ours to replace
+EARLIER_MARKS = ("data/prepare.py",)  # the same tool's mark before its folder was renamed
 MIN_SUPERVISED_RUN = 2
 EXAMPLES_PER_REASON = 5
 LOOP_WINDOW, LOOP_NGRAM, LOOP_MAX_DISTINCT = 48, 4, 16
@@ -65,7 +66,7 @@ LOOP_RULE = (f"the answer's last {LOOP_WINDOW} tokens (closing token excluded) h
 
 @dataclass(frozen=True)
 class PrepareSettings:
-    """What to prepare, and how (data/prepare.py's flags, named as its flags are)."""
+    """What to prepare, and how (data_tools/prepare.py's flags, named as its flags are)."""
     input: list[str]          # files, directories of them, or hub dataset names
     target: str               # the model path or hub id whose tokenizer and chat template render the rows
     out: str                  # a new directory, or an earlier output of this code (replaced atomically)
@@ -282,7 +283,7 @@ def plot_lengths(lengths: np.ndarray, max_length: int, path: Path) -> None:
 def is_prepared_output(path: Path) -> bool:
     """Whether `path` is a directory this tool wrote (its stats.json carries the mark)."""
     try:
-        return json.loads((path / "stats.json").read_text()).get("written_by") == WRITTEN_BY
+        return json.loads((path / "stats.json").read_text()).get("written_by") in (WRITTEN_BY, *EARLIER_MARKS)
     except (OSError, ValueError, AttributeError):
         return False
 

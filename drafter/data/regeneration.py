@@ -1,5 +1,5 @@
 """Regeneration: the assistant turns of chat data rewritten by the target, resumably (the DFlash data
-recipe; `data/regenerate.py` is its command line and its docstring the user's view).
+recipe; `data_tools/regenerate.py` is its command line and its docstring the user's view).
 
 Conversations are read with the readers and shapes prepare uses (`drafter/data/chat.py`). Turn by turn,
 every assistant turn is replaced by the target's answer to the history so far; a conversation that ends
@@ -28,7 +28,7 @@ EXAMPLES_PER_REASON = 5
 
 @dataclass(frozen=True)
 class RegenerateSettings:
-    """What to regenerate, and how (data/regenerate.py's flags, named as its flags are)."""
+    """What to regenerate, and how (data_tools/regenerate.py's flags, named as its flags are)."""
     input: list[str]           # files, directories of them, or hub dataset names
     out: str                   # the output JSONL, appended to on resume
     backend: str = "server"    # "server" (an OpenAI-compatible API) or "local" (transformers generate)

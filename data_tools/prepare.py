@@ -1,6 +1,6 @@
 """Tokenise chat data for drafter training: input_ids, loss_mask (assistant tokens only), length, group.
 
-    python data/prepare.py --input chat.jsonl more.parquet owner/hub-dataset:train \\
+    python data_tools/prepare.py --input chat.jsonl more.parquet owner/hub-dataset:train \\
         --target Qwen/Qwen3-8B --out artifacts/qwen3-8b [--no-thinking] [--system-prompt TEXT] \\
         [--max-length 3072] [--truncate] [--last-turn-only] [--drop-loops] [--num-proc 8]
 
@@ -15,7 +15,7 @@ from every answer, so a conversation is rendered exactly as the serving template
 enable_thinking=False; with --thinking the reasoning is kept and supervised. The choice is recorded
 in OUT/stats.json (`settings.chat_template_kwargs`), which train.py checks against its config.
 
-Rows of data/regenerate.py marked `truncated` (an answer hit --max-tokens) are kept without their
+Rows of data_tools/regenerate.py marked `truncated` (an answer hit --max-tokens) are kept without their
 closing tokens supervised (flag `truncated`). An answer whose tail repeats a short n-gram is a loop
 (flag `loop`; dropped with --drop-loops): its last 48 tokens (closing token excluded) hold at most 16
 distinct 4-grams of their 45. A repeated n-gram of up to 16 tokens has exactly n distinct 4-grams;

@@ -1,12 +1,12 @@
 """Rewrite the assistant turns of chat data with the target itself (the DFlash data recipe).
 
     # any OpenAI-compatible server (vLLM, SGLang) serving the target
-    python data/regenerate.py --input chat.jsonl --out artifacts/regen/chat.jsonl \\
+    python data_tools/regenerate.py --input chat.jsonl --out artifacts/regen/chat.jsonl \\
         --base-url http://127.0.0.1:8000/v1 --model Qwen/Qwen3-8B --concurrency 64 --no-thinking
     # small local targets (the toy world, the tests): transformers generate, batched
-    python data/regenerate.py --input chat.jsonl --out artifacts/regen/chat.jsonl --backend local --target PATH
+    python data_tools/regenerate.py --input chat.jsonl --out artifacts/regen/chat.jsonl --backend local --target PATH
 
-Conversations are read with the same readers and shapes as `data/prepare.py` (see
+Conversations are read with the same readers and shapes as `data_tools/prepare.py` (see
 `drafter/data/chat.py`). Turn by turn, every assistant turn is replaced by the target's answer to the
 history so far (system and user turns kept, earlier answers already regenerated); a conversation
 that ends with a user turn gets an answer appended. Reasoning returned separately by the server
