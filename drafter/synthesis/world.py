@@ -4,10 +4,10 @@ A world build is a list of stages, each marked done by the output it writes last
 stages whose marker exists, so a build killed half-way resumes where it stopped. A regeneration is
 never a stage of its own (its summary is written even when it is interrupted): it runs inside the
 stage that prepares its answers, whose dataset is the marker. The data stages call the library
-functions behind `data_tools/regenerate.py` and `data_tools/prepare.py` (`answers.regenerate`, `prepared.prepare`)
-in this process, with its thread count, so a world is made by the same code a user's data is. A stage
-that fails on its input stops the build with one line naming the stage. Used by `data_tools/toy.py` and
-`data_tools/smollm2.py`.
+functions behind `data_tools/regenerate.py` and `data_tools/prepare.py` (`answers.regenerate`,
+`prepared.prepare`) in this process, with its thread count, so a world is made by the same code a
+user's data is. A stage that fails on its input stops the build with one line naming the stage. Used
+by `data_tools/toy.py` and `data_tools/smollm2.py`.
 """
 import json
 import random
