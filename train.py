@@ -12,7 +12,7 @@ state -> loop (evaluation, generation, checkpoints) -> the last checkpoint. Ever
 copy of the target (or, at target.tp_size G, its share of a copy that G consecutive ranks hold
 together: drafter/target/tensor_parallel.py) and gets its own batch's features; only the drafter is
 trained, through the engine interface of drafter/infra/engine.py. With data.features (a store written
-by data/features.py) the features are read from the store instead, and of the target only its
+by data_tools/features.py) the features are read from the store instead, and of the target only its
 embedding and LM head load (docs/features.md).
 """
 import argparse
@@ -204,7 +204,7 @@ def check_store_settings(cfg):
                           "rows of data.path are in data.features")
     if cfg.data.eval_path and not cfg.data.eval_features and not generate:
         raise ConfigError(f"data.eval_path={cfg.data.eval_path} needs its own store: data.eval_features=DIR "
-                          "(data/features.py --data <data.eval_path>)")
+                          "(data_tools/features.py --data <data.eval_path>)")
     if generate and cfg.target.tp_size > 1:
         raise ConfigError("data.features_missing=generate computes a rank's missing rows alone: use target.tp_size=1")
     if cfg.objective.labels == "target":

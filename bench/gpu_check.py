@@ -28,28 +28,13 @@ On CUDA the syncs are what `torch.cuda.set_sync_debug_mode` reports; on the CPU 
 `drafter.infra.host_sync.HostSyncCounter` counts, with the metric's DDTree built by the tensor backend
 (CUDA's; the CPU's compiled heap reads host tensors).
 
-FLOPs per training step are counted from the shapes (no profiler); a linear layer costs
-2 * rows * fan_in * fan_out forward, and backward twice that (input and weight gradients). With
-T = seq_len, b = batch, H = hidden, Aw = q_heads * head_dim, Kw = kv_heads * head_dim,
-I = intermediate, V = vocab:
-  target     L_run = max(target_layer_ids) + 1 layers, forward only:
-             2 * P_layer * b*T * L_run  +  4 * Aw * b*T*(T+1)/2 * L_run          (causal QK^T and AV)
-             with P_layer = H*Aw + 2*H*Kw + Aw*H + 3*H*I (the layer's linear weights).
-  drafter    forward + backward = 3x forward over its own rows, L_d layers, Q = b * A * B block rows:
-             q/o/MLP on the Q block rows, k/v on the b*T context rows + the Q block rows, so
-             6 * L_d * (Q * (2*H*Aw + 3*H*I) + (b*T + Q) * 2*H*Kw)
-             + fc on the context: 4 * b*T * K*H * H (forward + weight gradient; features need no grad)
-             + attention: 12 * Aw * L_d * pairs, pairs = sum over block rows of the keys the block mask
-               shows them (anchor position + B); the keys flex_attention computes in partly masked
-               tiles are not counted.
-  LM head    frozen, on the S supervised rows: 2*V*H*S forward + 2*V*H*S for the hidden-state gradient
-             (the step also computes the rows of unsupervised slots, at weight 0: not counted).
+FLOPs per training step are counted from the shapes (no profiler; the formula:
+`drafter/training/step_flops.py`).
 MFU = (all three) / step time / --peak-tflops (989 = H100/H200 SXM dense bf16).
 """
 import argparse
 import copy
 import json
-import resource
 import sys
 import time
 import traceback
@@ -63,6 +48,7 @@ from drafter.config import ObjectiveConfig, resolve_gamma
 from drafter.data.loader import collate
 from drafter.data.sampler import BucketSampler, make_buckets
 from drafter.infra.host_sync import host_syncs
+from drafter.infra.memory import peak_memory_bytes
 from drafter.models import DFlashDraftModel, DraftCache, compiled_graph_count
 from drafter.models.blocks import attention_kernel, build_blocks, drafter_hidden, sample_anchors
 from drafter.models.configure import drafter_config
@@ -72,6 +58,7 @@ from drafter.serving.testing import ReplayDrafter
 from drafter.target.cache import TargetCache
 from drafter.target.model import compute_dtype, context_features, feature_tap, random_qwen3
 from drafter.training.objective import training_step
+from drafter.training.step_flops import drawn_blocks, formula_problem, step_flops
 from drafter.tree import ddtree
 from drafter.tree.ddtree import build_tree, committed_tokens, follow_tree, tree_verify_inputs
 
@@ -142,28 +129,14 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 # ----------------------------------------------------------------------------- models and batches
 
-def linear_params(module: torch.nn.Module) -> int:
-    return sum(m.weight.numel() for m in module.modules() if isinstance(m, torch.nn.Linear))
-
-
-def layer_linear_params(cfg) -> int:
-    """P_layer: the weights of one Qwen3 decoder layer's linears (the drafter's layers have the same)."""
-    H, I = cfg.hidden_size, cfg.intermediate_size
-    Aw, Kw = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    return H * Aw + 2 * H * Kw + Aw * H + 3 * H * I
-
-
 def build_models(tiny: bool, device: torch.device, dtype: torch.dtype):
     shapes, drafter_shapes = (TINY, TINY_DRAFTER) if tiny else (QWEN3_8B, QWEN3_8B_DRAFTER)
     with build_on(device, dtype):
         target = random_qwen3(**shapes, seed=0)
         torch.manual_seed(1)
         drafter = DFlashDraftModel(drafter_config(target.config, **drafter_shapes))
-    expected = drafter.config.num_hidden_layers * layer_linear_params(target.config)
-    counted = linear_params(drafter.layers)
-    if counted != expected:
-        sys.exit(f"FLOP formula out of date: drafter layers hold {counted} linear weights, the formula "
-                 f"{expected} (has the layer gained a projection or a bias?)")
+    if problem := formula_problem(target.config, drafter):
+        sys.exit(problem)
     return target, drafter
 
 
@@ -267,43 +240,6 @@ def check_compile_bound(target, drafter, device, run) -> dict:
             "regimes": sorted(seen_regimes), "graphs": sum(b["graphs"] for b in per_batch)}
 
 
-def step_flops(target_cfg, drafter, seq_len: int, anchors: torch.Tensor, supervised_rows: int) -> dict:
-    """FLOPs of one step by part (see the module docstring); `anchors` [b, A] as the step draws them."""
-    H, V = target_cfg.hidden_size, target_cfg.vocab_size
-    Aw = target_cfg.num_attention_heads * target_cfg.head_dim
-    Kw = target_cfg.num_key_value_heads * target_cfg.head_dim
-    b, B = anchors.shape[0], drafter.block_size
-    ctx_rows, block_rows = b * seq_len, anchors.numel() * B
-    layers_run, draft_layers = max(drafter.target_layer_ids) + 1, drafter.config.num_hidden_layers
-
-    target = layers_run * (2 * layer_linear_params(target_cfg) * ctx_rows
-                           + 4 * Aw * b * seq_len * (seq_len + 1) // 2)
-    per_layer_rows = (block_rows * (2 * H * Aw + 3 * H * target_cfg.intermediate_size)
-                      + (ctx_rows + block_rows) * 2 * H * Kw)
-    pairs = B * int((anchors.long() + B).sum())
-    drafter_linear = 6 * draft_layers * per_layer_rows + 4 * ctx_rows * len(drafter.target_layer_ids) * H * H
-    drafter_attention = 12 * Aw * draft_layers * pairs
-    lm_head = 4 * V * H * supervised_rows
-    return {"target_forward": target, "drafter_linear": drafter_linear,
-            "drafter_attention": drafter_attention, "lm_head": lm_head}
-
-
-def drawn_blocks(drafter, input_ids, loss_mask, objective: ObjectiveConfig, seed: int):
-    """The anchors and supervised-row count `training_step` will draw with a generator seeded `seed`
-    (anchor sampling is the generator's first use there), for the FLOP count."""
-    anchors, valid = sample_anchors(loss_mask, objective.num_anchors, torch.Generator().manual_seed(seed),
-                                    objective.anchors_per_batch)
-    blocks = build_blocks(input_ids, loss_mask, anchors, valid, drafter.block_size,
-                          drafter.mask_token_id, resolve_gamma(objective.gamma, drafter.block_size))
-    return anchors, int(valid.sum()), int((blocks.weights > 0).sum())
-
-
-def peak_memory_gib(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-
-
 def check_train_step(target, drafter, device, run, args) -> dict:
     """Warm-up and timed micro steps as train.py runs them on one rank, without DeepSpeed: target
     features, training_step, backward, AdamW (fused on CUDA; ZeRO keeps fp32 master weights)."""
@@ -347,7 +283,7 @@ def check_train_step(target, drafter, device, run, args) -> dict:
         "step_s": total["step_s"] / args.steps,
         "time_split_s": {k.removesuffix("_s"): total[k] / args.steps
                          for k in ("target_s", "drafter_s", "optimizer_s")},
-        "peak_memory_gib": peak_memory_gib(device),
+        "peak_memory_gib": peak_memory_bytes(device) / 2**30,
         "peak_memory_kind": "cuda_max_allocated" if device.type == "cuda" else "cpu_max_rss",
         "tflop_per_step": {k: v / args.steps / 1e12 for k, v in flops_by_part.items()},
         "achieved_tflops": total_flops / total["step_s"] / 1e12,

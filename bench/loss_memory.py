@@ -12,7 +12,6 @@ materialises both sides' logits.
 """
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from drafter.infra.memory import peak_memory_bytes
 from drafter.losses.lm_head import (ChunkedLMHeadLoss, RowLossSpec, chunk_rows_for, dense_lm_head_loss,
                                     dense_row_loss, weighted_data_ce)
 from drafter.losses.weights import position_weights
@@ -54,12 +54,6 @@ def loss_of(args, hidden, head, labels, weights, teacher):
     return weighted(ChunkedLMHeadLoss.apply(hidden, head, labels, teacher, kl)[0], weights)
 
 
-def peak_bytes(device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated()
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def run_variant(args, out: Path):
     device = torch.device(args.device)
     inputs = make_inputs(args, device)
@@ -67,7 +61,7 @@ def run_variant(args, out: Path):
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    before = peak_bytes(device)
+    before = peak_memory_bytes(device)
     start = time.perf_counter()
     loss = loss_of(args, *inputs)
     loss.backward()
@@ -76,7 +70,7 @@ def run_variant(args, out: Path):
     seconds = time.perf_counter() - start
     save_file({"loss": loss.detach().cpu()[None], "grad": hidden.grad.cpu()}, str(out / f"{args.variant}.safetensors"))
     (out / f"{args.variant}.json").write_text(json.dumps(
-        {"peak_bytes": peak_bytes(device) - before, "seconds": seconds}))
+        {"peak_bytes": peak_memory_bytes(device) - before, "seconds": seconds}))
 
 
 def main():

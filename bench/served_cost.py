@@ -2,7 +2,7 @@
 
     python bench/served_cost.py [--cfg configs/toy.yaml] [--threads 1]
 
-A target and a drafter of the config's shapes (the toy target's architecture from data/toy.py,
+A target and a drafter of the config's shapes (the toy target's architecture from data_tools/toy.py,
 random weights) on one rank, one batch of the config's token budget (rows of --row-length tokens,
 the first --prompt-length unsupervised). Timed, best of --repeats:
   train step   target features + training forward + backward + AdamW step (the baseline)
@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # data/toy.py's shapes, run from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # data_tools/toy.py's shapes, run from anywhere
 
-from data.toy import TARGET_CONFIG, VOCAB_SIZE  # noqa: E402
+from data_tools.toy import TARGET_CONFIG, VOCAB_SIZE  # noqa: E402
 from drafter.models import DFlashDraftModel  # noqa: E402
 from drafter.models.configure import drafter_config  # noqa: E402
 from drafter.serving.served import generation_tau, replayed_tau  # noqa: E402

@@ -1,12 +1,12 @@
 """Training variants compared by replayed tau: the same steps under each variant and seed.
 
-    python data/toy.py                                  # once: the toy world (heldout_data included)
+    python data_tools/toy.py                                  # once: the toy world (heldout_data included)
     python bench/variants.py                            # objectives: 6 variants x 3 seeds, 200 steps
     python bench/variants.py --variants drafters --seeds 0,1
     python bench/variants.py --steps 60 --eval-every 20 --variants default,tree [key.sub=value ...]
     python bench/variants.py --world micro --jobs 2     # no toy world: a random target's own greedy text
     python bench/variants.py --world smollm2 --steps 60 --seeds 0,1 --variants default,dpace
-                                                        # the real world (python data/smollm2.py first)
+                                                        # the real world (python data_tools/smollm2.py first)
 
 Variants are named overrides of configs/toy.yaml: distillation, position weights and the optimiser
 (`default`, `target-kl`, `target-ce`, `dpace`, `tree`, `muon`), the drafter variants (`dflash2`,
@@ -98,7 +98,7 @@ def build_micro_target(directory: Path, steps: int = 150) -> None:
     loads it like any target (the token ids, not the text, are what matters here)."""
     import torch
 
-    from data.toy import build_tokenizer
+    from drafter.synthesis.toy_tokenizer import build_tokenizer
     from drafter.target.model import random_qwen3
 
     target = random_qwen3(**MICRO_TARGET).train().requires_grad_(True)
@@ -314,13 +314,13 @@ def main():
     elif args.world == "smollm2":
         cfg = REPO / "configs" / "smollm2.yaml"
         if not (REPO / "artifacts" / "smollm2" / "bench_chat_data").exists():
-            sys.exit("no SmolLM2 world: run `python data/smollm2.py` first")
+            sys.exit("no SmolLM2 world: run `python data_tools/smollm2.py` first")
         args.also_eval = args.also_eval or str(REPO / "artifacts" / "smollm2" / "bench_code_data")
         overrides = ["train.eval_batches=1000"] + overrides  # the whole chat bench, not the demo's 4 batches
     else:
         cfg = REPO / "configs" / "toy.yaml"
         if not (REPO / "artifacts" / "toy" / "heldout_data").exists():
-            sys.exit("no toy world with its held-out set: run `python data/toy.py` first (or pass --world micro)")
+            sys.exit("no toy world with its held-out set: run `python data_tools/toy.py` first (or pass --world micro)")
         overrides = TOY_EVAL + overrides
 
     def one(job):

@@ -174,7 +174,7 @@ class DataConfig:
     num_workers: int = 2
     prefetch_factor: int = 4
     seed: int = 0
-    features: Optional[str] = None   # a feature store of data.path (data/features.py): no target forward, no target weights
+    features: Optional[str] = None   # a feature store of data.path (data_tools/features.py): no target forward, no target weights
     eval_features: Optional[str] = None  # with data.features: the store of data.eval_path
     features_missing: str = "error"  # a row no store holds: error (named) | generate (the target, loaded too, computes it)
 

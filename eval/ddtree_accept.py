@@ -38,12 +38,12 @@ It runs on the first rank only, at temperature 0 and --tp 1.
 With --tp G, consecutive groups of G ranks each hold one copy of the target sharded by tensor
 parallelism (drafter/target/tensor_parallel.py); a group's members decode the same prompts in lockstep (the
 sharded forwards are collectives, and their outputs are the same on every member), the groups split
-the prompts, and each group's first rank reports.
+the prompts, and each group's first rank reports. The figures, the table and the plots are
+`drafter/serving/eval_report.py`'s.
 """
 import argparse
 import importlib.util
 import json
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -56,9 +56,10 @@ from drafter.errors import ConfigError, model_path_problem
 from drafter.infra.launch import LaunchError, init_distributed, launched_world_size, local_device, local_world_size
 from drafter.infra.progress import progress_bar
 from drafter.models import load_drafter
-from drafter.serving.decode import (SAMPLING, STAGES, Method, generate, speculative_methods, stop_token_ids,
+from drafter.serving.decode import (SAMPLING, Method, generate, speculative_methods, stop_token_ids,
                                     tree_verify_refusal)
-from drafter.serving.lossless import BF16_TIE_TOLERANCE, first_divergence, lossless_verdict, near_tie_share
+from drafter.serving.eval_report import markdown_table, save_plots, summarize, summarize_public
+from drafter.serving.lossless import BF16_TIE_TOLERANCE, near_tie_share
 from drafter.serving.public_loop import PublicAgreement, check_public, load_public
 from drafter.serving.served import PromptShare, replay_steps
 from drafter.target.cache import probe_decoding
@@ -143,11 +144,11 @@ def target_path_of(args) -> str:
     return path
 
 
-def tensor_parallel_group(args, target_path: str, world: int, device: torch.device):
+def tensor_parallel_group(args, target_path: str, world_size: int, device: torch.device):
     """This rank's group of --tp ranks, after checking that the target can be split so (before it loads)."""
     try:
         check_tensor_parallel(AutoConfig.from_pretrained(target_path), args.tp,
-                              local_world_size(world), world, key="--tp")
+                              local_world_size(world_size), world_size, key="--tp")
     except (TensorParallelError, OSError, ValueError) as error:  # also a hub id that cannot be fetched
         raise SystemExit(f"error: {error}") from None
     return form_tp_group(args.tp, backend="nccl" if device.type == "cuda" else None)
@@ -279,10 +280,10 @@ def run_benchmark(evaluator: Evaluator, name: str, prompts, share: PromptShare) 
     return records
 
 
-def gather_records(records: dict[str, dict[str, list[dict]]], world: int) -> dict:
+def gather_records(records: dict[str, dict[str, list[dict]]], world_size: int) -> dict:
     """Every rank's records of every benchmark, merged on rank 0 (one gather, after all benchmarks,
     under the process group's explicit timeout); None on the other ranks."""
-    gathered = [None] * world if dist.get_rank() == 0 else None
+    gathered = [None] * world_size if dist.get_rank() == 0 else None
     dist.gather_object(records, gathered, dst=0)
     if gathered is None:
         return None
@@ -295,87 +296,7 @@ def in_prompt_order(records: dict[str, list[dict]], prompts) -> dict[str, list[d
     return {m: sorted(rs, key=lambda r: order[(r["source"], r["turn"])]) for m, rs in records.items()}
 
 
-# ---------------------------------------------------------------------------------------------
-# Report
-# ---------------------------------------------------------------------------------------------
-
-def divergences_from(records: list[dict], reference: list[dict], tolerance: float):
-    """(record, Divergence) for the first divergence from `ar` of each prompt that has one. A prompt
-    diverges once: its later turns follow the method's own earlier answers, so they are not compared
-    after that."""
-    found, diverged = [], set()
-    for record, ref in zip(records, reference):
-        if record["source"] in diverged:
-            continue
-        divergence = first_divergence(record["output_ids"], ref["output_ids"], ref["margins"], tolerance)
-        if divergence is not None:
-            diverged.add(record["source"])
-            found.append((record, divergence))
-    return found
-
-
-def summarize(records: list[dict], reference: list[dict], greedy: bool, save_samples: bool,
-              tie_tolerance: float = BF16_TIE_TOLERANCE) -> dict:
-    """Figures of one method on one benchmark; `reference` holds `ar`'s records in the same order.
-
-    tau: mean over responses of each response's mean tokens per step (tau_pooled: over all steps);
-    tau_histogram[i]: steps that committed i + 1 tokens; acceptance_by_depth[d - 1]: fraction of
-    steps that accepted at least d drafted tokens. Temperature 0 only: `divergences`, each prompt's
-    first token that differs from `ar`'s (position, both tokens, the target's top-1 minus top-2
-    logit at `ar`'s step, tie: below `tie_tolerance`); `lossless` "yes", "ties-only" or "no";
-    divergence_rate the fraction of prompts that diverge.
-    """
-    replayed = any(r.get("replayed") for r in records)
-    greedy = greedy and not replayed  # a replay follows ar's tokens by construction
-    steps = [length for r in records for length in r["acceptance_lengths"]]
-    per_response = [sum(r["acceptance_lengths"]) / len(r["acceptance_lengths"])
-                    for r in records if r["acceptance_lengths"]]
-    longest = max(steps, default=1)
-    output_tokens = sum(len(r["output_ids"]) for r in records)
-    decode_seconds = None if replayed else sum(r["decode_seconds"] for r in records)
-    divergences = divergences_from(records, reference, tie_tolerance) if greedy else []
-    prompts = len({r["source"] for r in records})
-    summary = {
-        "tau": sum(per_response) / len(per_response) if per_response else None,
-        "tau_pooled": sum(steps) / len(steps) if steps else None,
-        "tau_histogram": [steps.count(k) for k in range(1, longest + 1)],
-        "acceptance_by_depth": [sum(s > d for s in steps) / len(steps) if steps else None
-                                for d in range(1, longest)],
-        "time_per_output_token": decode_seconds / output_tokens if output_tokens and not replayed else None,
-        "stage_ms_per_step": {stage: 1e3 * sum(r["stage_seconds"].get(stage, 0.0) for r in records)
-                              / max(len(steps), 1)
-                              for stage in STAGES if any(stage in r["stage_seconds"] for r in records)},
-        "lossless": lossless_verdict([d for _, d in divergences]) if greedy else None,
-        "divergence_rate": len(divergences) / prompts if greedy and prompts else None,
-        "divergences": [{"source": r["source"], "turn": r["turn"], **asdict(d)} for r, d in divergences]
-        if greedy else None,
-        "replayed": replayed,
-        "responses": len(records),
-        "output_tokens": output_tokens,
-        "steps": len(steps),
-    }
-    if save_samples:
-        summary["samples"] = [{key: r[key] for key in ("source", "turn", "prompt_ids", "output_ids",
-                                                       "acceptance_lengths", "margins")} for r in records]
-    return summary
-
-
-def summarize_public(checked: list[tuple[str, PublicAgreement]]) -> dict:
-    """The public loop against ours on one benchmark's checked prompts (--check-public): how many decode
-    identically step for step, each loop's tau (mean over the prompts), the verdict (yes: all identical;
-    ties-only: every first difference a tie; no), the largest score gap where they drafted alike, and
-    every prompt's comparison."""
-    agreements = [a for _, a in checked]
-    differences = [a.difference for a in agreements]
-    return {"prompts": len(agreements), "identical": sum(a.identical for a in agreements),
-            "tau": sum(a.ours_tau for a in agreements) / len(agreements),
-            "public_tau": sum(a.public_tau for a in agreements) / len(agreements),
-            "verdict": lossless_verdict(differences),
-            "score_gap": max(a.score_gap for a in agreements),
-            "per_prompt": [{"source": source, **asdict(a)} for source, a in checked]}
-
-
-def report(records_by_bench: dict, args, evaluator: Evaluator, world: int,
+def report(records_by_bench: dict, args, evaluator: Evaluator, world_size: int,
            public_checks: dict[str, list[tuple[str, PublicAgreement]]]) -> dict:
     benchmarks = {}
     for bench, records in records_by_bench.items():
@@ -400,107 +321,12 @@ def report(records_by_bench: dict, args, evaluator: Evaluator, world: int,
               "temperature": args.temperature, "sampling": args.sampling,
               "tie_tolerance": args.tie_tolerance, "max_new_tokens": args.max_new_tokens,
               "enable_thinking": evaluator.enable_thinking, "dtype": str(evaluator.dtype),
-              "device": str(evaluator.target.device), "world_size": world, "tp_size": args.tp,
+              "device": str(evaluator.target.device), "world_size": world_size, "tp_size": args.tp,
               "block_size": evaluator.drafter.block_size, "tree_verify_refusal": evaluator.tree_refusal,
               "verify_refusal": evaluator.verify_refusal, "check_public": args.check_public,
               "stage_times_synchronized":
               args.sync_stages or evaluator.target.device.type != "cuda"}
     return {"config": config, "benchmarks": benchmarks}
-
-
-def markdown_table(results: dict) -> str:
-    def fmt(value, spec):
-        return "-" if value is None else format(value, spec)
-
-    lines = ["| bench | method | tau | tau pooled | ms/token | speedup | break-even tau | lossless | "
-             + " | ".join(f"{s} ms/step" for s in STAGES) + " |",
-             "|---|---|---:|---:|---:|---:|---:|:---:|" + "---:|" * len(STAGES)]
-    for bench, entry in results["benchmarks"].items():
-        for method, s in entry["methods"].items():
-            tpot = s["time_per_output_token"]
-            lossless = "replayed" if s.get("replayed") else s["lossless"] or "-"
-            if s["divergence_rate"]:
-                lossless += f" ({s['divergence_rate']:.0%} differ)"
-            stages = " | ".join(fmt(s["stage_ms_per_step"].get(st), ".2f") for st in STAGES)
-            lines.append(f"| {bench} | {method} | {fmt(s['tau'], '.2f')} | {fmt(s['tau_pooled'], '.2f')} "
-                         f"| {fmt(tpot and tpot * 1e3, '.2f')} | {fmt(s['speedup'], '.2f')} "
-                         f"| {fmt(s['break_even_tau'], '.2f')} | {lossless} | {stages} |")
-    if results["config"].get("tree_verify_refusal"):
-        rows = "dflash and ddtree" if results["config"].get("verify_refusal") else "ddtree"
-        lines.append(f"\n{results['config']['tree_verify_refusal']}: the {rows} rows are the exact tau on "
-                     "ar's greedy text, replayed under teacher forcing (no timing)")
-    for bench, entry in results["benchmarks"].items():
-        if entry.get("near_tie_share") is not None:
-            lines.append(f"\n{bench}: {entry['near_tie_share']:.1%} of ar's steps have a top-2 logit margin "
-                         f"below the tie tolerance ({results['config']['tie_tolerance']}): the chance "
-                         "that a bug's divergence passes for a tie")
-        if "public_check" in entry:
-            lines.append(public_check_line(bench, entry["public_check"]))
-    return "\n".join(lines)
-
-
-def public_check_line(bench: str, check: dict) -> str:
-    """--check-public in words: agreement, both taus, verdict and each first difference."""
-    line = (f"\n{bench}: the public dflash 0.1.0 loop on {check['prompts']} prompts: {check['identical']} "
-            f"identical step for step, tau {check['tau']:.2f} ours vs {check['public_tau']:.2f} public, "
-            f"verdict {check['verdict']}")
-    for row in check["per_prompt"]:
-        d = row["difference"]
-        if d is not None:
-            margin = "-" if d["margin"] is None else f"{d['margin']:.3g}"
-            line += (f"\n  {row['source']} step {d['step']}: {d['kind']} at {d['position']}, "
-                     f"{'tie' if d['tie'] else 'semantic'} (margin {margin}; "
-                     f"ours {d['ours']}, public {d['theirs']})")
-    return line
-
-
-def save_plots(results: dict, out: Path) -> list[Path]:
-    """The tau histogram per benchmark and method, and tau and speedup against the tree budget."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib import ticker
-
-    benches = results["benchmarks"]
-    fig, axes = plt.subplots(1, len(benches), figsize=(5 * len(benches), 3.5), squeeze=False)
-    for ax, (bench, entry) in zip(axes[0], benches.items()):
-        for method, s in entry["methods"].items():
-            if method != "ar" and s["steps"]:
-                fractions = [c / s["steps"] for c in s["tau_histogram"]]
-                ax.plot(range(1, len(fractions) + 1), fractions, marker="o", label=method)
-        ax.set(title=bench, xlabel="tokens committed per step (tau)", ylabel="fraction of steps")
-        ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
-        ax.legend(fontsize=7)
-    histogram = out.with_name(out.stem + "_tau_hist.png")
-    fig.tight_layout()
-    fig.savefig(histogram, dpi=120)
-    plt.close(fig)
-
-    fig, (tau_ax, speed_ax) = plt.subplots(1, 2, figsize=(10, 3.5))
-    for bench, entry in benches.items():
-        methods = {Method.parse(m): s for m, s in entry["methods"].items()}
-        tree = {m.budget: s for m, s in methods.items() if m.is_tree}
-        budgets = sorted(tree)
-        for ax, key in ((tau_ax, "tau"), (speed_ax, "speedup")):
-            points = [(b, tree[b][key]) for b in budgets if tree[b][key] is not None]  # replayed: no timing
-            if not points:
-                continue
-            line = ax.plot(*zip(*points), marker="o", label=f"{bench} ddtree")
-            dflash = entry["methods"]["dflash"][key]
-            if dflash is not None:
-                ax.axhline(dflash, linestyle="--", color=line[0].get_color(), label=f"{bench} dflash")
-    for ax, label in ((tau_ax, "tau (tokens per verify)"), (speed_ax, "speedup over ar")):
-        ax.set_xscale("log", base=2)
-        ax.xaxis.set_major_formatter(ticker.ScalarFormatter())
-        ax.set(xlabel="tree budget", ylabel=label)
-        if ax.get_legend_handles_labels()[0]:  # replayed rows have no speedup to plot
-            ax.legend(fontsize=7)
-    budget_plot = out.with_name(out.stem + "_budget.png")
-    fig.tight_layout()
-    fig.savefig(budget_plot, dpi=120)
-    plt.close(fig)
-    return [histogram, budget_plot]
 
 
 def load_prompt_sets(bench: str, max_samples: int | None) -> dict[str, list]:
@@ -516,14 +342,14 @@ def load_prompt_sets(bench: str, max_samples: int | None) -> dict[str, list]:
 
 def main(argv=None) -> dict | None:
     args = parse_args(argv)
-    rank, world, device = setup_distributed(args.gather_timeout)
+    rank, world_size, device = setup_distributed(args.gather_timeout)
     try:  # what the flags name, checked before any model loads
         target_path = target_path_of(args)
         prompt_sets = load_prompt_sets(args.bench, args.max_samples)
     except (OSError, ValueError) as error:  # also a hub benchmark that cannot be fetched
         raise SystemExit(f"error: {error}") from None
-    tp_group = tensor_parallel_group(args, target_path, world, device)
-    share = PromptShare.of(tp_group, world)  # the groups split the prompts, as generation in training does
+    tp_group = tensor_parallel_group(args, target_path, world_size, device)
+    share = PromptShare.of(tp_group, world_size)  # the groups split the prompts, as generation in training does
     torch.manual_seed(args.seed + share.index)  # a group's members sample alike, in lockstep
     evaluator = Evaluator(args, device, target_path, tp_group)
     records = {}
@@ -532,15 +358,15 @@ def main(argv=None) -> dict | None:
             print(f"{name}: {len(prompts)} prompts, methods {', '.join(map(str, evaluator.methods))}", flush=True)
         ran = run_benchmark(evaluator, name, prompts, share)
         records[name] = ran if share.reports else {method: [] for method in ran}  # one report per group
-    if world > 1:
-        records = gather_records(records, world)
+    if world_size > 1:
+        records = gather_records(records, world_size)
         dist.destroy_process_group()
     if rank != 0:
         return None
     records = {name: in_prompt_order(records[name], prompts) for name, prompts in prompt_sets.items()}
     public_checks = {name: evaluator.check_public(prompts[:args.check_public])
                      for name, prompts in prompt_sets.items()} if args.check_public else {}
-    results = report(records, args, evaluator, world, public_checks)
+    results = report(records, args, evaluator, world_size, public_checks)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))

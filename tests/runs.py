@@ -35,7 +35,7 @@ def write_run(tmp_path: Path, **train) -> Path:
         rows["length"].append(n)
     if not (tmp_path / "data").exists():
         datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "data"))
-        settings = {"chat_template_kwargs": {"enable_thinking": False}}  # as data/prepare.py records it
+        settings = {"chat_template_kwargs": {"enable_thinking": False}}  # as data_tools/prepare.py records it
         (tmp_path / "data" / "stats.json").write_text(json.dumps({"settings": settings}))
     cfg = {
         "run": {"out_dir": str(tmp_path / "run"), "seed": 0},

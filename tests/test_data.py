@@ -1,12 +1,12 @@
 """drafter/data/datasets.py: the thinking check against the training config and the group-wise held-out split,
-on datasets data/prepare.py writes from small files."""
+on datasets data_tools/prepare.py writes from small files."""
 import json
 
 import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from data import prepare
+from data_tools import prepare
 from drafter.data.datasets import load_datasets
 from tests.tiny_tokenizer import save_tiny_tokenizer
 

@@ -16,7 +16,7 @@ from drafter.config import Config
 from test_docs import checkout_files
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCE_FOLDERS = ("drafter/", "tests/", "bench/", "eval/", "data/", "configs/", "ds_configs/", "docs/")
+SOURCE_FOLDERS = ("drafter/", "tests/", "bench/", "eval/", "data_tools/", "configs/", "ds_configs/", "docs/")
 FILE_SUFFIXES = (".py", ".md", ".yaml", ".json", ".c", ".toml")
 FILE_TYPES = ("py", "md", "txt", "yaml", "json", "jsonl", "gz", "parquet", "png", "c", "toml", "gguf", "pt",
               "safetensors")  # a bare name ending so is a file a tool writes (stats.json) or a file type
@@ -121,8 +121,7 @@ def name_problem(span: str) -> str | None:
         return None
     if any(span.startswith(folder) for folder in SOURCE_FOLDERS):
         path = span.split("::")[0].split(":")[0].split("#")[0]
-        built = path.startswith("data/") and not path.endswith(".py")  # what a data script writes
-        if re.search(r"[<>*{}]|\.\.\.", path) or built or not (path.endswith(FILE_SUFFIXES) or path.endswith("/")):
+        if re.search(r"[<>*{}]|\.\.\.", path) or not (path.endswith(FILE_SUFFIXES) or path.endswith("/")):
             return None
         return None if (REPO / path).exists() else f"{path} is not in the checkout"
     if re.fullmatch(rf"[\w.-]*\.({'|'.join(FILE_TYPES)})", span):

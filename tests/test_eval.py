@@ -12,6 +12,7 @@ from torch.distributed import distributed_c10d as dist_c10d
 
 from conftest import make_drafter
 from drafter.data.benchmarks import REASON_BOXED, load_jsonl, load_prompts
+from drafter.serving import eval_report
 from drafter.target.model import random_qwen3
 from drafter.training.checkpoint import drafter_dir
 from drafter.target.tensor_parallel import form_tp_group
@@ -172,15 +173,15 @@ def test_a_prompt_diverges_once_and_divergences_say_where():
     reference = [record("a", 0, [1, 2, 3], [5.0, 0.1, 4.0]), record("a", 1, [4, 5], [5.0, 5.0]),
                  record("b", 0, [6, 7, 8], [5.0, 5.0, 3.0])]
     tie = [record("a", 0, [1, 9, 9]), record("a", 1, [9, 9]), record("b", 0, [6, 7, 8])]
-    summary = ddtree_accept.summarize(tie, reference, greedy=True, save_samples=False, tie_tolerance=0.25)
+    summary = eval_report.summarize(tie, reference, greedy=True, save_samples=False, tie_tolerance=0.25)
     assert summary["divergences"] == [{"source": "a", "turn": 0, "position": 1, "reference_token": 2,
                                        "token": 9, "margin": 0.1, "tie": True}]
     assert summary["divergence_rate"] == 0.5 and summary["lossless"] == "ties-only"
     bug = [record("a", 0, [1, 2, 3]), record("a", 1, [4, 5]), record("b", 0, [6, 7, 0])]
-    summary = ddtree_accept.summarize(bug, reference, greedy=True, save_samples=False, tie_tolerance=0.25)
+    summary = eval_report.summarize(bug, reference, greedy=True, save_samples=False, tie_tolerance=0.25)
     assert [(d["source"], d["position"], d["tie"]) for d in summary["divergences"]] == [("b", 2, False)]
     assert summary["lossless"] == "no"
-    assert ddtree_accept.summarize(bug, reference, greedy=False, save_samples=False)["lossless"] is None
+    assert eval_report.summarize(bug, reference, greedy=False, save_samples=False)["lossless"] is None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -322,7 +323,7 @@ def test_flags_that_cannot_work_stop_eval_with_one_line_before_any_model_loads(c
 
 def test_a_missing_local_target_directory_is_named_as_one_by_every_tool(tmp_path, capsys):
     """transformers calls a missing path of three parts a malformed hub id; each tool says it is missing."""
-    from data import prepare, regenerate
+    from data_tools import prepare, regenerate
     from drafter.target.model import TargetError, load_target, target_config
     missing = str(tmp_path / "world" / "target")
     for load in (lambda: load_target(missing, "cpu", ddtree_accept.torch.float32), lambda: target_config(missing, None)):

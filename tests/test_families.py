@@ -154,7 +154,7 @@ def test_a_hybrid_family_end_to_end(tmp_path):
     prints the memory of a path-batch verify at start-up, trains, evaluates (replayed tau_dflash and
     tau_ddtree@16) and generates (gen_tau_dflash and gen_tau_ddtree@16, the tree as a batch of its
     paths), the export is evaluated by
-    eval/ddtree_accept.py (dflash and ddtree generated, lossless, timed), and data/regenerate.py
+    eval/ddtree_accept.py (dflash and ddtree generated, lossless, timed), and data_tools/regenerate.py
     --backend local writes the target's answers."""
     import json
     import subprocess
@@ -194,7 +194,7 @@ def test_a_hybrid_family_end_to_end(tmp_path):
     chats = tmp_path / "chats.jsonl"
     chats.write_text(json.dumps({"messages": [{"role": "user", "content": "Hello world"}]}) + "\n")
     out = tmp_path / "regen.jsonl"
-    done = subprocess.run([sys.executable, str(REPO / "data" / "regenerate.py"), "--input", str(chats),
+    done = subprocess.run([sys.executable, str(REPO / "data_tools" / "regenerate.py"), "--input", str(chats),
                            "--out", str(out), "--backend", "local", "--target", str(target_dir),
                            "--max-tokens", "8"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""The offline feature store (data/features.py, drafter/data/feature_store.py): the features it holds are
+"""The offline feature store (data_tools/features.py, drafter/data/feature_store.py): the features it holds are
 training's own, bit for bit, on any batch; the plan, resume and the refusals of a dump; the refusals of
 a store that does not match the run or is not whole. Through the launchers (slow): a two-rank dump, and
 training from the store equal to training online."""
@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from data import features as features_cli
+from data_tools import features as features_cli
 from drafter.data.feature_store import FeatureStore, FeatureStoreError, store_refusal
 from drafter.data.loader import collate
 from drafter.infra.run_lock import acquire
@@ -161,9 +161,9 @@ def test_another_dataset_is_refused(store, tmp_path):
 # ----------------------------------------------------------------------------- through the launchers
 
 def dump_on_two_ranks(cfg: Path, out: Path, *extra: str) -> str:
-    """data/features.py on two CPU ranks through torchrun."""
+    """data_tools/features.py on two CPU ranks through torchrun."""
     cmd = [str(VENV_BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
-           str(REPO / "data" / "features.py"), "--cfg", str(cfg), "--data", str(cfg.parent / "data"),
+           str(REPO / "data_tools" / "features.py"), "--cfg", str(cfg), "--data", str(cfg.parent / "data"),
            "--out", str(out), *extra]
     done = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -11,19 +11,21 @@ REPO = Path(__file__).resolve().parents[1]
 LIBRARY = REPO / "drafter"
 
 # Bottom to top. A module's layer is the first entry its dotted name starts with. target and data share
-# a level and may not import each other: they are two layers of the same height.
+# a level and may not import each other: they are two layers of the same height (as are tree and
+# synthesis).
 LAYERS = [
     ("base", 0, ("drafter.errors", "drafter.nested", "drafter.config", "drafter.metric_sums")),
     ("infra", 1, ("drafter.infra",)),
     ("target", 2, ("drafter.target",)),
     ("data", 2, ("drafter.data",)),
     ("tree", 3, ("drafter.tree",)),
+    ("synthesis", 3, ("drafter.synthesis",)),
     ("losses", 4, ("drafter.losses",)),
     ("models", 5, ("drafter.models",)),
     ("serving", 6, ("drafter.serving",)),
     ("training", 7, ("drafter.training",)),
 ]
-ENTRY_POINTS = ("train", "data", "eval", "bench", "tests")  # train.py, the command lines, the tests
+ENTRY_POINTS = ("train", "data_tools", "eval", "bench", "tests")  # train.py, the command lines, the tests
 
 
 def module_name(path: Path) -> str:

@@ -182,7 +182,7 @@ def test_a_plan_that_cannot_fit_stops_with_its_numbers_and_the_changes_that_fit(
                                  ["objective.labels=target", "optim.name=muon", "train.engine=fsdp"]])
 def test_data_plan_prints_the_start_up_plan_for_a_given_gpu(capsys, run):
     """The start-up plan, with the lines that name distillation's tensors and Muon's share."""
-    from data.plan import main
+    from data_tools.plan import main
     overrides = ["target.path=null", *[f"target.random.{k}={v}" for k, v in RANDOM.items()],
                  "drafter.num_layers=2", "drafter.target_layer_ids=[1,3]", *run]
     result = main(["--cfg", str(REPO / "configs" / "v3.yaml"), "--world-size", "8", "--gpu-memory", "80GB",
@@ -196,7 +196,7 @@ def test_data_plan_prints_the_start_up_plan_for_a_given_gpu(capsys, run):
 
 
 def test_data_plan_refuses_what_train_py_refuses_by_name(capsys):
-    from data.plan import main
+    from data_tools.plan import main
     with pytest.raises(SystemExit):
         main(["--cfg", str(REPO / "configs" / "v3.yaml"), "--gpu-memory", "80GB", "--memory-only", "target.path=null",
               "optim.name=muon"])
@@ -211,7 +211,7 @@ def test_a_missing_local_target_directory_is_named_as_one_not_as_a_malformed_hub
 
 
 def test_data_plan_names_a_config_or_dataset_it_cannot_read_in_one_line(capsys, tmp_path):
-    from data.plan import main
+    from data_tools.plan import main
     (tmp_path / "lengths.txt").write_text("12\nabc\n")
     (tmp_path / "broken.yaml").write_text("data: [1\n")
     cfg = str(REPO / "configs" / "smollm2.yaml")

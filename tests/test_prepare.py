@@ -1,4 +1,4 @@
-"""data/prepare.py and the chat helpers it shares: shapes, bad rows, the loss mask, lengths, caching."""
+"""data_tools/prepare.py and the chat helpers it shares: shapes, bad rows, the loss mask, lengths, caching."""
 import datetime
 import json
 import os
@@ -14,7 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
-from data import prepare
+from data_tools import prepare
+from drafter.data import prepared
 from drafter.data import chat, chat_files, chat_template
 from tests.tiny_tokenizer import save_tiny_tokenizer
 
@@ -207,7 +208,7 @@ def test_rerun_is_deterministic_and_reuses_the_cache(target, tmp_path, monkeypat
     first, _ = run(target, tmp_path, [path], "first")
 
     calls = {"read": 0, "tokenize": 0}
-    read, tokenize = prepare.conversation_rows, prepare.tokenize_row
+    read, tokenize = prepared.conversation_rows, prepared.tokenize_row
 
     def counted_read(**kwargs):
         calls["read"] += 1
@@ -217,8 +218,8 @@ def test_rerun_is_deterministic_and_reuses_the_cache(target, tmp_path, monkeypat
         calls["tokenize"] += 1
         return tokenize(*args, **kwargs)
 
-    monkeypatch.setattr(prepare, "conversation_rows", counted_read)
-    monkeypatch.setattr(prepare, "tokenize_row", counted_tokenize)
+    monkeypatch.setattr(prepared, "conversation_rows", counted_read)
+    monkeypatch.setattr(prepared, "tokenize_row", counted_tokenize)
     second, _ = run(target, tmp_path, [path], "second")
     assert calls == {"read": 0, "tokenize": 0}
     assert second.to_dict() == first.to_dict()
@@ -415,7 +416,7 @@ def test_a_directory_input_reads_only_data_files(target, tmp_path):
     write_jsonl(data / "chat.jsonl", [{"messages": [user("Hi"), assistant("Hello world!")]}])
     write_jsonl(data / "regen.jsonl", [{"id": "x", "source": "s", "truncated": False,
                                         "messages": [user("Bye"), assistant("Bye bye!")]}])
-    # data/regenerate.py's side files, a hidden folder and an earlier prepare output
+    # data_tools/regenerate.py's side files, a hidden folder and an earlier prepare output
     write_jsonl(data / "regen.errors.jsonl", [{"id": "y", "source": "s", "reason": "http_500", "detail": ""}])
     (data / "regen.summary.json").write_text(json.dumps({"total": 2, "ok": 1}))
     (data / "regen.settings.json").write_text(json.dumps({"backend": "server"}))
@@ -441,17 +442,29 @@ def test_out_that_prepare_did_not_write_is_refused_and_left_alone(target, tmp_pa
     (mine / "notes.txt").write_text("keep me")
     (tmp_path / "out.tmp").mkdir()  # the old code's scratch name, here a user's folder
     (tmp_path / "out.tmp" / "notes.txt").write_text("keep me too")
-    with pytest.raises(SystemExit, match="mine exists and is not an output of data/prepare.py"):
+    with pytest.raises(SystemExit, match="mine exists and is not an output of data_tools/prepare.py"):
         run(target, tmp_path, [path], "mine")
-    with pytest.raises(SystemExit, match="not an output of data/prepare.py"):
+    with pytest.raises(SystemExit, match="not an output of data_tools/prepare.py"):
         run(target, tmp_path, [path], "rows.jsonl")
     assert (mine / "notes.txt").read_text() == "keep me"
 
     first, _ = run(target, tmp_path, [path], "out")
     second, stats = run(target, tmp_path, [path], "out", "--system-prompt", "Be brief.")  # replaced
-    assert second[0]["input_ids"] != first[0]["input_ids"] and stats["written_by"] == "data/prepare.py"
+    assert second[0]["input_ids"] != first[0]["input_ids"] and stats["written_by"] == "data_tools/prepare.py"
     assert (tmp_path / "out.tmp" / "notes.txt").read_text() == "keep me too"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "mine", "out", "out.tmp", "rows.jsonl"]
+
+
+def test_an_output_marked_by_the_tool_before_its_folder_was_renamed_is_replaced(target, tmp_path):
+    """An earlier dataset's stats.json names the script at its old path; it is still this tool's output."""
+    path = write_jsonl(tmp_path / "rows.jsonl", [{"messages": [user("Hi"), assistant("Hello world!")]}])
+    first, stats = run(target, tmp_path, [path], "out")
+    (tmp_path / "out" / "stats.json").write_text(json.dumps({**stats, "written_by": "data/prepare.py"}))
+    second, _ = run(target, tmp_path, [path], "out", "--system-prompt", "Be brief.")
+    assert second[0]["input_ids"] != first[0]["input_ids"]
+    (tmp_path / "out" / "stats.json").write_text(json.dumps({**stats, "written_by": "someone/else.py"}))
+    with pytest.raises(SystemExit, match="not an output of data_tools/prepare.py"):
+        run(target, tmp_path, [path], "out")
 
 
 def test_a_failure_while_writing_leaves_the_earlier_output_whole(target, tmp_path, monkeypatch):
@@ -461,7 +474,7 @@ def test_a_failure_while_writing_leaves_the_earlier_output_whole(target, tmp_pat
     def disk_full(*args):
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(prepare, "plot_lengths", disk_full)  # fails after the new rows are saved
+    monkeypatch.setattr(prepared, "plot_lengths", disk_full)  # fails after the new rows are saved
     with pytest.raises(OSError, match="No space left"):
         run(target, tmp_path, [path], "out", "--system-prompt", "Be brief.")
     assert datasets.load_from_disk(str(tmp_path / "out")).to_dict() == first.to_dict()
@@ -490,7 +503,7 @@ def test_sigterm_while_writing_leaves_the_earlier_output_and_no_temporary(target
     wrapper.write_text(SLOW_SAVE)
     repo = Path(__file__).resolve().parents[1]
     proc = subprocess.Popen(
-        [sys.executable, str(wrapper), str(repo / "data" / "prepare.py"), "--input", path, "--target", target,
+        [sys.executable, str(wrapper), str(repo / "data_tools" / "prepare.py"), "--input", path, "--target", target,
          "--out", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache"), "--num-proc", "1",
          "--system-prompt", "Be brief."],
         env={**os.environ, "PYTHONPATH": str(repo)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -656,7 +669,7 @@ def test_answers_that_loop_are_counted_and_dropped_on_request(target, tokenizer,
     ])
     out, stats = run(target, tmp_path, [path])
     assert stats["flags"]["loop"] == {"rows": 2, "examples": [f"{path}:1", f"{path}:2"]} and stats["kept"] == 4
-    assert stats["loop_rule"] == prepare.LOOP_RULE
+    assert stats["loop_rule"] == prepared.LOOP_RULE
 
     kept, stats = run(target, tmp_path, [path], "dropped", "--drop-loops")
     assert stats["dropped"] == {"loop": 2} and "loop" not in stats["flags"]
@@ -665,19 +678,19 @@ def test_answers_that_loop_are_counted_and_dropped_on_request(target, tokenizer,
 
 @pytest.mark.parametrize("period", [1, 3, 10, 16])
 def test_repeating_tail_rule(period):
-    window = prepare.LOOP_WINDOW
+    window = prepared.LOOP_WINDOW
     loop = (list(range(100, 100 + period)) * window)[:window]
     head = list(range(50))
-    assert prepare.repeating_tail(head + loop)
-    assert not prepare.repeating_tail(loop[1:])                             # one token short of the window
-    assert not prepare.repeating_tail(head + loop + list(range(200, 230)))  # the loop ended
-    assert not prepare.repeating_tail(list(range(200)))
+    assert prepared.repeating_tail(head + loop)
+    assert not prepared.repeating_tail(loop[1:])                             # one token short of the window
+    assert not prepared.repeating_tail(head + loop + list(range(200, 230)))  # the loop ended
+    assert not prepared.repeating_tail(list(range(200)))
 
 
 def test_repeating_tail_bounds_and_line_wraps():  # the rule as documented: 16 distinct 4-grams in 48 tokens
-    assert prepare.repeating_tail(list(range(16)) * 3)
-    assert not prepare.repeating_tail((list(range(17)) * 3)[:48])
-    assert not prepare.repeating_tail((list(range(16)) * 3)[:47])
+    assert prepared.repeating_tail(list(range(16)) * 3)
+    assert not prepared.repeating_tail((list(range(17)) * 3)[:48])
+    assert not prepared.repeating_tail((list(range(16)) * 3)[:47])
     # "self.name, self.name, self.name,\n    self.name, ...": 4 tokens, a line break every 3 times
     wrapped = ([1, 2, 3, 4] * 3 + [9, 10]) * 5
-    assert prepare.repeating_tail(wrapped)
+    assert prepared.repeating_tail(wrapped)

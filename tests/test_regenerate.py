@@ -1,4 +1,4 @@
-"""data/regenerate.py against a flaky local OpenAI-compatible stub server, and the local backend."""
+"""data_tools/regenerate.py against a flaky local OpenAI-compatible stub server, and the local backend."""
 import hashlib
 import json
 import os
@@ -14,8 +14,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from data import regenerate
-from drafter.data import chat, chat_template
+from data_tools import regenerate
+from drafter.data import answer_server, chat, chat_template, regeneration
+from drafter.synthesis.answers import LocalBackend
 from drafter.target.model import random_qwen3
 from tests.tiny_tokenizer import save_tiny_tokenizer
 
@@ -280,10 +281,10 @@ def test_an_out_that_is_not_an_output_is_refused_before_anything_is_written(stub
 
 
 @pytest.mark.parametrize("header, seconds", [
-    ("3", 3.0), ("1e9", regenerate.MAX_BACKOFF), ("inf", regenerate.MAX_BACKOFF), ("nan", 0.0), ("-5", 0.0),
+    ("3", 3.0), ("1e9", answer_server.MAX_BACKOFF), ("inf", answer_server.MAX_BACKOFF), ("nan", 0.0), ("-5", 0.0),
     ("Wed, 21 Oct 2015 07:28:00 GMT", 0.0), (None, 0.0)])
 def test_retry_after_is_a_bounded_wait(header, seconds):  # 0: the exponential backoff alone decides
-    assert regenerate.retry_after_seconds(header) == seconds
+    assert answer_server.retry_after_seconds(header) == seconds
 
 
 def test_thinking_answers_keep_the_reasoning_inline(stub, tmp_path):
@@ -373,11 +374,11 @@ def test_a_stop_ends_local_generation_at_the_next_token(tmp_path):
     args = regenerate.parse_args(["--input", "in.jsonl", "--out", str(out), "--backend", "local",
                                   "--target", str(target_dir), "--max-tokens", "20000"])
     stop = threading.Event()
-    jobs = [regenerate.Job(str(i), f"in:{i}", "g", [user(f"Question {i}?")]) for i in range(4)]
-    recorder = regenerate.Recorder(out, len(jobs))
+    jobs = [regeneration.Job(str(i), f"in:{i}", "g", [user(f"Question {i}?")]) for i in range(4)]
+    recorder = regeneration.Recorder(out, len(jobs))
     threading.Timer(0.5, stop.set).start()  # the signal, while the first batch generates
     started = time.monotonic()
-    regenerate.run_local(regenerate.LocalBackend(args, stop), jobs, recorder, batch_size=2, stop=stop)
+    regeneration.run_local(LocalBackend(args, stop), jobs, recorder, batch_size=2, stop=stop)
     recorder.close()
     assert time.monotonic() - started < 5  # 20000 tokens take a minute
     assert out.read_text() == "" and recorder.counts == {}  # cut answers are not written
@@ -396,11 +397,11 @@ def test_local_batches_stay_full_whatever_the_number_of_turns(tmp_path):
             calls.append(len(prompts))
             return [(f"re: {json.loads(p)[-1]['content']}", False) for p in prompts]
 
-    long = regenerate.Job("long", "in:0", "g", [user("a"), assistant(""), user("b"), assistant(""), user("c")])
-    jobs = [long] + [regenerate.Job(str(i), f"in:{i}", "g", [user(f"q{i}")]) for i in range(1, 5)]
+    long = regeneration.Job("long", "in:0", "g", [user("a"), assistant(""), user("b"), assistant(""), user("c")])
+    jobs = [long] + [regeneration.Job(str(i), f"in:{i}", "g", [user(f"q{i}")]) for i in range(1, 5)]
     out = tmp_path / "regen.jsonl"
-    recorder = regenerate.Recorder(out, len(jobs))
-    regenerate.run_local(Backend(), jobs, recorder, batch_size=2, stop=threading.Event())
+    recorder = regeneration.Recorder(out, len(jobs))
+    regeneration.run_local(Backend(), jobs, recorder, batch_size=2, stop=threading.Event())
     recorder.close()
     assert calls == [2, 2, 2, 1]
     rows = {row["id"]: row["messages"] for row in read_rows(out)}
@@ -520,16 +521,16 @@ def test_answers_that_arrive_while_stopping_are_written_and_the_queue_is_dropped
                 stop.set()  # the signal
             return f"re: {question}", False
 
-    class SlowRecorder(regenerate.Recorder):
+    class SlowRecorder(regeneration.Recorder):
         def ok(self, job, rewrite):
             super().ok(job, rewrite)
             first_written.set()
             time.sleep(0.3)
 
-    jobs = [regenerate.Job(q, f"in:{i}", "g", [user(q)]) for i, q in enumerate(["first", "second", "third"])]
+    jobs = [regeneration.Job(q, f"in:{i}", "g", [user(q)]) for i, q in enumerate(["first", "second", "third"])]
     out = tmp_path / "regen.jsonl"
     recorder = SlowRecorder(out, len(jobs))
-    regenerate.run_server(Backend(), jobs, recorder, concurrency=1, stop=stop)
+    answer_server.run_server(Backend(), jobs, recorder, concurrency=1, stop=stop)
     recorder.close()
     time.sleep(0.2)  # a worker that went on would ask the third question now
     assert [row["id"] for row in read_rows(out)] == ["first", "second"]
@@ -545,7 +546,7 @@ def test_a_signal_writes_what_arrived_cancels_the_queue_and_exits_in_seconds(stu
     input_path = write_rows(tmp_path / "in.jsonl", [{"messages": [user(f"Question {i}?")]} for i in range(fast)]
                             + [{"messages": [user(f"SLOW question {i}")]} for i in range(slow)])
     out = tmp_path / "regen.jsonl"
-    command = [sys.executable, os.path.join(REPO, "data", "regenerate.py"), "--input", input_path,
+    command = [sys.executable, os.path.join(REPO, "data_tools", "regenerate.py"), "--input", input_path,
                "--out", str(out), "--base-url", stub.url, "--model", "stub-model", "--concurrency", "2",
                "--max-tokens", "64"]
     proc = subprocess.Popen(command, env={**os.environ, "PYTHONPATH": REPO}, stdout=subprocess.PIPE,

@@ -1,14 +1,14 @@
-"""data/toy.py pieces at tiny sizes: tokenizer, chat template, corpus split, examples, training."""
+"""data_tools/toy.py pieces at tiny sizes: tokenizer, chat template, corpus split, examples, training."""
 import json
 
 import pytest
 import torch
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-from data import toy
+from data_tools import toy
 from drafter.data import chat, chat_template
-from drafter.data import world
 from drafter.data.benchmarks import load_jsonl
+from drafter.synthesis import stdlib_corpus, toy_tokenizer, world
 
 STDLIB_SAMPLE = ["textwrap.py", "shlex.py", "bisect.py", "colorsys.py"]
 VOCAB = 400
@@ -16,12 +16,12 @@ VOCAB = 400
 
 @pytest.fixture(scope="module")
 def texts() -> list[str]:
-    return [(toy.stdlib_root() / name).read_text(encoding="utf-8") for name in STDLIB_SAMPLE]
+    return [(stdlib_corpus.stdlib_root() / name).read_text(encoding="utf-8") for name in STDLIB_SAMPLE]
 
 
 @pytest.fixture(scope="module")
 def tokenizer(texts):
-    return toy.build_tokenizer(texts, VOCAB)
+    return toy_tokenizer.build_tokenizer(texts, VOCAB)
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +46,9 @@ def test_tokenizer_size_special_tokens_and_round_trip(saved_tokenizer):
     tok = saved_tokenizer
     assert len(tok) == VOCAB
     assert (tok.eos_token, tok.pad_token, tok.mask_token) == ("<|im_end|>", "<|endoftext|>", "<|mask|>")
-    for token in toy.SPECIAL_TOKENS + toy.THINK_TOKENS:
+    for token in toy_tokenizer.SPECIAL_TOKENS + toy_tokenizer.THINK_TOKENS:
         assert tok.convert_ids_to_tokens(tok(token, add_special_tokens=False)["input_ids"]) == [token]
-    assert len({tok.convert_tokens_to_ids(t) for t in toy.SPECIAL_TOKENS + toy.THINK_TOKENS}) == 6
+    assert len({tok.convert_tokens_to_ids(t) for t in toy_tokenizer.SPECIAL_TOKENS + toy_tokenizer.THINK_TOKENS}) == 6
     for text in ["def f(x):\n    return x  # ok\n\n\tz = '''é ✓ 日本'''\n", "   \n\n", "\x00\x7f"]:
         ids = tok(text, add_special_tokens=False)["input_ids"]
         assert tok.decode(ids) == text
@@ -57,7 +57,7 @@ def test_tokenizer_size_special_tokens_and_round_trip(saved_tokenizer):
 def test_saved_tokenizer_encodes_like_the_built_one(tokenizer, saved_tokenizer, texts):
     sample = texts[0][:3000] + "<|im_start|>user\n<think>x</think><|im_end|>"
     assert saved_tokenizer(sample)["input_ids"] == tokenizer(sample)["input_ids"]
-    assert saved_tokenizer.chat_template == toy.CHAT_TEMPLATE
+    assert saved_tokenizer.chat_template == toy_tokenizer.CHAT_TEMPLATE
 
 
 def render(tok, messages, **kwargs) -> str:
@@ -114,19 +114,19 @@ def test_corpus_listing_excludes_tests_and_data_files(tmp_path):
     for rel in kept + dropped:
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text("x = 1\n")
-    assert toy.list_corpus_files(tmp_path) == sorted(kept)
+    assert stdlib_corpus.list_corpus_files(tmp_path) == sorted(kept)
 
 
 def test_stdlib_split_is_disjoint_deterministic_and_order_free():
-    files = toy.list_corpus_files(toy.stdlib_root())
+    files = stdlib_corpus.list_corpus_files(stdlib_corpus.stdlib_root())
     assert len(files) > 300 and not any("/test/" in f or f.startswith("test/") for f in files)
-    groups = toy.split_corpus(files)
+    groups = stdlib_corpus.split_corpus(files)
     assert set(groups) == {"train", "prompt", "bench"}
     assert sum(map(len, groups.values())) == len(files)
     assert all(groups.values())
     assert set().union(*map(set, groups.values())) == set(files)
-    assert groups == toy.split_corpus(list(files))
-    reordered = toy.split_corpus(sorted(files, reverse=True))
+    assert groups == stdlib_corpus.split_corpus(list(files))
+    reordered = stdlib_corpus.split_corpus(sorted(files, reverse=True))
     assert {k: set(v) for k, v in reordered.items()} == {k: set(v) for k, v in groups.items()}
     assert len(groups["train"]) > len(groups["prompt"]) > len(groups["bench"])
 
@@ -154,7 +154,7 @@ class Box:
 
 
 def test_function_examples_split_head_and_body():
-    examples = toy.function_examples(SOURCE, context_lines=2, max_prompt_chars=1000, max_body_chars=1000)
+    examples = stdlib_corpus.function_examples(SOURCE, context_lines=2, max_prompt_chars=1000, max_body_chars=1000)
     heads = {head.splitlines()[-1].strip(): (head, body) for head, body in examples}
     assert set(heads) == {"def size(self):", "twice=False):", "def step(n):"}
     head, body = heads["def size(self):"]
@@ -164,7 +164,7 @@ def test_function_examples_split_head_and_body():
         assert head + body in SOURCE
     grow_head, grow_body = heads["twice=False):"]
     assert grow_body.endswith("return step(step(0)) if twice else step(0)\n")
-    limited = toy.function_examples(SOURCE, context_lines=2, max_prompt_chars=1000, max_body_chars=40)
+    limited = stdlib_corpus.function_examples(SOURCE, context_lines=2, max_prompt_chars=1000, max_body_chars=40)
     assert [body for _, body in limited] == ["            return n + by\n"]
 
 
@@ -190,7 +190,7 @@ def test_prompt_and_bench_files_are_read_by_the_pipeline(tmp_path):
         assert row["group"] == "m.py"  # the source file: the held-out split keeps it together
         messages = chat.normalize_row(row)
         assert [m["role"] for m in messages] == ["user"]
-        assert messages[0]["content"].startswith(toy.INSTRUCTION)
+        assert messages[0]["content"].startswith(stdlib_corpus.INSTRUCTION)
     bench = load_jsonl(tmp_path / "bench.jsonl")
     assert [p.turns[0] for p in bench] == [r["messages"][0]["content"] for r in rows]
 
@@ -201,18 +201,18 @@ def test_pack_documents_separates_and_drops_the_tail(tokenizer):
     docs = ["a = 1\n", "b = 2\n"]
     ids = [tokenizer(d, add_special_tokens=False)["input_ids"] for d in docs]
     stream = ids[0] + [tokenizer.pad_token_id] + ids[1] + [tokenizer.pad_token_id]
-    rows = toy.pack_documents(tokenizer, docs, seq_len=3)
+    rows = stdlib_corpus.pack_documents(tokenizer, docs, seq_len=3)
     assert rows.shape == (len(stream) // 3, 3)
     assert rows.flatten().tolist() == stream[: rows.numel()]
 
 
 def test_training_documents_add_a_chat_per_function(tokenizer):
-    documents = toy.training_documents(tokenizer, [SOURCE], toy.EXAMPLE_LIMITS)
+    documents = stdlib_corpus.training_documents(tokenizer, [SOURCE], toy.EXAMPLE_LIMITS)
     assert documents[0] == SOURCE
     chats = documents[1:]
     assert len(chats) == 3
     for text in chats:
-        assert text.startswith("<|im_start|>user\n" + toy.INSTRUCTION)
+        assert text.startswith("<|im_start|>user\n" + stdlib_corpus.INSTRUCTION)
         assert "<|im_start|>assistant\n<think>\n\n</think>\n\n" in text and text.endswith("<|im_end|>\n")
 
 
@@ -224,7 +224,7 @@ def test_lr_schedule_warms_up_then_decays_to_a_tenth():
 
 
 def test_train_target_lowers_the_loss_deterministically(tokenizer, texts):
-    rows = toy.pack_documents(tokenizer, texts[:1], seq_len=32)[:64]
+    rows = stdlib_corpus.pack_documents(tokenizer, texts[:1], seq_len=32)[:64]
     before = toy.mean_loss(tiny_model(tokenizer), rows, batch_size=16)
     runs = []
     for _ in range(2):

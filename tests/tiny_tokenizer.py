@@ -8,7 +8,7 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerFast
 
-from data.toy import build_tokenizer
+from drafter.synthesis.toy_tokenizer import build_tokenizer
 
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog. Hello world, how are you today?",

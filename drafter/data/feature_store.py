@@ -1,5 +1,5 @@
 """The offline feature store: the target's context features of every row of a prepared dataset, written
-once by data/features.py and read by training (`data.features=DIR`) in place of the target's forward.
+once by data_tools/features.py and read by training (`data.features=DIR`) in place of the target's forward.
 
     DIR/index.json                          identity, plan, shards (written first; "complete" at the end)
     DIR/shard-00000-of-00004.safetensors    rows [first, first + rows) of the dataset, in order:
@@ -175,7 +175,7 @@ def read_index(directory: str) -> dict:
         index = json.loads(path.read_text())
     except FileNotFoundError:
         raise FeatureStoreError(f"data.features={directory}: no {INDEX} there (write the store with "
-                                "data/features.py)") from None
+                                "data_tools/features.py)") from None
     except ValueError as error:
         raise FeatureStoreError(f"{path}: not JSON ({error})") from None
     if index.get("format") != FORMAT:
@@ -237,7 +237,7 @@ class FeatureStore:
         self.index = read_index(directory)
         self.identity = self.index["identity"]
         if not self.index.get("complete"):
-            raise FeatureStoreError(f"{self.directory / INDEX}: the dump has not finished; run data/features.py "
+            raise FeatureStoreError(f"{self.directory / INDEX}: the dump has not finished; run data_tools/features.py "
                                     "again with the same arguments to resume it")
         digest = identity_digest(self.identity)
         self.files, self.rows = [], {}

@@ -41,7 +41,7 @@ class StepResult:
 
 class EngineConfigError(ConfigError):
     """A train.ds_config / engine setting this trainer refuses (a ConfigError: train.py and
-    data/plan.py report it as such)."""
+    data_tools/plan.py report it as such)."""
 
 
 def _trainable(module: nn.Module) -> list[nn.Parameter]:

@@ -192,7 +192,7 @@ class TargetFeatures:
     def _row_by_row(self, input_ids: torch.Tensor, layer_ids: list[int], lengths):
         """Each row's own forward at its length rounded up to FEATURE_WIDTH_MULTIPLE (zeros past it): on
         the CPU a batched forward gives a row other bits in another batch (the GEMM kernels block by the
-        batch's shape, the vector tails by its width), so a row's features stored once (data/features.py)
+        batch's shape, the vector tails by its width), so a row's features stored once (data_tools/features.py)
         could not equal those of every batch it is in; alone, a row always gets the same bits."""
         rows = [self._target_pass(input_ids[i:i + 1, :length], layer_ids)
                 for i, length in enumerate(lengths.tolist() if torch.is_tensor(lengths) else lengths)]

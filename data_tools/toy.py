@@ -1,12 +1,14 @@
 """Build the toy world: a small real Qwen3 target and the data a drafter needs, offline, on a CPU.
 
-    python data/toy.py [--out artifacts/toy] [--force] [--threads 2]
+    python data_tools/toy.py [--out artifacts/toy] [--force] [--threads 2]
 
 The corpus is the Python standard library's own source. Each file is assigned by a hash of its path to
 one of three disjoint sets: the target trains on "train" files, the chat prompts whose responses the
 target regenerates come from "prompt" files, and the held-out bench prompts from "bench" files. The
 chat task: the user gives the lines before a function and its signature ("Complete this function:"),
 the assistant writes the body. The target is a non-thinking model (every prompt uses thinking off).
+The corpus and the task are `drafter/synthesis/stdlib_corpus.py`, the tokenizer and its chat template
+`drafter/synthesis/toy_tokenizer.py`; here are the sizes, the target's training and the stages.
 
 Output (each step is skipped when its output exists; --force removes these outputs, and nothing else in
 the directory, and rebuilds them all):
@@ -15,8 +17,8 @@ the directory, and rebuilds them all):
                        target/training.json: size, tokens, speed, final training loss
   prompts.jsonl        {"messages": [user turn], "group": source file} chats from the prompt files
   bench.jsonl          the same kind of chats from the bench files: the held-out prompts
-  regenerated.jsonl    the target's own answers (data/regenerate.py, local backend, greedy)
-  train_data/          data/prepare.py's tokenised drafter training set, answers that loop dropped
+  regenerated.jsonl    the target's own answers (data_tools/regenerate.py, local backend, greedy)
+  train_data/          data_tools/prepare.py's tokenised drafter training set, answers that loop dropped
                        (--drop-loops); its group column is the source file, so a held-out split
                        (data.eval_fraction) holds out whole files
   bench_data/          the bench prompts with the target's greedy answers, prepared (loops kept): the
@@ -29,203 +31,21 @@ the directory, and rebuilds them all):
 """
 
 import argparse
-import ast
-import hashlib
 import json
 import math
 import platform
 import shutil
-import sysconfig
 import time
 from pathlib import Path
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config,
-                          Qwen3ForCausalLM)
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-from drafter.data import world
-
-EOS_TOKEN = "<|im_end|>"
-PAD_TOKEN = "<|endoftext|>"
-MASK_TOKEN = "<|mask|>"
-SPECIAL_TOKENS = [PAD_TOKEN, "<|im_start|>", EOS_TOKEN, MASK_TOKEN]
-# Atomic but not special (as in Qwen3): they survive decode(skip_special_tokens=True).
-THINK_TOKENS = ["<think>", "</think>"]
-
-# GPT-2's split, except that a run of newlines (with the spaces before it) is a piece of its own:
-# indentation never merges with the line break before it, so a prompt that ends with "\n" (as the
-# chat template's headers do) ends on the same token boundary as the training text.
-PRETOKENIZE_PATTERN = (r"'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+"
-                       r"|\s*[\r\n]+|[^\S\r\n]+(?!\S)|[^\S\r\n]+")
-
-# Qwen3's conventions: an assistant turn after the last user turn opens with a think block (empty
-# when its content carries no `<think>...</think>` reasoning) and earlier assistant turns drop their
-# reasoning; the generation prompt gets the empty think block only with enable_thinking=False.
-# So with thinking off, a rendered conversation starts with the rendered prompt of its last answer.
-CHAT_TEMPLATE = (
-    "{%- set ns = namespace(last_user=-1) -%}"
-    "{%- for message in messages -%}"
-    "{%- if message['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- for message in messages -%}"
-    "{%- if message['role'] not in ['system', 'user', 'assistant'] -%}"
-    "{{- raise_exception('unknown role: ' + message['role']) -}}"
-    "{%- elif message['role'] == 'system' and not loop.first -%}"
-    "{{- raise_exception('a system message must come first') -}}"
-    "{%- elif message['role'] == 'assistant' -%}"
-    "{%- set answer = message['content'] -%}"
-    "{%- set reasoning = '' -%}"
-    "{%- if '</think>' in answer -%}"
-    "{%- set reasoning = answer.split('</think>')[0].split('<think>')[-1].strip('\\n') -%}"
-    "{%- set answer = answer.split('</think>')[-1].lstrip('\\n') -%}"
-    "{%- endif -%}"
-    "{{- '<|im_start|>assistant\\n' -}}"
-    "{%- if loop.index0 > ns.last_user -%}"
-    "{{- '<think>\\n' + reasoning + '\\n</think>\\n\\n' -}}"
-    "{%- endif -%}"
-    "{{- answer + '<|im_end|>\\n' -}}"
-    "{%- else -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}"
-    "{{- '<|im_start|>assistant\\n' -}}"
-    "{%- if enable_thinking is defined and enable_thinking is false -%}"
-    "{{- '<think>\\n\\n</think>\\n\\n' -}}"
-    "{%- endif -%}"
-    "{%- endif -%}"
-)
-
-# The toy target is a non-thinking model: its chats, and every prompt rendered for it, use thinking off.
-ENABLE_THINKING = False
-INSTRUCTION = "Complete this function:\n"
-
-# Path parts that take a file out of the corpus: tests, the IDE, 2to3, installed packages, and
-# files that are data rather than code (codec tables, pydoc's text dump, the build's sysconfig).
-EXCLUDED_PARTS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "__pycache__",
-                  "encodings", "pydoc_data"}
-EXCLUDED_NAME_PREFIXES = ("_sysconfigdata",)
-SPLIT_PERCENT = {"train": 70, "prompt": 20, "bench": 10}
-
-
-def stdlib_root() -> Path:
-    """The directory holding the running interpreter's standard library source."""
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def list_corpus_files(root: Path) -> list[str]:
-    """Sorted posix paths, relative to root, of the standard library's non-test Python files."""
-    files = []
-    for path in root.rglob("*.py"):
-        rel = path.relative_to(root)
-        if EXCLUDED_PARTS.intersection(rel.parts) or rel.name.startswith(EXCLUDED_NAME_PREFIXES):
-            continue
-        files.append(rel.as_posix())
-    return sorted(files)
-
-
-def split_of(rel_path: str) -> str:
-    """The set ("train", "prompt" or "bench") a file belongs to, fixed by a hash of its path."""
-    bucket = int.from_bytes(hashlib.sha256(rel_path.encode()).digest()[:8], "big") % 100
-    for name, percent in SPLIT_PERCENT.items():
-        if bucket < percent:
-            return name
-        bucket -= percent
-    raise AssertionError("SPLIT_PERCENT must sum to 100")
-
-
-def split_corpus(files: list[str]) -> dict[str, list[str]]:
-    """Group files by split_of, keeping each group in the given (sorted) order."""
-    groups = {name: [] for name in SPLIT_PERCENT}
-    for rel_path in files:
-        groups[split_of(rel_path)].append(rel_path)
-    return groups
-
-
-def build_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
-    """Train a byte-level BPE tokenizer on texts and wrap it with the chat template and special tokens.
-
-    len(tokenizer) == vocab_size, the think tokens included. Every byte is in the base alphabet,
-    so any string round-trips through encode and decode.
-    """
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    bpe.decoder = decoders.ByteLevel()
-    # Offsets keep a token's leading space, as Qwen's tokenizer does (loss masks map spans by them).
-    bpe.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(THINK_TOKENS),
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    bpe.train_from_iterator(texts, trainer=trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe,
-        eos_token=EOS_TOKEN,
-        pad_token=PAD_TOKEN,
-        mask_token=MASK_TOKEN,
-        additional_special_tokens=["<|im_start|>"],
-    )
-    tokenizer.add_tokens(THINK_TOKENS)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
-
-
-def function_examples(source: str, context_lines: int, max_prompt_chars: int,
-                      max_body_chars: int) -> list[tuple[str, str]]:
-    """(head, body) pairs, one per function of a module whose pieces fit the size limits.
-
-    head: up to context_lines lines before the function, then its decorators and signature;
-    body: the rest of the function. Functions written on one line are skipped.
-    """
-    lines = source.splitlines(keepends=True)
-    examples = []
-    for node in ast.walk(ast.parse(source)):
-        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            continue
-        first_line = min([node.lineno] + [d.lineno for d in node.decorator_list]) - 1
-        body_line = node.body[0].lineno - 1
-        if body_line < node.lineno:
-            continue
-        head = "".join(lines[max(0, first_line - context_lines):body_line])
-        body = "".join(lines[body_line:node.end_lineno])
-        if len(head) <= max_prompt_chars and len(body) <= max_body_chars:
-            examples.append((head, body))
-    return examples
-
-
-def completion_messages(head: str) -> list[dict]:
-    """The chat prompt asking the target to write the body of the function that head opens."""
-    return [{"role": "user", "content": INSTRUCTION + head}]
-
-
-def pack_documents(tokenizer, documents: list[str], seq_len: int) -> torch.Tensor:
-    """Tokenise documents, join them with the pad token as separator, cut into [n, seq_len] rows.
-
-    The tail that does not fill a whole row is dropped.
-    """
-    stream = []
-    for ids in tokenizer(documents, add_special_tokens=False)["input_ids"]:
-        stream.extend(ids)
-        stream.append(tokenizer.pad_token_id)
-    n_rows = len(stream) // seq_len
-    return torch.tensor(stream[: n_rows * seq_len], dtype=torch.long).view(n_rows, seq_len)
-
-
-def training_documents(tokenizer, sources: list[str], example_limits: dict) -> list[str]:
-    """Each source file as raw text, plus each of its functions as a rendered completion chat."""
-    documents = list(sources)
-    for source in sources:
-        for head, body in function_examples(source, **example_limits):
-            messages = completion_messages(head) + [{"role": "assistant", "content": body}]
-            documents.append(tokenizer.apply_chat_template(
-                messages, tokenize=False, enable_thinking=ENABLE_THINKING))
-    return documents
+from drafter.data.prepared import unwind_on_sigterm
+from drafter.synthesis import world
+from drafter.synthesis.stdlib_corpus import (completion_messages, function_examples, list_corpus_files,
+                                             pack_documents, split_corpus, stdlib_root, training_documents)
+from drafter.synthesis.toy_tokenizer import build_tokenizer
 
 
 def lr_at(step: int, total_steps: int, peak_lr: float, warmup_steps: int) -> float:
@@ -413,7 +233,7 @@ def step_heldout(out: Path) -> None:
 
 def step_train_data(out: Path) -> None:
     world.answered_dataset(out, "prompts.jsonl", "regenerated.jsonl", "train_data", GENERATION,
-                           "--drop-loops")
+                           drop_loops=True)
 
 
 def step_bench_data(out: Path) -> None:
@@ -485,4 +305,5 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
+    unwind_on_sigterm()  # a prepare stage killed half-way leaves no hidden temporary copy
     main()

@@ -3,24 +3,24 @@
 A world build is a list of stages, each marked done by the output it writes last: a rerun skips the
 stages whose marker exists, so a build killed half-way resumes where it stopped. A regeneration is
 never a stage of its own (its summary is written even when it is interrupted): it runs inside the
-stage that prepares its answers, whose dataset is the marker. The data stages run
-the repo's own CLIs (`data/regenerate.py`, `data/prepare.py`) as a user would, so a world is made by the
-same code a user's data is. Used by `data/toy.py` and `data/smollm2.py`.
+stage that prepares its answers, whose dataset is the marker. The data stages call the library
+functions behind `data_tools/regenerate.py` and `data_tools/prepare.py` (`answers.regenerate`,
+`prepared.prepare`) in this process, with its thread count, so a world is made by the same code a
+user's data is. A stage that fails on its input stops the build with one line naming the stage. Used
+by `data_tools/toy.py` and `data_tools/smollm2.py`.
 """
 import json
-import os
 import random
 import shutil
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import torch
-
-REPO_ROOT = Path(__file__).resolve().parents[2]  # drafter/data/world.py -> the repo
+from drafter.data.prepared import PrepareSettings, prepare as prepare_dataset
+from drafter.data.regeneration import RegenerateSettings
+from drafter.errors import UserError
+from drafter.synthesis.answers import regenerate as regenerate_answers
 
 Stage = tuple[Callable[[Path], None], str]  # (build out/..., the output that marks it done)
 
@@ -36,14 +36,17 @@ def run_stages(out: Path, stages: list[Stage]) -> dict[str, float]:
             continue
         print(f"[{name}] building {out / marker}", flush=True)
         start = time.perf_counter()
-        stage(out)
+        try:
+            stage(out)
+        except UserError as error:  # bad input, not a bug: its message is the line, without a traceback
+            raise SystemExit(f"[{name}] stopped: {error}") from None
         seconds[name] = round(time.perf_counter() - start, 1)
         print(f"[{name}] done in {seconds[name]:.1f} s", flush=True)
     return seconds
 
 
 def answer_outputs(answers: str) -> list[str]:
-    """The files a regeneration to out/<answers>.jsonl writes (data/regenerate.py)."""
+    """The files a regeneration to out/<answers>.jsonl writes (data_tools/regenerate.py)."""
     return [answers + suffix for suffix in (".jsonl", ".summary.json", ".errors.jsonl", ".settings.json")]
 
 
@@ -79,39 +82,28 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
     tmp.replace(path)
 
 
-def run_cli(script: str, args: list[str]) -> None:
-    """Run one of the repo's data CLIs as a user would, with the build's thread count. A CLI that
-    fails has printed its own error: the build stops with one line after it."""
-    env = os.environ | {"OMP_NUM_THREADS": str(torch.get_num_threads())}
-    done = subprocess.run([sys.executable, str(REPO_ROOT / "data" / script), *args], env=env)
-    if done.returncode:
-        raise SystemExit(f"data/{script} stopped (exit {done.returncode}): its error is above")
-
-
 @dataclass(frozen=True)
 class AnswerSettings:
-    """How a world's target writes its answers (data/regenerate.py --backend local, greedy)."""
+    """How a world's target writes its answers (data_tools/regenerate.py --backend local, greedy)."""
     max_tokens: int
     batch_size: int
 
 
 def answered_dataset(out: Path, prompts: str, answers: str, dataset: str, generation: AnswerSettings,
-                     *prepare_flags: str) -> None:
+                     **prepare_options) -> None:
     """The target's greedy answers to out/prompts, in out/answers, tokenised into out/dataset: one
     stage, whose marker is the dataset."""
     regenerate(out, prompts, answers, generation)
-    prepare(out, answers, dataset, *prepare_flags)
+    prepare(out, answers, dataset, **prepare_options)
 
 
 def regenerate(out: Path, prompts: str, answers: str, generation: AnswerSettings) -> None:
-    """The target's greedy answers to out/prompts, written to out/answers (data/regenerate.py). An
+    """The target's greedy answers to out/prompts, written to out/answers (data_tools/regenerate.py). An
     interrupted or empty regeneration stops the build: the stage that called it has no output yet, so
     a rerun resumes the regeneration (regenerate skips the answers already written)."""
-    run_cli("regenerate.py", ["--backend", "local", "--target", str(out / "target"),
-                              "--input", str(out / prompts), "--out", str(out / answers), "--no-thinking",
-                              "--max-tokens", str(generation.max_tokens),
-                              "--batch-size", str(generation.batch_size)])
-    summary = json.loads((out / answers.replace(".jsonl", ".summary.json")).read_text())
+    summary = regenerate_answers(RegenerateSettings(
+        input=[str(out / prompts)], out=str(out / answers), backend="local", target=str(out / "target"),
+        thinking=False, max_tokens=generation.max_tokens, batch_size=generation.batch_size))
     if summary["interrupted"] or summary["remaining"]:
         raise SystemExit(f"{out / answers}: regeneration stopped with {summary['remaining']} of "
                          f"{summary['total']} prompts left; rerun the build to resume it")
@@ -120,8 +112,8 @@ def regenerate(out: Path, prompts: str, answers: str, generation: AnswerSettings
                          f"(failures: {summary['failures']}); is it trained? (--force rebuilds it)")
 
 
-def prepare(out: Path, answers: str, dataset: str, *flags: str) -> None:
-    """Tokenise out/answers with the target's chat template into the dataset out/dataset."""
-    run_cli("prepare.py", ["--input", str(out / answers), "--target", str(out / "target"),
-                           "--out", str(out / dataset), "--no-thinking", "--num-proc", "1",
-                           "--cache-dir", str(out / "datasets_cache"), *flags])
+def prepare(out: Path, answers: str, dataset: str, **options) -> None:
+    """Tokenise out/answers with the target's chat template into the dataset out/dataset (`options`:
+    more of PrepareSettings, as drop_loops=True)."""
+    prepare_dataset(PrepareSettings(input=[str(out / answers)], target=str(out / "target"), out=str(out / dataset),
+                                    thinking=False, num_proc=1, cache_dir=str(out / "datasets_cache"), **options))

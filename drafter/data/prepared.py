@@ -1,38 +1,23 @@
-"""Tokenise chat data for drafter training: input_ids, loss_mask (assistant tokens only), length, group.
+"""A prepared dataset: chat data tokenised for drafter training, with input_ids, loss_mask (assistant
+tokens only), length and group; the work of `data_tools/prepare.py`, whose docstring gives the user's view.
 
-    python data/prepare.py --input chat.jsonl more.parquet owner/hub-dataset:train \\
-        --target Qwen/Qwen3-8B --out prepared/v3 [--no-thinking] [--system-prompt TEXT] \\
-        [--max-length 3072] [--truncate] [--last-turn-only] [--drop-loops] [--num-proc 8]
+Thinking is one decision: with enable_thinking off reasoning (`<think>` blocks) is removed from every
+answer, so a conversation is rendered exactly as the serving template renders it with
+enable_thinking=False; with it on the reasoning is kept and supervised. The choice is recorded in
+OUT/stats.json (`settings.chat_template_kwargs`), which train.py checks against its config.
 
-Inputs: JSONL, JSON (a list of rows), parquet files, directories of them, or hub dataset names; the
-row shapes and drop reasons are listed in `drafter/data/chat.py`, the repairs in
-`drafter/data/chat_files.py`. Bad rows never stop the run: each is counted by reason and the first few
-are printed with their file and line. A file that cannot be read as a whole (a `.json` list cut short,
-say) stops the run naming it, before anything is written.
-
-Thinking is one decision: with --no-thinking (the default) reasoning (`<think>` blocks) is removed
-from every answer, so a conversation is rendered exactly as the serving template renders it with
-enable_thinking=False; with --thinking the reasoning is kept and supervised. The choice is recorded
-in OUT/stats.json (`settings.chat_template_kwargs`), which train.py checks against its config.
-
-Rows of data/regenerate.py marked `truncated` (an answer hit --max-tokens) are kept without their
+Rows of a regeneration marked `truncated` (an answer hit its token limit) are kept without their
 closing tokens supervised (flag `truncated`). An answer whose tail repeats a short n-gram is a loop
-(flag `loop`; dropped with --drop-loops): its last 48 tokens (closing token excluded) hold at most 16
+(flag `loop`; dropped with drop_loops): its last 48 tokens (closing token excluded) hold at most 16
 distinct 4-grams of their 45. A repeated n-gram of up to 16 tokens has exactly n distinct 4-grams;
 the slack allows a few breaks (line wraps); answers shorter than 48 tokens never count.
 
-Output: `datasets.load_from_disk(OUT)` has columns `input_ids`, `loss_mask` (0/1, int8), `length` and
-`group` (the row's group for the held-out split: see `chat_files.row_group`); `OUT/stats.json` holds the
-kept count, drop counts and first examples per reason, the flags of kept rows with examples, length
-figures, the files of input directories that were not read (`unread_files`) and the settings, and
-marks OUT as this tool's output: an existing --out without that mark is refused, one with it is
-replaced atomically. `OUT/length_hist.png` is the length histogram.
-
 Two cached `datasets` stages: reading + normalising rows (keyed by the input files' paths, sizes
 and mtimes) and tokenising (keyed by the rows, the tokenizer, the settings and this code), so a
-re-run with the same inputs and settings does no work. Output order follows input order.
+re-run with the same inputs and settings does no work. Output order follows input order. An output
+directory is written aside and swapped in, and only a directory this code wrote (its stats.json's
+mark) is ever replaced.
 """
-import argparse
 import functools
 import hashlib
 import json
@@ -42,13 +27,14 @@ import signal
 import sys
 import tempfile
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
 import numpy as np
 
 from drafter.data import chat, chat_files, chat_template
-from drafter.errors import model_path_problem
+from drafter.data.datasets import DataError
 
 RAW_FEATURES = datasets.Features({
     "messages": datasets.Value("string"),  # JSON: tool-call arguments have no fixed schema
@@ -69,7 +55,8 @@ TOKENIZED_FEATURES = datasets.Features({
     "reason": datasets.Value("string"),
 })
 OUTPUT_COLUMNS = ["input_ids", "loss_mask", "length", "group"]
-WRITTEN_BY = "data/prepare.py"  # stats.json's mark: this directory is ours to replace
+WRITTEN_BY = "data_tools/prepare.py"  # stats.json's mark: this directory is ours to replace
+EARLIER_MARKS = ("data/prepare.py",)  # the same tool's mark before its folder was renamed
 MIN_SUPERVISED_RUN = 2
 EXAMPLES_PER_REASON = 5
 LOOP_WINDOW, LOOP_NGRAM, LOOP_MAX_DISTINCT = 48, 4, 16
@@ -77,31 +64,20 @@ LOOP_RULE = (f"the answer's last {LOOP_WINDOW} tokens (closing token excluded) h
              f"{LOOP_MAX_DISTINCT} distinct {LOOP_NGRAM}-grams")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--input", nargs="+", required=True,
-                        help="JSONL/JSON/parquet files, directories of them, or hub dataset names")
-    parser.add_argument("--target", required=True, help="target model path or hub id (its tokenizer)")
-    parser.add_argument("--out", required=True,
-                        help="output directory (new, or an earlier output of this tool: replaced atomically)")
-    parser.add_argument("--system-prompt", default=None,
-                        help="system turn added to conversations that have none")
-    parser.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=False,
-                        help="keep and supervise reasoning, rendered with enable_thinking=True "
-                             "(default: --no-thinking, reasoning removed)")
-    parser.add_argument("--max-length", type=int, default=3072)
-    parser.add_argument("--truncate", action="store_true",
-                        help="keep the first --max-length tokens of longer samples (default: drop them)")
-    parser.add_argument("--last-turn-only", action="store_true",
-                        help="supervise only the last assistant turn (default: every assistant turn)")
-    parser.add_argument("--drop-loops", action="store_true",
-                        help="drop rows with an answer whose tail repeats a short n-gram (default: keep, counted)")
-    parser.add_argument("--num-proc", type=int, default=min(8, os.cpu_count() or 1))
-    parser.add_argument("--cache-dir", default=None, help="datasets cache (default: the HF cache)")
-    args = parser.parse_args(argv)
-    if problem := model_path_problem(args.target):
-        parser.error(f"--target {args.target}: {problem}")
-    return args
+@dataclass(frozen=True)
+class PrepareSettings:
+    """What to prepare, and how (data_tools/prepare.py's flags, named as its flags are)."""
+    input: list[str]          # files, directories of them, or hub dataset names
+    target: str               # the model path or hub id whose tokenizer and chat template render the rows
+    out: str                  # a new directory, or an earlier output of this code (replaced atomically)
+    system_prompt: str | None = None  # a system turn for conversations that have none
+    thinking: bool = False    # keep and supervise reasoning (enable_thinking=True); else it is removed
+    max_length: int = 3072
+    truncate: bool = False    # keep the first max_length tokens of longer samples (else drop them)
+    last_turn_only: bool = False  # supervise only the last assistant turn
+    drop_loops: bool = False  # drop rows with an answer that loops (else keep them, flagged)
+    num_proc: int = 1
+    cache_dir: str | None = None  # the datasets cache (None: the HF cache)
 
 
 def conversation_rows(inputs: list[str]):
@@ -200,30 +176,30 @@ def tokenizer_digest(tokenizer) -> str:
     return digest(tokenizer.backend_tokenizer.to_str(), tokenizer.chat_template)
 
 
-def build(args: argparse.Namespace) -> tuple[datasets.Dataset, dict]:
+def build(prep: PrepareSettings) -> tuple[datasets.Dataset, dict]:
     """The tokenised dataset (every row, dropped ones with their reason) and the settings used."""
-    num_proc = args.num_proc if args.num_proc > 1 else None
-    rows_fingerprint = digest(chat_files.input_signature(args.input), code_digest())
+    num_proc = prep.num_proc if prep.num_proc > 1 else None
+    rows_fingerprint = digest(chat_files.input_signature(prep.input), code_digest())
     try:
         raw = datasets.Dataset.from_generator(
-            conversation_rows, gen_kwargs={"inputs": args.input}, features=RAW_FEATURES,
-            cache_dir=args.cache_dir, fingerprint=rows_fingerprint)
+            conversation_rows, gen_kwargs={"inputs": prep.input}, features=RAW_FEATURES,
+            cache_dir=prep.cache_dir, fingerprint=rows_fingerprint)
     except datasets.exceptions.DatasetGenerationError as error:
         if isinstance(error.__cause__, chat_files.InputError):  # a file that cannot be read as a whole
-            sys.exit(f"stopped, nothing written: {error.__cause__}")
+            raise DataError(f"stopped, nothing written: {error.__cause__}") from None
         raise
     except ValueError as error:  # datasets' words for a generator that yielded nothing
         if "corresponds to no data" not in str(error):
             raise
-        sys.exit(f"no rows to prepare in {', '.join(args.input)}: the input is empty")
-    settings = {"target": args.target, "enable_thinking": args.thinking,
-                "system_prompt": args.system_prompt, "max_length": args.max_length,
-                "truncate": args.truncate, "last_turn_only": args.last_turn_only,
-                "drop_loops": args.drop_loops}
+        raise DataError(f"no rows to prepare in {', '.join(prep.input)}: the input is empty") from None
+    settings = {"target": prep.target, "enable_thinking": prep.thinking,
+                "system_prompt": prep.system_prompt, "max_length": prep.max_length,
+                "truncate": prep.truncate, "last_turn_only": prep.last_turn_only,
+                "drop_loops": prep.drop_loops}
     tokenized = raw.map(
         tokenize_row, fn_kwargs=settings, remove_columns=["messages", "truncated"],
         features=TOKENIZED_FEATURES, num_proc=num_proc,
-        new_fingerprint=digest(rows_fingerprint, tokenizer_digest(load_tokenizer(args.target)),
+        new_fingerprint=digest(rows_fingerprint, tokenizer_digest(load_tokenizer(prep.target)),
                                settings, code_digest()),
         desc="tokenize")
     return tokenized, settings
@@ -307,7 +283,7 @@ def plot_lengths(lengths: np.ndarray, max_length: int, path: Path) -> None:
 def is_prepared_output(path: Path) -> bool:
     """Whether `path` is a directory this tool wrote (its stats.json carries the mark)."""
     try:
-        return json.loads((path / "stats.json").read_text()).get("written_by") == WRITTEN_BY
+        return json.loads((path / "stats.json").read_text()).get("written_by") in (WRITTEN_BY, *EARLIER_MARKS)
     except (OSError, ValueError, AttributeError):
         return False
 
@@ -315,11 +291,11 @@ def is_prepared_output(path: Path) -> bool:
 def check_out(out: Path, inputs: list[str]) -> None:
     """Refuse an --out that this tool may not replace, before any work."""
     if out.exists() and not is_prepared_output(out):
-        sys.exit(f"--out {out} exists and is not an output of {WRITTEN_BY} (no stats.json with its mark): "
-                 "refusing to replace it; choose another --out, or remove it yourself")
+        raise DataError(f"--out {out} exists and is not an output of {WRITTEN_BY} (no stats.json with its "
+                        "mark): refusing to replace it; choose another --out, or remove it yourself")
     for item in inputs:
         if Path(item).exists() and out.resolve() in (Path(item).resolve(), *Path(item).resolve().parents):
-            sys.exit(f"--out {out} would replace the input {item}")
+            raise DataError(f"--out {out} would replace the input {item}")
 
 
 def write_output(dataset: datasets.Dataset, stats: dict, out: Path) -> None:
@@ -356,29 +332,26 @@ def report(stats: dict) -> None:
               f"{'/'.join(chat_files.FILE_SUFFIXES)}: e.g. {', '.join(unread['examples'])}")
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
+def unwind_on_sigterm() -> None:
+    """Make SIGTERM (a scheduler's, kill's) unwind as Ctrl-C does, so that `write_output` removes its
+    half-written temporary directory instead of leaving the data set's size behind, hidden: for the main
+    thread of a command line that prepares data (prepare's, the world builders')."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
+def prepare(prep: PrepareSettings) -> dict:
+    """Tokenise `prep.input` into the dataset `prep.out` and return its stats.json (printed in
+    short). Input that leaves nothing to write raises DataError before anything is written."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the workers are the parallelism
-    out = Path(args.out)
-    check_out(out, args.input)
-    tokenized, settings = build(args)
-    stats, kept = summarize(tokenized, settings, args.input)
+    out = Path(prep.out)
+    check_out(out, prep.input)
+    tokenized, settings = build(prep)
+    stats, kept = summarize(tokenized, settings, prep.input)
     if stats["kept"] == 0:
         report(stats)
-        sys.exit("no sample kept: see the drop reasons above")
+        raise DataError("no sample kept: see the drop reasons above")
     out.parent.mkdir(parents=True, exist_ok=True)
     write_output(tokenized.select(kept).select_columns(OUTPUT_COLUMNS), stats, out)
     report(stats)
     print(f"wrote {out}")
     return stats
-
-
-def exit_on_sigterm(signum, frame):
-    """SIGTERM (a scheduler's, kill's) unwinds as Ctrl-C does, so that write_output removes its
-    half-written temporary directory instead of leaving the data set's size behind, hidden."""
-    sys.exit(128 + signum)
-
-
-if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, exit_on_sigterm)
-    main()
