@@ -38,7 +38,7 @@ def replay_checkpoint(ckpt: str, data_path: str, budgets: list[int], dtype: torc
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ckpt", action="append", required=True, help="a train.py checkpoint (repeatable)")
-    parser.add_argument("--data", required=True, help="a prepared held-out set (data/prepare.py output)")
+    parser.add_argument("--data", required=True, help="a prepared held-out set (data_tools/prepare.py output)")
     parser.add_argument("--budgets", default="8,32", help="DDTree budgets, comma-separated")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--out", help="write the table as JSON here")
