@@ -89,7 +89,7 @@ def test_the_plan_is_printed_and_a_killed_dump_resumes_keeping_whole_shards(stor
     assert dump(cfg, out, "--shard-rows", "40") == 0
     printed = capsys.readouterr().out
     tokens = sum(datasets.load_from_disk(str(cfg.parent / "data"))["length"])
-    assert f"160 rows, {tokens:,} tokens x 1 layers [2] x 64 hidden x 4 B (fp32)" in printed
+    assert f"160 rows, {tokens:,} tokens x (1 layers [2] x 64 hidden) in fp32 = 256 B a token" in printed
     assert "in 4 shards (2 already whole)" in printed and "free on its disk" in printed
     assert shards[0].stat().st_mtime_ns == kept  # skipped, not rewritten
     assert FeatureStore(str(out)).rows.keys() == FeatureStore(str(whole)).rows.keys()
@@ -322,3 +322,104 @@ def test_a_feature_calibration_applies_to_stored_features_as_to_online_ones(stor
     assert [r["loss"] for r in records(tmp_path / "stored", "eval")] == [
         r["loss"] for r in records(tmp_path / "online", "eval")]
     assert train_losses(tmp_path / "plain") != train_losses(tmp_path / "stored")
+
+
+# ----------------------------------------------------------------------------- the target's labels, fp8, the cache
+
+@pytest.fixture(scope="module")
+def labelled_stores(store, tmp_path_factory):
+    """The fixture's rows dumped again with the target's final hidden states (full) and with its argmax."""
+    cfg, _ = store
+    tmp = tmp_path_factory.mktemp("labelled")
+    for labels in ("full", "argmax"):
+        assert dump(cfg, tmp / labels, "--shard-rows", "80", "--target-labels", labels) == 0
+    return cfg, tmp / "full", tmp / "argmax"
+
+
+def test_stored_target_labels_give_the_online_objective_bit_for_bit(labelled_stores):
+    """On training's batches, a store's final hidden states are the target's, and the training step
+    from them (KL) and from its stored argmax (D-PACE weights on the target's hard labels) gives the
+    loss and metrics of the step on the target's own final hidden states."""
+    from conftest import make_drafter
+    from dataclasses import replace
+    from drafter.config import ObjectiveConfig
+    from drafter.data.feature_store import StoreFeatures
+    from drafter.losses.lm_head import target_next_tokens
+    from drafter.training.objective import training_step
+    cfg, full, argmax = labelled_stores
+    settings = load_config(str(cfg))
+    target = random_qwen3(**settings.target.random)
+    online = TargetFeatures(target, form_tp_group(1), torch.device("cpu"), final_hidden=True)
+    drafter = make_drafter(target, num_layers=1, target_layer_ids=[2])
+    rows = datasets.load_from_disk(str(cfg.parent / "data"))
+    head = target.get_output_embeddings().weight
+    next_tokens = lambda final: target_next_tokens(final, head, None, 64)  # noqa: E731
+    from_full = StoreFeatures([FeatureStore(str(full))], torch.float32, "full")
+    from_argmax = StoreFeatures([FeatureStore(str(argmax))], torch.float32, "argmax")
+    kl = replace(ObjectiveConfig(), labels="target", loss="kl", num_anchors=8)
+    dpace = replace(ObjectiveConfig(), labels="target", position_weights="dpace", num_anchors=8)
+    for members in ([0, 1, 2], [7, 30, 90, 150], [100]):
+        batch = collate([rows[i] for i in members], bucket=0)
+        ids, mask, lengths = batch["input_ids"], batch["loss_mask"], batch["lengths"]
+        features, final = online(ids, [2], lengths)
+        stored_features, stored_final = from_full(ids, [2], lengths)
+        _, stored_tokens = from_argmax(ids, [2], lengths)
+        for i, length in enumerate(lengths.tolist()):
+            assert torch.equal(stored_final[i, :length], final[i, :length]), (members, i)
+            assert torch.equal(stored_tokens[i, :length], next_tokens(final[i, :length])), (members, i)
+        for objective, labels in ((kl, stored_final), (dpace, stored_tokens)):
+            step = lambda f, t: training_step(drafter, target, f, ids, mask, objective,  # noqa: E731
+                                              torch.Generator().manual_seed(3), "dense", t)
+            (expected, expected_metrics), (got, got_metrics) = step(features, final), step(stored_features, labels)
+            assert torch.equal(got, expected), (members, objective.loss)
+            assert all(torch.equal(got_metrics[k], expected_metrics[k]) for k in expected_metrics)
+    data_labels = training_step(drafter, target, features, ids, mask, replace(dpace, labels="data"),
+                                torch.Generator().manual_seed(3), "dense")[0]
+    assert not torch.equal(data_labels, got)  # the target's argmax is not the data's next token everywhere
+
+
+@pytest.mark.parametrize("overrides, which, message", [
+    (["objective.labels=target"], "none", "target_labels: the store holds 'none', objective.labels=target with "
+                                          "objective.loss=ce reads 'argmax' (dump the store with data/features.py "
+                                          "--target-labels argmax)"),
+    (["objective.labels=target", "objective.loss=kl"], "argmax", "the store holds 'argmax', objective.labels=target "
+                                                                 "with objective.loss=kl reads 'full'"),
+    (["objective.labels=target", "drafter.draft_vocab_size=64"], "argmax", "objective.labels=target with "
+                                                                           "drafter.draft_vocab_size=64 reads 'full'"),
+])
+def test_an_objective_the_store_cannot_serve_is_refused_naming_the_field(store, labelled_stores, overrides, which,
+                                                                         message):
+    cfg, plain = store
+    _, full, argmax = labelled_stores
+    directory = {"none": plain, "argmax": argmax}[which]
+    settings = load_config(str(cfg), overrides)
+    refusal = store_refusal(FeatureStore(str(directory)), settings, [2], torch.float32, feature_code_version())
+    assert refusal.startswith(f"data.features={directory} does not serve this objective: ") and message in refusal
+    assert store_refusal(FeatureStore(str(full)), settings, [2], torch.float32, feature_code_version()) is None
+
+
+def test_an_fp8_store_holds_each_token_to_fp8_rounding_of_its_own_scale(store, tmp_path):
+    """fp8 (e4m3) with a scale per token and layer: every value within half a step of 3 mantissa bits
+    of the fp32 store's (1/16 of its token's largest), at about a quarter of the bytes; a run asking
+    for another dtype is refused naming it."""
+    cfg, whole = store
+    out = tmp_path / "fp8"
+    assert dump(cfg, out, "--shard-rows", "40", "--dtype", "fp8") == 0
+    exact, fp8 = FeatureStore(str(whole)), FeatureStore(str(out))
+    rows = datasets.load_from_disk(str(cfg.parent / "data"))
+    batch = collate([rows[i] for i in (0, 5, 77)], bucket=0)
+    expected = exact.features(batch["input_ids"], batch["lengths"])
+    got = fp8.features(batch["input_ids"], batch["lengths"])
+    for i, length in enumerate(batch["lengths"].tolist()):
+        error = (got[i, :length] - expected[i, :length]).abs()
+        largest = expected[i, :length].abs().amax(-1, keepdim=True)
+        assert (error <= largest / 16 + 1e-6).all() and error.max() > 0
+    size = lambda d: sum(p.stat().st_size for p in d.glob("shard-*"))  # noqa: E731
+    assert size(out) < 0.3 * size(whole)
+    asked = load_config(str(cfg), ["data.features_dtype=bf16"])
+    assert "dtype (data.features_dtype): the store has 'fp8', this run 'bf16'" in store_refusal(
+        fp8, asked, [2], torch.float32, feature_code_version())
+    assert "dtype (target.dtype): the store has 'fp8', this run 'fp32'" in store_refusal(
+        fp8, load_config(str(cfg)), [2], torch.float32, feature_code_version())
+    assert store_refusal(fp8, load_config(str(cfg), ["data.features_dtype=fp8"]), [2], torch.float32,
+                         feature_code_version()) is None
