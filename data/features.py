@@ -72,6 +72,10 @@ def main(argv=None) -> int:
         overrides.append(f"drafter.target_layer_ids=[{','.join(map(str, args.layers))}]")
     cfg, rank, world_size, device = config_and_world(args.cfg, overrides)
     try:
+        if cfg.target.tp_size > 1:
+            raise FeatureStoreError(f"target.tp_size={cfg.target.tp_size}: the dump runs the whole target on each "
+                                    "rank, its rows split over them; set target.tp_size=1 (the store serves "
+                                    "training at any tp size)")
         check_out_dir(Path(args.out))
         with hold_run_directory(args.out):
             dump(cfg, args, rank, world_size, device)
@@ -121,10 +125,6 @@ def shard_plan(lengths: np.ndarray, included: np.ndarray, bytes_per_token: int, 
 
 def dump(cfg, args, rank, world_size, device):
     out = Path(args.out)
-    if cfg.target.tp_size > 1:
-        raise FeatureStoreError(f"target.tp_size={cfg.target.tp_size}: the dump runs the whole target on each "
-                                "rank, its rows split over them; set target.tp_size=1 (the store serves training "
-                                "at any tp size)")
     if device.type == "cpu":
         set_cpu_threads(cfg.train.threads_per_rank, world_size)
     dtype = compute_dtype(cfg.target.dtype, device)

@@ -99,7 +99,7 @@ def test_the_plan_is_printed_and_a_killed_dump_resumes_keeping_whole_shards(stor
     assert not list(out.glob("*.tmp"))
 
 
-def test_a_dump_refuses_foreign_files_a_full_disk_and_a_busy_directory(store, tmp_path, capsys, monkeypatch):
+def test_a_dump_refuses_foreign_files_a_full_disk_a_busy_directory_and_a_tp_target(store, tmp_path, capsys, monkeypatch):
     cfg, _ = store
     foreign = tmp_path / "mine"
     foreign.mkdir()
@@ -107,6 +107,10 @@ def test_a_dump_refuses_foreign_files_a_full_disk_and_a_busy_directory(store, tm
     assert dump(cfg, foreign) == 2
     assert "holds files a feature dump does not write (notes.txt)" in capsys.readouterr().err
     assert sorted(p.name for p in foreign.iterdir()) == ["notes.txt"]  # nothing written, nothing deleted
+
+    assert dump(cfg, tmp_path / "tp", "target.tp_size=2") == 2
+    assert "error: target.tp_size=2: the dump runs the whole target on each rank" in capsys.readouterr().err
+    assert not (tmp_path / "tp").exists()
 
     busy = tmp_path / "busy"
     with acquire(str(busy)):  # a dump already writing there
@@ -285,27 +289,44 @@ def test_a_disk_that_fills_mid_dump_keeps_the_whole_shards_and_resumes(store, tm
 
 
 @pytest.mark.slow
-def test_hybrid_rows_the_store_lacks_are_computed_by_the_target_bit_for_bit(store, tmp_path):
-    """data.features_missing=generate over a store of half the rows: the online run's losses; without it
-    the same store is refused, naming the dataset."""
-    cfg, _ = store
-    rows = datasets.load_from_disk(str(cfg.parent / "data"))
-    half = tmp_path / "half"
-    rows.select(range(80)).save_to_disk(str(half))
-    shutil.copy(cfg.parent / "data" / "stats.json", half / "stats.json")
+def test_hybrid_rows_the_store_lacks_are_computed_by_the_target_and_cached_bit_for_bit(half_store, tmp_path):
+    """data.features_missing=generate over a store of half the rows, appending what it computes
+    (data.features_cache): the online run's losses; before, the same store is refused without the
+    target, naming the dataset; after an epoch and an eval of every held-out row, it holds every row and
+    trains without the target, the online run's losses again."""
+    cfg, half = half_store
     partial = tmp_path / "partial"
-    assert features_cli.main(["--cfg", str(cfg), "--data", str(half), "--out", str(partial)]) == 0
-    common = ["train.max_steps=6", "train.eval_every=3", "data.num_workers=0"]
+    shutil.copytree(half, partial)
+    common = ["train.epochs=1", "train.max_steps=null", "train.eval_every=1000", "train.eval_batches=1000",
+              "train.save_every=1000", "data.num_workers=0"]
     run_to_end(cfg, f"run.out_dir={tmp_path / 'online'}", *common, launcher="python")
-    out = run_to_end(cfg, f"run.out_dir={tmp_path / 'hybrid'}", *common, f"data.features={partial}",
-                     "data.features_missing=generate", launcher="python")
-    assert "done: 6 steps" in out
-    assert train_losses(tmp_path / "hybrid") == train_losses(tmp_path / "online")
-    assert [r["loss"] for r in records(tmp_path / "hybrid", "eval")] == [
-        r["loss"] for r in records(tmp_path / "online", "eval")]
-    out = run_to_end(cfg, f"run.out_dir={tmp_path / 'strict'}", *common, f"data.features={partial}",
-                     "train.generate_every=0", launcher="python", expect=2)
+    strict = [*common, f"data.features={partial}", "train.generate_every=0"]
+    out = run_to_end(cfg, f"run.out_dir={tmp_path / 'strict'}", *strict, launcher="python", expect=2)
     assert f"error: data.features={partial} does not match this run: dataset (data.path)" in out
+    out = run_to_end(cfg, f"run.out_dir={tmp_path / 'hybrid'}", *common, f"data.features={partial}",
+                     "data.features_missing=generate", "data.features_cache=true", launcher="python")
+    assert list(partial.glob("cache-*.safetensors"))
+    out = run_to_end(cfg, f"run.out_dir={tmp_path / 'grown'}", *strict, launcher="python")
+    assert re.search(r"target weights +0.00 MiB", out)
+    for run in ("hybrid", "grown"):
+        assert train_losses(tmp_path / run) == train_losses(tmp_path / "online"), run
+        assert [r["loss"] for r in records(tmp_path / run, "eval")] == [
+            r["loss"] for r in records(tmp_path / "online", "eval")], run
+
+
+@pytest.mark.slow
+def test_distillation_from_a_store_of_the_targets_final_states_equals_distillation_online(labelled_stores, tmp_path):
+    """objective.labels=target, loss=kl, from a store of the target's final hidden states (its whole
+    distribution): the online run's losses and eval, without the target's weights."""
+    cfg, full, _ = labelled_stores
+    common = ["train.max_steps=4", "train.eval_every=2", "data.num_workers=0", "train.generate_every=0",
+              "objective.labels=target", "objective.loss=kl"]
+    run_to_end(cfg, f"run.out_dir={tmp_path / 'online'}", *common, launcher="python")
+    out = run_to_end(cfg, f"run.out_dir={tmp_path / 'stored'}", *common, f"data.features={full}", launcher="python")
+    assert re.search(r"target weights +0.00 MiB", out)
+    assert train_losses(tmp_path / "stored") == train_losses(tmp_path / "online")
+    assert [r["loss"] for r in records(tmp_path / "stored", "eval")] == [
+        r["loss"] for r in records(tmp_path / "online", "eval")]
 
 
 @pytest.mark.slow
@@ -423,3 +444,126 @@ def test_an_fp8_store_holds_each_token_to_fp8_rounding_of_its_own_scale(store, t
         fp8, load_config(str(cfg)), [2], torch.float32, feature_code_version())
     assert store_refusal(fp8, load_config(str(cfg), ["data.features_dtype=fp8"]), [2], torch.float32,
                          feature_code_version()) is None
+
+
+@pytest.fixture(scope="module")
+def half_store(store, tmp_path_factory):
+    """A store of the fixture's first 80 rows: the other 80 are what a hybrid run computes."""
+    cfg, _ = store
+    tmp = tmp_path_factory.mktemp("half")
+    rows = datasets.load_from_disk(str(cfg.parent / "data"))
+    rows.select(range(80)).save_to_disk(str(tmp / "data"))
+    shutil.copy(cfg.parent / "data" / "stats.json", tmp / "data" / "stats.json")
+    assert features_cli.main(["--cfg", str(cfg), "--data", str(tmp / "data"), "--out", str(tmp / "store")]) == 0
+    return cfg, tmp / "store"
+
+
+def hybrid(cfg: Path, directory: Path):
+    """(a hybrid StoreFeatures over the store at `directory` appending what it computes, its cache)."""
+    from drafter.data.feature_store import StoreCache, StoreFeatures
+    target = random_qwen3(**load_config(str(cfg)).target.random)
+    store = FeatureStore(str(directory))
+    cache = StoreCache(store)
+    return StoreFeatures([store], torch.float32, generate=TargetFeatures(target, form_tp_group(1), torch.device("cpu")),
+                         cache=cache), cache
+
+
+def test_rows_a_hybrid_run_computes_are_appended_by_each_writer_and_read_back_bit_for_bit(half_store, tmp_path):
+    """Two writers (two ranks) append at once to one store: each its own cache shard; the store read
+    again holds both's rows, the target's features bit for bit."""
+    cfg, half = half_store
+    out = tmp_path / "store"
+    shutil.copytree(half, out)
+    rows = datasets.load_from_disk(str(cfg.parent / "data"))
+    target = random_qwen3(**load_config(str(cfg)).target.random)
+    online = TargetFeatures(target, form_tp_group(1), torch.device("cpu"))
+    (first, first_cache), (second, second_cache) = hybrid(cfg, out), hybrid(cfg, out)
+    batches = [collate([rows[i] for i in members], bucket=0) for members in ([3, 90, 91], [92, 150])]
+    for features, batch in zip((first, second), batches):
+        features(batch["input_ids"], [2], batch["lengths"])
+    first_cache.flush()
+    second_cache.flush()
+    assert len(list(out.glob("cache-*.safetensors"))) == 2
+    grown = FeatureStore(str(out))
+    assert len(grown.rows) == 80 + 4
+    for batch in batches:
+        expected, _ = online(batch["input_ids"], [2], batch["lengths"])
+        got = grown.features(batch["input_ids"], batch["lengths"])
+        for i, length in enumerate(batch["lengths"].tolist()):
+            assert torch.equal(got[i, :length], expected[i, :length])
+
+
+KILLED_APPEND = """
+import os, signal, sys
+import datasets, torch
+from drafter.data import feature_store
+from drafter.data.loader import collate
+sys.path.insert(0, {tests!r})
+from test_features import hybrid
+features, cache = hybrid({cfg!r}, {store!r})
+rows = datasets.load_from_disk({data!r})
+def append(members):
+    batch = collate([rows[i] for i in members], bucket=0)
+    features(batch["input_ids"], [2], batch["lengths"])
+    cache.flush()
+append([100, 101])
+real = feature_store.save_file
+def killed_mid_write(tensors, path, metadata):
+    real(tensors, path, metadata=metadata)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    os.kill(os.getpid(), signal.SIGKILL)
+feature_store.save_file = killed_mid_write
+append([120, 121])
+"""
+
+
+def test_a_kill_in_the_middle_of_an_append_leaves_a_store_that_reads_correctly(half_store, tmp_path):
+    """SIGKILL while a cache shard is half written: the store opens, with the appends before it and
+    without the half one, which a later run appends again; a cache shard that is not whole under its
+    own name is refused naming the file."""
+    cfg, half = half_store
+    out = tmp_path / "store"
+    shutil.copytree(half, out)
+    script = KILLED_APPEND.format(tests=str(REPO / "tests"), cfg=str(cfg), store=str(out), data=str(cfg.parent / "data"))
+    done = subprocess.run([str(VENV_BIN / "python"), "-c", script], cwd=REPO, env=_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+    assert len(list(out.glob("cache-*.safetensors.tmp"))) == 1
+    rows = datasets.load_from_disk(str(cfg.parent / "data"))
+    keys = {i: int(features_cli.row_key(rows[i]["input_ids"])) for i in (100, 101, 120, 121)}
+    after_kill = FeatureStore(str(out))
+    assert len(after_kill.rows) == 82 and {keys[100], keys[101]} <= after_kill.rows.keys()
+    assert not {keys[120], keys[121]} & after_kill.rows.keys()
+    features, cache = hybrid(cfg, out)
+    batch = collate([rows[i] for i in (120, 121)], bucket=0)
+    features(batch["input_ids"], [2], batch["lengths"])
+    cache.flush()
+    assert len(FeatureStore(str(out)).rows) == 84
+    appended = sorted(out.glob("cache-*.safetensors"))[0]
+    with open(appended, "r+b") as f:
+        f.truncate(appended.stat().st_size - 8)
+    with pytest.raises(FeatureStoreError, match=f"shard {appended}: truncated"):
+        FeatureStore(str(out))
+
+
+def test_the_eval_replay_reads_a_row_the_store_holds_and_refuses_another_targets_store(store, tmp_path, capsys):
+    """eval/ddtree_accept.py --features: a replayed text the store holds takes its stored features, any
+    other text the target's; a store of another target stops the eval naming target.path."""
+    from types import SimpleNamespace
+
+    from eval import ddtree_accept
+    cfg, out = store
+    settings = load_config(str(cfg))
+    target = random_qwen3(**settings.target.random)
+    rows = datasets.load_from_disk(str(cfg.parent / "data"))
+    evaluator = SimpleNamespace(store=FeatureStore(str(out)), target=target, dtype=torch.float32,
+                                drafter=SimpleNamespace(target_layer_ids=[2]))
+    held = torch.tensor([rows[5]["input_ids"]])
+    stored = FeatureStore(str(out)).features(held, [held.shape[1]])
+    assert torch.equal(ddtree_accept.Evaluator.replay_features(evaluator, held), stored)
+    new = torch.tensor([[7, 3, 1, 4, 1, 5, 9, 2, 6]])
+    expected = ddtree_accept.context_features(target, new, [2])
+    assert torch.equal(ddtree_accept.Evaluator.replay_features(evaluator, new), expected)
+    with pytest.raises(SystemExit, match=f"--features {out}: target.path: the store has None, this eval /models/x"):
+        ddtree_accept.replay_store(str(out), "/models/x", [2])
