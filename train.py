@@ -283,7 +283,8 @@ def run_features(cfg, target, tp_group, device, dtype, stores, drafter):
     if not stores:
         return online
     needed = labels_needed(cfg.objective, drafter.draft_vocab is not None)
-    labels = "full" if needed == "full" or (needed == "argmax" and all(s.target_labels == "full" for s in stores)) else needed
+    # a run of the hard labels reads the final states where every store holds them: the kernel's own argmax
+    labels = "full" if needed != "none" and all(s.target_labels == "full" for s in stores) else needed
     head = target.get_output_embeddings().weight
     chunk_rows = chunk_rows_for(head.shape[0], cfg.objective.chunk_bytes)
     next_tokens = partial(target_next_tokens, head_weight=head, softcap=logit_softcap(target), chunk_rows=chunk_rows)

@@ -271,13 +271,12 @@ class ShardWriter:
                 offsets.append(offsets[-1] + length)
                 keys.append(row_key(record["input_ids"]))
             bar.update(len(batch_rows))
-        text = self.features.target.config.get_text_config()
-        tensors = shard_tensors(
-            torch.cat(parts) if parts else torch.zeros((0, len(self.layer_ids) * text.hidden_size)),
-            (torch.cat(finals) if finals else torch.zeros((0, text.hidden_size))) if self.target_labels == "full" else None,
-            (torch.cat(next_tokens) if next_tokens else torch.zeros(0)) if self.target_labels == "argmax" else None,
-            torch.tensor(offsets, dtype=torch.int64), torch.tensor(keys, dtype=torch.int64), self.dtype,
-            len(self.layer_ids))
+        hidden = self.features.target.config.get_text_config().hidden_size
+        final = (torch.cat(finals) if finals else torch.zeros((0, hidden))) if self.target_labels == "full" else None
+        argmax = (torch.cat(next_tokens) if next_tokens else torch.zeros(0)) if self.target_labels == "argmax" else None
+        tensors = shard_tensors(torch.cat(parts) if parts else torch.zeros((0, len(self.layer_ids) * hidden)), final,
+                                argmax, torch.tensor(offsets, dtype=torch.int64), torch.tensor(keys, dtype=torch.int64),
+                                self.dtype, len(self.layer_ids))
         write_shard(path, tensors, {"identity": self.digest, "first_row": str(first), "rows": str(rows)})
         return offsets[-1]
 

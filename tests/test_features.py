@@ -99,7 +99,8 @@ def test_the_plan_is_printed_and_a_killed_dump_resumes_keeping_whole_shards(stor
     assert not list(out.glob("*.tmp"))
 
 
-def test_a_dump_refuses_foreign_files_a_full_disk_a_busy_directory_and_a_tp_target(store, tmp_path, capsys, monkeypatch):
+def test_a_dump_refuses_foreign_files_a_full_disk_a_busy_directory_and_a_tp_target(store, tmp_path, capsys,
+                                                                                   monkeypatch):
     cfg, _ = store
     foreign = tmp_path / "mine"
     foreign.mkdir()
@@ -525,7 +526,8 @@ def test_a_kill_in_the_middle_of_an_append_leaves_a_store_that_reads_correctly(h
     cfg, half = half_store
     out = tmp_path / "store"
     shutil.copytree(half, out)
-    script = KILLED_APPEND.format(tests=str(REPO / "tests"), cfg=str(cfg), store=str(out), data=str(cfg.parent / "data"))
+    script = KILLED_APPEND.format(tests=str(REPO / "tests"), cfg=str(cfg), store=str(out),
+                                  data=str(cfg.parent / "data"))
     done = subprocess.run([str(VENV_BIN / "python"), "-c", script], cwd=REPO, env=_env(), capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]

@@ -86,7 +86,8 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
 
     forward(hidden [rows, H], head_weight [V, H], data_labels [rows], teacher_hidden [rows, H] or None
     (labels=target: the target's final hidden states predicting each row; or its argmax there [rows],
-    as a feature store holds it for the hard-label losses), spec, row_weights [rows] or None) -> (loss, ranks, hard_labels, hard_logprob, drafter_argmax):
+    as a feature store holds it for the hard-label losses), spec, row_weights [rows] or None)
+    -> (loss, ranks, hard_labels, hard_logprob, drafter_argmax):
       loss: with row_weights, sum_r w_r loss_r / sum_r w_r (the weights carry no gradient); without,
         the per-row losses [rows] (fp32), differentiable w.r.t. `hidden`;
       ranks: each row's data label rank as serving's argmax orders tokens (by logit, a tie going to
