@@ -318,16 +318,25 @@ def test_hybrid_rows_the_store_lacks_are_computed_by_the_target_and_cached_bit_f
 @pytest.mark.slow
 def test_distillation_from_a_store_of_the_targets_final_states_equals_distillation_online(labelled_stores, tmp_path):
     """objective.labels=target, loss=kl, from a store of the target's final hidden states (its whole
-    distribution): the online run's losses and eval, without the target's weights."""
+    distribution), its held-out rows (data.eval_path, rows the training store does not hold) from their
+    own store (data.eval_features): the online run's losses and eval, without the target's weights."""
     cfg, full, _ = labelled_stores
+    rows = datasets.load_from_disk(str(cfg.parent / "data")).select(range(32))
+    shifted = rows.map(lambda row: {"input_ids": [(t + 1) % 32 for t in row["input_ids"]]})
+    shifted.save_to_disk(str(tmp_path / "eval_data"))
+    shutil.copy(cfg.parent / "data" / "stats.json", tmp_path / "eval_data" / "stats.json")
+    eval_store = tmp_path / "eval_store"
+    assert features_cli.main(["--cfg", str(cfg), "--data", str(tmp_path / "eval_data"), "--out", str(eval_store),
+                              "--target-labels", "full"]) == 0
     common = ["train.max_steps=4", "train.eval_every=2", "data.num_workers=0", "train.generate_every=0",
-              "objective.labels=target", "objective.loss=kl"]
+              "objective.labels=target", "objective.loss=kl", f"data.eval_path={tmp_path / 'eval_data'}"]
     run_to_end(cfg, f"run.out_dir={tmp_path / 'online'}", *common, launcher="python")
-    out = run_to_end(cfg, f"run.out_dir={tmp_path / 'stored'}", *common, f"data.features={full}", launcher="python")
+    out = run_to_end(cfg, f"run.out_dir={tmp_path / 'stored'}", *common, f"data.features={full}",
+                     f"data.eval_features={eval_store}", launcher="python")
     assert re.search(r"target weights +0.00 MiB", out)
     assert train_losses(tmp_path / "stored") == train_losses(tmp_path / "online")
-    assert [r["loss"] for r in records(tmp_path / "stored", "eval")] == [
-        r["loss"] for r in records(tmp_path / "online", "eval")]
+    evals = [[r["loss"] for r in records(tmp_path / run, "eval")] for run in ("stored", "online")]
+    assert evals[0] == evals[1] and len(evals[0]) == 2
 
 
 @pytest.mark.slow
@@ -569,3 +578,28 @@ def test_the_eval_replay_reads_a_row_the_store_holds_and_refuses_another_targets
     assert torch.equal(ddtree_accept.Evaluator.replay_features(evaluator, new), expected)
     with pytest.raises(SystemExit, match=f"--features {out}: target.path: the store has None, this eval /models/x"):
         ddtree_accept.replay_store(str(out), "/models/x", [2])
+
+
+def test_an_append_that_cannot_be_written_is_said_once_and_the_run_goes_on(half_store, tmp_path, capsys,
+                                                                           monkeypatch):
+    import errno
+
+    from drafter.data import feature_store
+    cfg, half = half_store
+    out = tmp_path / "store"
+    shutil.copytree(half, out)
+
+    def full_disk(tensors, path, metadata):
+        Path(path).write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(feature_store, "save_file", full_disk)
+    features, cache = hybrid(cfg, out)
+    rows = datasets.load_from_disk(str(cfg.parent / "data"))
+    for members in ([90], [91]):
+        batch = collate([rows[i] for i in members], bucket=0)
+        assert features(batch["input_ids"], [2], batch["lengths"])[0].abs().sum() > 0
+        cache.flush()
+    err = capsys.readouterr().err
+    assert err.count("warning: data.features_cache:") == 1 and "No space left on device" in err
+    assert not list(out.glob("cache-*")) and len(FeatureStore(str(out)).rows) == 80

@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import secrets
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -381,11 +382,12 @@ class StoreCache:
     (cache-<writer>-<n>.safetensors), each written whole (a temporary name, fsync, rename: a kill leaves
     at most a .tmp no reader opens) once about CACHE_FLUSH_BYTES are buffered, and at `flush`. Each
     process writes its own files under a random writer id, so ranks, and runs, append at once with
-    nothing shared to update; readers find the files by name."""
+    nothing shared to update; readers find the files by name. An append that cannot be written (a full
+    disk, a read-only store) is said once and the run goes on appending nothing more."""
 
     def __init__(self, store: FeatureStore):
         self.store, self.writer, self.count = store, secrets.token_hex(6), 0
-        self.buffered, self.held, self.bytes = [], set(), 0
+        self.buffered, self.held, self.bytes, self.failed = [], set(), 0, False
 
     def add(self, key: int, features: torch.Tensor, final, next_tokens):
         """A row as the store holds it: features [L, K*H], and the target's final hidden states [L, H]
@@ -400,7 +402,7 @@ class StoreCache:
             self.flush()
 
     def flush(self):
-        if not self.buffered:
+        if not self.buffered or self.failed:
             return
         keys, features, finals, next_tokens = zip(*self.buffered)
         lengths = [len(f) for f in features]
@@ -410,7 +412,13 @@ class StoreCache:
                                 torch.cat(next_tokens) if next_tokens[0] is not None else None, offsets,
                                 torch.tensor(keys, dtype=torch.int64), store.dtype_name, len(store.layer_ids))
         path = store.directory / f"cache-{self.writer}-{self.count:05d}.safetensors"
-        write_shard(path, tensors, {"identity": store.digest, "cache": self.writer})
+        try:
+            write_shard(path, tensors, {"identity": store.digest, "cache": self.writer})
+        except FeatureStoreError as error:
+            self.failed, self.buffered = True, []
+            print(f"warning: data.features_cache: {str(error).split(';')[0]}; this run appends no more rows "
+                  "(the store is as it was)", file=sys.stderr, flush=True)
+            return
         self.count += 1
         self.buffered, self.bytes = [], 0
         store.add_file(path)
