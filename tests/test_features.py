@@ -1,7 +1,11 @@
 """The offline feature store (data/features.py, drafter/data/feature_store.py): the features it holds are
-training's own, bit for bit, on any batch; the plan, resume and the refusals of a dump; the refusals of
-a store that does not match the run or is not whole. Through the launchers (slow): a two-rank dump, and
-training from the store equal to training online."""
+training's own, bit for bit, on any batch, and so are the target's labels it holds (its argmax, its
+final hidden states); fp8's rounding; the plan, resume and the refusals of a dump; the refusals of a
+store that does not match the run, cannot serve its objective or is not whole; rows a hybrid run
+appends, a kill in the middle of an append, the eval's replay from a store. Through the launchers
+(slow): a two-rank dump, and training from the store equal to training online (ZeRO-2, FSDP2 across a
+kill, hybrid and cached, distillation)."""
+import errno
 import json
 import os
 import re
@@ -9,20 +13,29 @@ import shutil
 import signal
 import subprocess
 from collections import namedtuple
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import datasets
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import make_drafter
 from data import features as features_cli
-from drafter.data.feature_store import FeatureStore, FeatureStoreError, store_refusal
+from drafter.config import ObjectiveConfig
+from drafter.data import feature_store
+from drafter.data.feature_store import (FeatureStore, FeatureStoreError, StoreCache, StoreFeatures, row_key,
+                                        store_refusal)
 from drafter.data.loader import collate
 from drafter.infra.run_lock import acquire
+from drafter.losses.lm_head import target_next_tokens
 from drafter.target.model import random_qwen3
 from drafter.target.tensor_parallel import TargetFeatures, feature_code_version, form_tp_group
+from drafter.training.objective import training_step
 from drafter.training.run_config import load_config
+from eval import ddtree_accept
 from runs import (REPO, VENV_BIN, _env, free_port, kill_job, launch, records, run_to_end, train_losses, wait_for_step,
                   write_run)
 
@@ -262,9 +275,6 @@ def test_fsdp2_from_a_store_killed_and_resumed_equals_fsdp2_online(tmp_path):
 
 
 def test_a_disk_that_fills_mid_dump_keeps_the_whole_shards_and_resumes(store, tmp_path, capsys, monkeypatch):
-    import errno
-
-    from drafter.data import feature_store
     cfg, whole = store
     out = tmp_path / "store"
     written = []
@@ -371,12 +381,6 @@ def test_stored_target_labels_give_the_online_objective_bit_for_bit(labelled_sto
     """On training's batches, a store's final hidden states are the target's, and the training step
     from them (KL) and from its stored argmax (D-PACE weights on the target's hard labels) gives the
     loss and metrics of the step on the target's own final hidden states."""
-    from conftest import make_drafter
-    from dataclasses import replace
-    from drafter.config import ObjectiveConfig
-    from drafter.data.feature_store import StoreFeatures
-    from drafter.losses.lm_head import target_next_tokens
-    from drafter.training.objective import training_step
     cfg, full, argmax = labelled_stores
     settings = load_config(str(cfg))
     target = random_qwen3(**settings.target.random)
@@ -470,7 +474,6 @@ def half_store(store, tmp_path_factory):
 
 def hybrid(cfg: Path, directory: Path):
     """(a hybrid StoreFeatures over the store at `directory` appending what it computes, its cache)."""
-    from drafter.data.feature_store import StoreCache, StoreFeatures
     target = random_qwen3(**load_config(str(cfg)).target.random)
     store = FeatureStore(str(directory))
     cache = StoreCache(store)
@@ -542,7 +545,7 @@ def test_a_kill_in_the_middle_of_an_append_leaves_a_store_that_reads_correctly(h
     assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
     assert len(list(out.glob("cache-*.safetensors.tmp"))) == 1
     rows = datasets.load_from_disk(str(cfg.parent / "data"))
-    keys = {i: int(features_cli.row_key(rows[i]["input_ids"])) for i in (100, 101, 120, 121)}
+    keys = {i: int(row_key(rows[i]["input_ids"])) for i in (100, 101, 120, 121)}
     after_kill = FeatureStore(str(out))
     assert len(after_kill.rows) == 82 and {keys[100], keys[101]} <= after_kill.rows.keys()
     assert not {keys[120], keys[121]} & after_kill.rows.keys()
@@ -561,9 +564,6 @@ def test_a_kill_in_the_middle_of_an_append_leaves_a_store_that_reads_correctly(h
 def test_the_eval_replay_reads_a_row_the_store_holds_and_refuses_another_targets_store(store, tmp_path, capsys):
     """eval/ddtree_accept.py --features: a replayed text the store holds takes its stored features, any
     other text the target's; a store of another target stops the eval naming target.path."""
-    from types import SimpleNamespace
-
-    from eval import ddtree_accept
     cfg, out = store
     settings = load_config(str(cfg))
     target = random_qwen3(**settings.target.random)
@@ -582,9 +582,6 @@ def test_the_eval_replay_reads_a_row_the_store_holds_and_refuses_another_targets
 
 def test_an_append_that_cannot_be_written_is_said_once_and_the_run_goes_on(half_store, tmp_path, capsys,
                                                                            monkeypatch):
-    import errno
-
-    from drafter.data import feature_store
     cfg, half = half_store
     out = tmp_path / "store"
     shutil.copytree(half, out)
