@@ -29,6 +29,7 @@ from drafter.data import feature_store
 from drafter.data.feature_store import (FeatureStore, FeatureStoreError, StoreCache, StoreFeatures, row_key,
                                         store_refusal)
 from drafter.data.loader import collate
+from drafter.errors import ConfigError
 from drafter.infra.run_lock import acquire
 from drafter.losses.lm_head import target_next_tokens
 from drafter.target.model import random_qwen3
@@ -511,6 +512,7 @@ import os, signal, sys
 import datasets, torch
 from drafter.data import feature_store
 from drafter.data.loader import collate
+from drafter.errors import ConfigError
 sys.path.insert(0, {tests!r})
 from test_features import hybrid
 features, cache = hybrid({cfg!r}, {store!r})
@@ -600,3 +602,18 @@ def test_an_append_that_cannot_be_written_is_said_once_and_the_run_goes_on(half_
     err = capsys.readouterr().err
     assert err.count("warning: data.features_cache:") == 1 and "No space left on device" in err
     assert not list(out.glob("cache-*")) and len(FeatureStore(str(out)).rows) == 80
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.features_cache=true"], "data.features_cache is read only with data.features"),
+    (["data.features_dtype=fp8"], "data.features_dtype is read only with data.features"),
+    (["data.features=STORE", "data.features_cache=true"],
+     "data.features_cache=true appends the rows the target computes to the store: it needs "
+     "data.features_missing=generate"),
+])
+def test_store_settings_that_cannot_work_are_refused_before_anything_loads(store, overrides, message):
+    from train import check_store_settings
+    cfg, out = store
+    settings = load_config(str(cfg), [o.replace("STORE", str(out)) for o in overrides])
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_store_settings(settings)
