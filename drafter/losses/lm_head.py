@@ -57,7 +57,8 @@ def target_next_tokens(final_hidden: torch.Tensor, head_weight: torch.Tensor, so
                        chunk_rows: int) -> torch.Tensor:
     """The target's argmax [rows] at its final hidden states `final_hidden` [rows, H], as the loss kernel
     takes its hard labels with labels=target (what a feature store holds for them), `chunk_rows` rows of
-    logits at a time."""
+    logits at a time, on the head's device."""
+    final_hidden = final_hidden.to(head_weight.device)
     tokens = torch.empty(final_hidden.shape[0], dtype=torch.long, device=final_hidden.device)
     for start in range(0, final_hidden.shape[0], chunk_rows):
         rows = slice(start, start + chunk_rows)
