@@ -24,6 +24,7 @@ import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -34,8 +35,8 @@ from transformers import AutoTokenizer
 
 from drafter.config import ObjectiveConfig, lr_factor, noise_std
 from drafter.data.datasets import DataError, content_fingerprint, load_datasets, supervised_token_counts
-from drafter.data.feature_store import (FeatureStore, StoreFeatures, load_stored_head, store_model_config,
-                                        store_refusal)
+from drafter.data.feature_store import (FeatureStore, StoreCache, StoreFeatures, labels_needed, load_stored_head,
+                                        store_model_config, store_refusal)
 from drafter.data.loader import make_loader
 from drafter.data.sampler import held_out_share, plan_notes, sampler_from_config
 from drafter.errors import ConfigError, UserError
@@ -44,6 +45,7 @@ from drafter.infra.engine import build_engine, engine_settings
 from drafter.infra.launch import local_world_size, remove_cpu_allreduce_buffer, set_cpu_threads
 from drafter.infra.progress import StageTimer
 from drafter.infra.run_lock import hold_run_directory
+from drafter.losses.lm_head import chunk_rows_for, logit_softcap, target_next_tokens
 from drafter.metric_sums import finalize_metrics
 from drafter.models import drafter_from_state_dict, load_drafter, new_drafter
 from drafter.models.blocks import attention_kernel, blocks_drawn
@@ -195,8 +197,9 @@ def check_store_settings(cfg):
     """What a run from a feature store cannot do, refused before anything loads: without the target's
     weights (data.features_missing=error), whatever needs the target itself."""
     if not cfg.data.features:
-        if cfg.data.eval_features:
-            raise ConfigError("data.eval_features is read only with data.features")
+        for key in ("data.eval_features", "data.features_dtype", "data.features_cache"):
+            if OmegaConf.select(cfg, key):
+                raise ConfigError(f"{key} is read only with data.features")
         return
     generate = cfg.data.features_missing == "generate"
     if cfg.data.eval_features and not cfg.data.eval_path:
@@ -207,9 +210,9 @@ def check_store_settings(cfg):
                           "(data_tools/features.py --data <data.eval_path>)")
     if generate and cfg.target.tp_size > 1:
         raise ConfigError("data.features_missing=generate computes a rank's missing rows alone: use target.tp_size=1")
-    if cfg.objective.labels == "target":
-        raise ConfigError(f"objective.labels=target needs the target's logits, and the feature store "
-                          f"{cfg.data.features} holds none: train online (data.features=null) or with data labels")
+    if cfg.data.features_cache and not generate:
+        raise ConfigError("data.features_cache=true appends the rows the target computes to the store: it needs "
+                          "data.features_missing=generate")
     if cfg.train.generate_every and not generate:
         raise ConfigError(f"train.generate_every={cfg.train.generate_every}: generation runs the target, which "
                           "is not loaded with data.features; set train.generate_every=0 (the eval steps' "
@@ -265,11 +268,29 @@ def build_run(cfg, rank, world_size, device, data: RunData, model_config, ds_con
     attention = attention_kernel(cfg.objective.attention, device)
     objective = OmegaConf.to_object(cfg.objective)
     engine = build_engine(cfg, drafter, device, dtype, ds_config)
-    online = TargetFeatures(target, tp_group, device, final_hidden=objective.labels == "target")
-    generate = online if cfg.data.features_missing == "generate" else None  # rows no store holds
-    target_features = StoreFeatures(list(stores.values()), generate) if stores else online
+    target_features = run_features(cfg, target, tp_group, device, dtype, list(stores.values()), drafter)
     return RunParts(cfg, rank, world_size, device, dtype, data, target, target_features, engine, objective,
                     attention, generate_prompts, stops, TrainedOn())
+
+
+def run_features(cfg, target, tp_group, device, dtype, stores, drafter):
+    """What the steps read their features (and the target's labels) from: the target's forward, or the
+    stores, with the target computing the rows they lack (data.features_missing=generate) and those rows
+    appended to the first store (data.features_cache)."""
+    cache = StoreCache(stores[0]) if cfg.data.features_cache else None
+    # the target's labels are computed where the objective reads them, or the store a row is appended to holds them
+    final_hidden = cfg.objective.labels == "target" or (cache is not None and stores[0].target_labels != "none")
+    online = TargetFeatures(target, tp_group, device, final_hidden=final_hidden)
+    if not stores:
+        return online
+    needed = labels_needed(cfg.objective, drafter.draft_vocab is not None)
+    # a run of the hard labels reads the final states where every store holds them: the kernel's own argmax
+    labels = "full" if needed != "none" and all(s.target_labels == "full" for s in stores) else needed
+    head = target.get_output_embeddings().weight
+    chunk_rows = chunk_rows_for(head.shape[0], cfg.objective.chunk_bytes)
+    next_tokens = partial(target_next_tokens, head_weight=head, softcap=logit_softcap(target), chunk_rows=chunk_rows)
+    generate = online if cfg.data.features_missing == "generate" else None  # rows no store holds
+    return StoreFeatures(stores, dtype, labels, generate, next_tokens, cache)
 
 
 def check_memory_plan(cfg, model_config, world_size, device, dtype, ds_config, rank):
@@ -419,6 +440,8 @@ class Checkpointer:
         self.started = time.time()
 
     def save(self, step: int):
+        if isinstance(self.run.target_features, StoreFeatures):  # the rows a hybrid run computed, appended
+            self.run.target_features.flush()
         self.run.trained_on.count_into(self.state)
         elapsed = self.state.elapsed_s + time.time() - self.started
         save_checkpoint(self.run.engine, self.run.cfg, step, replace(self.state, elapsed_s=elapsed),

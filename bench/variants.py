@@ -30,6 +30,12 @@ OUT/tau_vs_steps.png (mean +- standard error against steps).
 of the training eval is on the held-out chat bench, and each run's final drafter is replayed on the
 HumanEval code bench too (`--also-eval`, columns `bench_code_data:tau_*`).
 
+`--features DIR` (a store of the config's data.path, data_tools/features.py) trains every run from that one
+store (data.features), without the target's forward, so that the variants are compared on the same
+features; `--eval-features DIR` is the store of its data.eval_path (data.eval_features) and
+`--also-eval-features DIR` that of --also-eval, which the final replays then read. The distillation
+variants (`target-kl`, `target-ce`, `tv`) need a store of the target's labels (`--target-labels full`).
+
 `--world micro` builds, in OUT/micro, a 4-layer Qwen3 target trained for 150 steps on sequences
 x_t = (x_{t-1} + x_{t-2}) mod 64, its greedy continuations of fresh prompts (192 train, 64 eval rows)
 and a config for them: a world in a minute or two, for machines where the toy world's target
@@ -186,22 +192,24 @@ def run_variant(cfg: Path, out: Path, variant: str, seed: int, args, overrides: 
 REPLAY_LOCK = threading.Lock()  # transformers' loading is not thread-safe (its meta-device context is global)
 
 
-def replayed_on(run: Path, data_path: str, threads: int) -> dict[str, float]:
+def replayed_on(run: Path, data_path: str, threads: int, store: str | None = None) -> dict[str, float]:
     """Replayed tau (tau_dflash, tau_ddtree@B at the run's tau_budgets) of a run's final drafter on the
-    prepared set at `data_path`, computed as the training eval computes it (drafter/serving/served.py);
-    cached in the run directory. One at a time: the runs' jobs are threads of this process."""
+    prepared set at `data_path`, computed as the training eval computes it (drafter/serving/served.py),
+    its features from the feature store `store` when given; cached in the run directory. One at a time:
+    the runs' jobs are threads of this process."""
     cached = run / f"replayed_{Path(data_path).name}.json"
     with REPLAY_LOCK:
         if not cached.exists():
-            cached.write_text(json.dumps(replay(run, data_path, threads)))
+            cached.write_text(json.dumps(replay(run, data_path, threads, store)))
     return json.loads(cached.read_text())
 
 
-def replay(run: Path, data_path: str, threads: int) -> dict[str, float]:
+def replay(run: Path, data_path: str, threads: int, store: str | None) -> dict[str, float]:
     import datasets
     import torch
     from omegaconf import OmegaConf
 
+    from drafter.data.feature_store import FeatureStore, load_stored_head
     from drafter.data.loader import collate
     from drafter.metric_sums import finalize_metrics
     from drafter.models import load_drafter
@@ -211,13 +219,19 @@ def replay(run: Path, data_path: str, threads: int) -> dict[str, float]:
     torch.set_num_threads(threads)
     config = OmegaConf.load(run / "checkpoints" / "latest" / "config.yaml")
     drafter = load_drafter(run / "checkpoints" / "latest" / "drafter", dtype=torch.float32).eval()
-    target = load_target(config.target.path, "cpu", torch.float32)
+    stored = FeatureStore(store) if store else None
+    if stored is not None and stored.layer_ids != list(drafter.target_layer_ids):
+        sys.exit(f"--also-eval-features {store}: layer_ids: the store has {stored.layer_ids}, the drafter reads "
+                 f"{list(drafter.target_layer_ids)}")
+    target = (load_stored_head(store, "cpu", torch.float32) if stored is not None
+              else load_target(config.target.path, "cpu", torch.float32))
     rows = datasets.load_from_disk(data_path)
     summed = {}
     with torch.no_grad():
         for first in range(0, len(rows), 8):
             batch = collate(rows.select(range(first, min(first + 8, len(rows)))), bucket=0)
-            features = context_features(target, batch["input_ids"], drafter.target_layer_ids)
+            features = (stored.features(batch["input_ids"], batch["lengths"]) if stored is not None
+                        else context_features(target, batch["input_ids"], drafter.target_layer_ids))
             for k, v in replayed_tau(drafter, target, features, batch["input_ids"], batch["loss_mask"],
                                      list(config.train.tau_budgets), "dense").items():
                 summed[k] = summed.get(k, 0) + v.double()
@@ -289,6 +303,9 @@ def main():
     parser.add_argument("--also-eval", default=None,
                         help="a second prepared held-out set: each run's final drafter is replayed on it too "
                              "(default on smollm2: artifacts/smollm2/bench_code_data, the code bench)")
+    parser.add_argument("--features", default=None, help="a feature store of data.path every run trains from")
+    parser.add_argument("--eval-features", default=None, help="with --features: the store of data.eval_path")
+    parser.add_argument("--also-eval-features", default=None, help="the store of --also-eval the replays read")
     parser.add_argument("--variants", default="objectives",
                         help="objectives | drafters | acceptance | recipe | all | a comma list")
     parser.add_argument("--seeds", default="0,1,2")
@@ -323,12 +340,16 @@ def main():
             sys.exit("no toy world with its held-out set: run `python data_tools/toy.py` first (or pass --world micro)")
         overrides = TOY_EVAL + overrides
 
+    overrides += [f"data.{key}={Path(value).resolve()}" for key, value in
+                  (("features", args.features), ("eval_features", args.eval_features)) if value]
+
     def one(job):
         variant, seed = job
         records = run_variant(cfg, out, variant, seed, args, overrides)
         if args.also_eval:
             records[-1].update({f"{Path(args.also_eval).name}:{k}": v for k, v in
-                                replayed_on(out / variant / f"seed{seed}", args.also_eval, args.threads).items()})
+                                replayed_on(out / variant / f"seed{seed}", args.also_eval, args.threads,
+                                            args.also_eval_features).items()})
         print(f"  {variant:10s} seed {seed}: step {records[-1]['step']} tau_dflash {records[-1]['tau_dflash']:.3f}",
               flush=True)
         return records

@@ -177,6 +177,8 @@ class DataConfig:
     features: Optional[str] = None   # a feature store of data.path (data_tools/features.py): no target forward, no target weights
     eval_features: Optional[str] = None  # with data.features: the store of data.eval_path
     features_missing: str = "error"  # a row no store holds: error (named) | generate (the target, loaded too, computes it)
+    features_cache: bool = False     # with features_missing=generate: the rows computed are appended to data.features
+    features_dtype: Optional[str] = None  # the stores' dtype: fp32 | bf16 | fp8; null: the training dtype's
 
 
 @dataclass

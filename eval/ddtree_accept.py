@@ -52,6 +52,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from drafter.data.benchmarks import load_prompts
 from drafter.data.chat_template import prompt_token_ids
+from drafter.data.feature_store import FeatureStore, FeatureStoreError, row_key
 from drafter.errors import ConfigError, model_path_problem
 from drafter.infra.launch import LaunchError, init_distributed, launched_world_size, local_device, local_world_size
 from drafter.infra.progress import progress_bar
@@ -98,6 +99,9 @@ def parse_args(argv=None):
     parser.add_argument("--sync-stages", action="store_true",
                         help="synchronise CUDA around every stage so that stage times are exact")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--features", default=None,
+                        help="a feature store (data_tools/features.py) of this target: replayed rows it holds read "
+                             "their features from it, so that drafters are replayed on the same features")
     parser.add_argument("--tp", type=int, default=1, help="ranks that share one tensor-parallel copy of the "
                         "target (torchrun; it must divide the ranks of a node)")
     parser.add_argument("--check-public", type=int, default=0, metavar="N",
@@ -168,6 +172,23 @@ def setup_distributed(gather_timeout_minutes: float) -> tuple[int, int, torch.de
         raise SystemExit(f"launch error: {error}") from None
 
 
+def replay_store(directory: str, target_path: str, layer_ids: list[int]) -> FeatureStore:
+    """The store --features names; one that is not whole, or is another target's or other layers', stops
+    the eval in one line."""
+    try:
+        store = FeatureStore(directory)
+    except FeatureStoreError as error:
+        raise SystemExit(f"error: --features {directory}: {error}") from None
+    stored_path = store.identity.get("target.path")
+    if stored_path is None or Path(stored_path).resolve() != Path(target_path).resolve():
+        raise SystemExit(f"error: --features {directory}: target.path: the store has {stored_path}, this eval "
+                         f"{target_path}")
+    if store.layer_ids != list(layer_ids):
+        raise SystemExit(f"error: --features {directory}: layer_ids: the store has {store.layer_ids}, the drafter "
+                         f"reads {list(layer_ids)}")
+    return store
+
+
 class Evaluator:
     """The models and settings shared by every benchmark."""
 
@@ -197,6 +218,7 @@ class Evaluator:
             raise ConfigError(f"--check-public: {directory} drafts over a draft vocabulary (d2t, t2d), which the "
                               "public dflash 0.1.0 loop does not read")
         self.public = load_public(directory, dtype, device) if args.check_public else None
+        self.store = replay_store(args.features, target_path, self.drafter.target_layer_ids) if args.features else None
 
     def replays(self, method: Method) -> bool:
         """Whether `method` is replayed on `ar`'s text instead of generated (module docstring)."""
@@ -208,11 +230,19 @@ class Evaluator:
         ids = torch.tensor([ar_record["prompt_ids"] + ar_record["output_ids"]], device=self.target.device)
         loss_mask = torch.zeros_like(ids)
         loss_mask[0, len(ar_record["prompt_ids"]):] = 1
-        features = context_features(self.target, ids, self.drafter.target_layer_ids)
+        features = self.replay_features(ids)
         budgets = [method.budget] if method.is_tree else []
         steps = replay_steps(self.drafter, self.target, features, ids, loss_mask, budgets, attention="dense")
         return {**ar_record, "acceptance_lengths": steps[str(method)][0] if steps[str(method)] else [],
                 "decode_seconds": None, "stage_seconds": {}, "margins": [], "replayed": True}
+
+    def replay_features(self, ids: torch.Tensor) -> torch.Tensor:
+        """The context features of the text `ids` [1, T]: --features' where it holds the row, else the target's."""
+        if self.store is not None:
+            stored = self.store.row(row_key(ids[0].cpu().numpy()), ids.shape[1])
+            if stored is not None:
+                return stored[0][None].to(self.target.device, self.dtype)
+        return context_features(self.target, ids, self.drafter.target_layer_ids)
 
     def generate(self, method: Method, prompt_ids: torch.Tensor, max_new_tokens: int):
         return generate(self.target, prompt_ids, max_new_tokens, self.stop_token_ids, method=method.name,

@@ -1,7 +1,11 @@
 """The offline feature store (data_tools/features.py, drafter/data/feature_store.py): the features it holds are
-training's own, bit for bit, on any batch; the plan, resume and the refusals of a dump; the refusals of
-a store that does not match the run or is not whole. Through the launchers (slow): a two-rank dump, and
-training from the store equal to training online."""
+training's own, bit for bit, on any batch, and so are the target's labels it holds (its argmax, its
+final hidden states); fp8's rounding; the plan, resume and the refusals of a dump; the refusals of a
+store that does not match the run, cannot serve its objective or is not whole; rows a hybrid run
+appends, a kill in the middle of an append, the eval's replay from a store. Through the launchers
+(slow): a two-rank dump, and training from the store equal to training online (ZeRO-2, FSDP2 across a
+kill, hybrid and cached, distillation)."""
+import errno
 import json
 import os
 import re
@@ -9,20 +13,30 @@ import shutil
 import signal
 import subprocess
 from collections import namedtuple
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import datasets
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import make_drafter
 from data_tools import features as features_cli
-from drafter.data.feature_store import FeatureStore, FeatureStoreError, store_refusal
+from drafter.config import ObjectiveConfig
+from drafter.data import feature_store
+from drafter.data.feature_store import (FeatureStore, FeatureStoreError, StoreCache, StoreFeatures, row_key,
+                                        store_refusal)
 from drafter.data.loader import collate
+from drafter.errors import ConfigError
 from drafter.infra.run_lock import acquire
+from drafter.losses.lm_head import target_next_tokens
 from drafter.target.model import random_qwen3
 from drafter.target.tensor_parallel import TargetFeatures, feature_code_version, form_tp_group
+from drafter.training.objective import training_step
 from drafter.training.run_config import load_config
+from eval import ddtree_accept
 from runs import (REPO, VENV_BIN, _env, free_port, kill_job, launch, records, run_to_end, train_losses, wait_for_step,
                   write_run)
 
@@ -89,7 +103,7 @@ def test_the_plan_is_printed_and_a_killed_dump_resumes_keeping_whole_shards(stor
     assert dump(cfg, out, "--shard-rows", "40") == 0
     printed = capsys.readouterr().out
     tokens = sum(datasets.load_from_disk(str(cfg.parent / "data"))["length"])
-    assert f"160 rows, {tokens:,} tokens x 1 layers [2] x 64 hidden x 4 B (fp32)" in printed
+    assert f"160 rows, {tokens:,} tokens x (1 layers [2] x 64 hidden) in fp32 = 256 B a token" in printed
     assert "in 4 shards (2 already whole)" in printed and "free on its disk" in printed
     assert shards[0].stat().st_mtime_ns == kept  # skipped, not rewritten
     assert FeatureStore(str(out)).rows.keys() == FeatureStore(str(whole)).rows.keys()
@@ -99,7 +113,8 @@ def test_the_plan_is_printed_and_a_killed_dump_resumes_keeping_whole_shards(stor
     assert not list(out.glob("*.tmp"))
 
 
-def test_a_dump_refuses_foreign_files_a_full_disk_and_a_busy_directory(store, tmp_path, capsys, monkeypatch):
+def test_a_dump_refuses_foreign_files_a_full_disk_a_busy_directory_and_a_tp_target(store, tmp_path, capsys,
+                                                                                   monkeypatch):
     cfg, _ = store
     foreign = tmp_path / "mine"
     foreign.mkdir()
@@ -107,6 +122,10 @@ def test_a_dump_refuses_foreign_files_a_full_disk_and_a_busy_directory(store, tm
     assert dump(cfg, foreign) == 2
     assert "holds files a feature dump does not write (notes.txt)" in capsys.readouterr().err
     assert sorted(p.name for p in foreign.iterdir()) == ["notes.txt"]  # nothing written, nothing deleted
+
+    assert dump(cfg, tmp_path / "tp", "target.tp_size=2") == 2
+    assert "error: target.tp_size=2: the dump runs the whole target on each rank" in capsys.readouterr().err
+    assert not (tmp_path / "tp").exists()
 
     busy = tmp_path / "busy"
     with acquire(str(busy)):  # a dump already writing there
@@ -257,9 +276,6 @@ def test_fsdp2_from_a_store_killed_and_resumed_equals_fsdp2_online(tmp_path):
 
 
 def test_a_disk_that_fills_mid_dump_keeps_the_whole_shards_and_resumes(store, tmp_path, capsys, monkeypatch):
-    import errno
-
-    from drafter.data import feature_store
     cfg, whole = store
     out = tmp_path / "store"
     written = []
@@ -285,27 +301,53 @@ def test_a_disk_that_fills_mid_dump_keeps_the_whole_shards_and_resumes(store, tm
 
 
 @pytest.mark.slow
-def test_hybrid_rows_the_store_lacks_are_computed_by_the_target_bit_for_bit(store, tmp_path):
-    """data.features_missing=generate over a store of half the rows: the online run's losses; without it
-    the same store is refused, naming the dataset."""
-    cfg, _ = store
-    rows = datasets.load_from_disk(str(cfg.parent / "data"))
-    half = tmp_path / "half"
-    rows.select(range(80)).save_to_disk(str(half))
-    shutil.copy(cfg.parent / "data" / "stats.json", half / "stats.json")
+def test_hybrid_rows_the_store_lacks_are_computed_by_the_target_and_cached_bit_for_bit(half_store, tmp_path):
+    """data.features_missing=generate over a store of half the rows, appending what it computes
+    (data.features_cache): the online run's losses; before, the same store is refused without the
+    target, naming the dataset; after an epoch and an eval of every held-out row, it holds every row and
+    trains without the target, the online run's losses again."""
+    cfg, half = half_store
     partial = tmp_path / "partial"
-    assert features_cli.main(["--cfg", str(cfg), "--data", str(half), "--out", str(partial)]) == 0
-    common = ["train.max_steps=6", "train.eval_every=3", "data.num_workers=0"]
+    shutil.copytree(half, partial)
+    common = ["train.epochs=1", "train.max_steps=null", "train.eval_every=1000", "train.eval_batches=1000",
+              "train.save_every=1000", "data.num_workers=0"]
     run_to_end(cfg, f"run.out_dir={tmp_path / 'online'}", *common, launcher="python")
-    out = run_to_end(cfg, f"run.out_dir={tmp_path / 'hybrid'}", *common, f"data.features={partial}",
-                     "data.features_missing=generate", launcher="python")
-    assert "done: 6 steps" in out
-    assert train_losses(tmp_path / "hybrid") == train_losses(tmp_path / "online")
-    assert [r["loss"] for r in records(tmp_path / "hybrid", "eval")] == [
-        r["loss"] for r in records(tmp_path / "online", "eval")]
-    out = run_to_end(cfg, f"run.out_dir={tmp_path / 'strict'}", *common, f"data.features={partial}",
-                     "train.generate_every=0", launcher="python", expect=2)
+    strict = [*common, f"data.features={partial}", "train.generate_every=0"]
+    out = run_to_end(cfg, f"run.out_dir={tmp_path / 'strict'}", *strict, launcher="python", expect=2)
     assert f"error: data.features={partial} does not match this run: dataset (data.path)" in out
+    out = run_to_end(cfg, f"run.out_dir={tmp_path / 'hybrid'}", *common, f"data.features={partial}",
+                     "data.features_missing=generate", "data.features_cache=true", launcher="python")
+    assert list(partial.glob("cache-*.safetensors"))
+    out = run_to_end(cfg, f"run.out_dir={tmp_path / 'grown'}", *strict, launcher="python")
+    assert re.search(r"target weights +0.00 MiB", out)
+    for run in ("hybrid", "grown"):
+        assert train_losses(tmp_path / run) == train_losses(tmp_path / "online"), run
+        assert [r["loss"] for r in records(tmp_path / run, "eval")] == [
+            r["loss"] for r in records(tmp_path / "online", "eval")], run
+
+
+@pytest.mark.slow
+def test_distillation_from_a_store_of_the_targets_final_states_equals_distillation_online(labelled_stores, tmp_path):
+    """objective.labels=target, loss=kl, from a store of the target's final hidden states (its whole
+    distribution), its held-out rows (data.eval_path, rows the training store does not hold) from their
+    own store (data.eval_features): the online run's losses and eval, without the target's weights."""
+    cfg, full, _ = labelled_stores
+    rows = datasets.load_from_disk(str(cfg.parent / "data")).select(range(32))
+    shifted = rows.map(lambda row: {"input_ids": [(t + 1) % 32 for t in row["input_ids"]]})
+    shifted.save_to_disk(str(tmp_path / "eval_data"))
+    shutil.copy(cfg.parent / "data" / "stats.json", tmp_path / "eval_data" / "stats.json")
+    eval_store = tmp_path / "eval_store"
+    assert features_cli.main(["--cfg", str(cfg), "--data", str(tmp_path / "eval_data"), "--out", str(eval_store),
+                              "--target-labels", "full"]) == 0
+    common = ["train.max_steps=4", "train.eval_every=2", "data.num_workers=0", "train.generate_every=0",
+              "objective.labels=target", "objective.loss=kl", f"data.eval_path={tmp_path / 'eval_data'}"]
+    run_to_end(cfg, f"run.out_dir={tmp_path / 'online'}", *common, launcher="python")
+    out = run_to_end(cfg, f"run.out_dir={tmp_path / 'stored'}", *common, f"data.features={full}",
+                     f"data.eval_features={eval_store}", launcher="python")
+    assert re.search(r"target weights +0.00 MiB", out)
+    assert train_losses(tmp_path / "stored") == train_losses(tmp_path / "online")
+    evals = [[r["loss"] for r in records(tmp_path / run, "eval")] for run in ("stored", "online")]
+    assert evals[0] == evals[1] and len(evals[0]) == 2
 
 
 @pytest.mark.slow
@@ -322,3 +364,256 @@ def test_a_feature_calibration_applies_to_stored_features_as_to_online_ones(stor
     assert [r["loss"] for r in records(tmp_path / "stored", "eval")] == [
         r["loss"] for r in records(tmp_path / "online", "eval")]
     assert train_losses(tmp_path / "plain") != train_losses(tmp_path / "stored")
+
+
+# ----------------------------------------------------------------------------- the target's labels, fp8, the cache
+
+@pytest.fixture(scope="module")
+def labelled_stores(store, tmp_path_factory):
+    """The fixture's rows dumped again with the target's final hidden states (full) and with its argmax."""
+    cfg, _ = store
+    tmp = tmp_path_factory.mktemp("labelled")
+    for labels in ("full", "argmax"):
+        assert dump(cfg, tmp / labels, "--shard-rows", "80", "--target-labels", labels) == 0
+    return cfg, tmp / "full", tmp / "argmax"
+
+
+def test_stored_target_labels_give_the_online_objective_bit_for_bit(labelled_stores):
+    """On training's batches, a store's final hidden states are the target's, and the training step
+    from them (KL) and from its stored argmax (D-PACE weights on the target's hard labels) gives the
+    loss and metrics of the step on the target's own final hidden states."""
+    cfg, full, argmax = labelled_stores
+    settings = load_config(str(cfg))
+    target = random_qwen3(**settings.target.random)
+    online = TargetFeatures(target, form_tp_group(1), torch.device("cpu"), final_hidden=True)
+    drafter = make_drafter(target, num_layers=1, target_layer_ids=[2])
+    rows = datasets.load_from_disk(str(cfg.parent / "data"))
+    head = target.get_output_embeddings().weight
+    next_tokens = lambda final: target_next_tokens(final, head, None, 64)  # noqa: E731
+    from_full = StoreFeatures([FeatureStore(str(full))], torch.float32, "full")
+    from_argmax = StoreFeatures([FeatureStore(str(argmax))], torch.float32, "argmax")
+    kl = replace(ObjectiveConfig(), labels="target", loss="kl", num_anchors=8)
+    dpace = replace(ObjectiveConfig(), labels="target", position_weights="dpace", num_anchors=8)
+    for members in ([0, 1, 2], [7, 30, 90, 150], [100]):
+        batch = collate([rows[i] for i in members], bucket=0)
+        ids, mask, lengths = batch["input_ids"], batch["loss_mask"], batch["lengths"]
+        features, final = online(ids, [2], lengths)
+        stored_features, stored_final = from_full(ids, [2], lengths)
+        _, stored_tokens = from_argmax(ids, [2], lengths)
+        for i, length in enumerate(lengths.tolist()):
+            assert torch.equal(stored_final[i, :length], final[i, :length]), (members, i)
+            assert torch.equal(stored_tokens[i, :length], next_tokens(final[i, :length])), (members, i)
+        for objective, labels in ((kl, stored_final), (dpace, stored_tokens)):
+            step = lambda f, t: training_step(drafter, target, f, ids, mask, objective,  # noqa: E731
+                                              torch.Generator().manual_seed(3), "dense", t)
+            (expected, expected_metrics), (got, got_metrics) = step(features, final), step(stored_features, labels)
+            assert torch.equal(got, expected), (members, objective.loss)
+            assert all(torch.equal(got_metrics[k], expected_metrics[k]) for k in expected_metrics)
+    data_labels = training_step(drafter, target, features, ids, mask, replace(dpace, labels="data"),
+                                torch.Generator().manual_seed(3), "dense")[0]
+    assert not torch.equal(data_labels, got)  # the target's argmax is not the data's next token everywhere
+
+
+@pytest.mark.parametrize("overrides, which, message", [
+    (["objective.labels=target"], "none", "target_labels: the store holds 'none', objective.labels=target with "
+                                          "objective.loss=ce reads 'argmax' (dump the store with data_tools/features.py "
+                                          "--target-labels argmax)"),
+    (["objective.labels=target", "objective.loss=kl"], "argmax", "the store holds 'argmax', objective.labels=target "
+                                                                 "with objective.loss=kl reads 'full'"),
+    (["objective.labels=target", "drafter.draft_vocab_size=64"], "argmax", "objective.labels=target with "
+                                                                           "drafter.draft_vocab_size=64 reads 'full'"),
+])
+def test_an_objective_the_store_cannot_serve_is_refused_naming_the_field(store, labelled_stores, overrides, which,
+                                                                         message):
+    cfg, plain = store
+    _, full, argmax = labelled_stores
+    directory = {"none": plain, "argmax": argmax}[which]
+    settings = load_config(str(cfg), overrides)
+    refusal = store_refusal(FeatureStore(str(directory)), settings, [2], torch.float32, feature_code_version())
+    assert refusal.startswith(f"data.features={directory} does not serve this objective: ") and message in refusal
+    assert store_refusal(FeatureStore(str(full)), settings, [2], torch.float32, feature_code_version()) is None
+
+
+def test_an_fp8_store_holds_each_token_to_fp8_rounding_of_its_own_scale(store, tmp_path):
+    """fp8 (e4m3) with a scale per token and layer: every value within half a step of 3 mantissa bits
+    of the fp32 store's (1/16 of its token's largest), at about a quarter of the bytes; a run asking
+    for another dtype is refused naming it."""
+    cfg, whole = store
+    out = tmp_path / "fp8"
+    assert dump(cfg, out, "--shard-rows", "40", "--dtype", "fp8") == 0
+    exact, fp8 = FeatureStore(str(whole)), FeatureStore(str(out))
+    rows = datasets.load_from_disk(str(cfg.parent / "data"))
+    batch = collate([rows[i] for i in (0, 5, 77)], bucket=0)
+    expected = exact.features(batch["input_ids"], batch["lengths"])
+    got = fp8.features(batch["input_ids"], batch["lengths"])
+    for i, length in enumerate(batch["lengths"].tolist()):
+        error = (got[i, :length] - expected[i, :length]).abs()
+        largest = expected[i, :length].abs().amax(-1, keepdim=True)
+        assert (error <= largest / 16 + 1e-6).all() and error.max() > 0
+    size = lambda d: sum(p.stat().st_size for p in d.glob("shard-*"))  # noqa: E731
+    assert size(out) < 0.3 * size(whole)
+    asked = load_config(str(cfg), ["data.features_dtype=bf16"])
+    assert "dtype (data.features_dtype): the store has 'fp8', this run 'bf16'" in store_refusal(
+        fp8, asked, [2], torch.float32, feature_code_version())
+    assert "dtype (target.dtype): the store has 'fp8', this run 'fp32'" in store_refusal(
+        fp8, load_config(str(cfg)), [2], torch.float32, feature_code_version())
+    assert store_refusal(fp8, load_config(str(cfg), ["data.features_dtype=fp8"]), [2], torch.float32,
+                         feature_code_version()) is None
+
+
+@pytest.fixture(scope="module")
+def half_store(store, tmp_path_factory):
+    """A store of the fixture's first 80 rows: the other 80 are what a hybrid run computes."""
+    cfg, _ = store
+    tmp = tmp_path_factory.mktemp("half")
+    rows = datasets.load_from_disk(str(cfg.parent / "data"))
+    rows.select(range(80)).save_to_disk(str(tmp / "data"))
+    shutil.copy(cfg.parent / "data" / "stats.json", tmp / "data" / "stats.json")
+    assert features_cli.main(["--cfg", str(cfg), "--data", str(tmp / "data"), "--out", str(tmp / "store")]) == 0
+    return cfg, tmp / "store"
+
+
+def hybrid(cfg: Path, directory: Path):
+    """(a hybrid StoreFeatures over the store at `directory` appending what it computes, its cache)."""
+    target = random_qwen3(**load_config(str(cfg)).target.random)
+    store = FeatureStore(str(directory))
+    cache = StoreCache(store)
+    return StoreFeatures([store], torch.float32, generate=TargetFeatures(target, form_tp_group(1), torch.device("cpu")),
+                         cache=cache), cache
+
+
+def test_rows_a_hybrid_run_computes_are_appended_by_each_writer_and_read_back_bit_for_bit(half_store, tmp_path):
+    """Two writers (two ranks) append at once to one store: each its own cache shard; the store read
+    again holds both's rows, the target's features bit for bit."""
+    cfg, half = half_store
+    out = tmp_path / "store"
+    shutil.copytree(half, out)
+    rows = datasets.load_from_disk(str(cfg.parent / "data"))
+    target = random_qwen3(**load_config(str(cfg)).target.random)
+    online = TargetFeatures(target, form_tp_group(1), torch.device("cpu"))
+    (first, first_cache), (second, second_cache) = hybrid(cfg, out), hybrid(cfg, out)
+    batches = [collate([rows[i] for i in members], bucket=0) for members in ([3, 90, 91], [92, 150])]
+    for features, batch in zip((first, second), batches):
+        features(batch["input_ids"], [2], batch["lengths"])
+    first_cache.flush()
+    second_cache.flush()
+    assert len(list(out.glob("cache-*.safetensors"))) == 2
+    grown = FeatureStore(str(out))
+    assert len(grown.rows) == 80 + 4
+    for batch in batches:
+        expected, _ = online(batch["input_ids"], [2], batch["lengths"])
+        got = grown.features(batch["input_ids"], batch["lengths"])
+        for i, length in enumerate(batch["lengths"].tolist()):
+            assert torch.equal(got[i, :length], expected[i, :length])
+
+
+KILLED_APPEND = """
+import os, signal, sys
+import datasets, torch
+from drafter.data import feature_store
+from drafter.data.loader import collate
+from drafter.errors import ConfigError
+sys.path.insert(0, {tests!r})
+from test_features import hybrid
+features, cache = hybrid({cfg!r}, {store!r})
+rows = datasets.load_from_disk({data!r})
+def append(members):
+    batch = collate([rows[i] for i in members], bucket=0)
+    features(batch["input_ids"], [2], batch["lengths"])
+    cache.flush()
+append([100, 101])
+real = feature_store.save_file
+def killed_mid_write(tensors, path, metadata):
+    real(tensors, path, metadata=metadata)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    os.kill(os.getpid(), signal.SIGKILL)
+feature_store.save_file = killed_mid_write
+append([120, 121])
+"""
+
+
+def test_a_kill_in_the_middle_of_an_append_leaves_a_store_that_reads_correctly(half_store, tmp_path):
+    """SIGKILL while a cache shard is half written: the store opens, with the appends before it and
+    without the half one, which a later run appends again; a cache shard that is not whole under its
+    own name is refused naming the file."""
+    cfg, half = half_store
+    out = tmp_path / "store"
+    shutil.copytree(half, out)
+    script = KILLED_APPEND.format(tests=str(REPO / "tests"), cfg=str(cfg), store=str(out),
+                                  data=str(cfg.parent / "data"))
+    done = subprocess.run([str(VENV_BIN / "python"), "-c", script], cwd=REPO, env=_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+    assert len(list(out.glob("cache-*.safetensors.tmp"))) == 1
+    rows = datasets.load_from_disk(str(cfg.parent / "data"))
+    keys = {i: int(row_key(rows[i]["input_ids"])) for i in (100, 101, 120, 121)}
+    after_kill = FeatureStore(str(out))
+    assert len(after_kill.rows) == 82 and {keys[100], keys[101]} <= after_kill.rows.keys()
+    assert not {keys[120], keys[121]} & after_kill.rows.keys()
+    features, cache = hybrid(cfg, out)
+    batch = collate([rows[i] for i in (120, 121)], bucket=0)
+    features(batch["input_ids"], [2], batch["lengths"])
+    cache.flush()
+    assert len(FeatureStore(str(out)).rows) == 84
+    appended = sorted(out.glob("cache-*.safetensors"))[0]
+    with open(appended, "r+b") as f:
+        f.truncate(appended.stat().st_size - 8)
+    with pytest.raises(FeatureStoreError, match=f"shard {appended}: truncated"):
+        FeatureStore(str(out))
+
+
+def test_the_eval_replay_reads_a_row_the_store_holds_and_refuses_another_targets_store(store, tmp_path, capsys):
+    """eval/ddtree_accept.py --features: a replayed text the store holds takes its stored features, any
+    other text the target's; a store of another target stops the eval naming target.path."""
+    cfg, out = store
+    settings = load_config(str(cfg))
+    target = random_qwen3(**settings.target.random)
+    rows = datasets.load_from_disk(str(cfg.parent / "data"))
+    evaluator = SimpleNamespace(store=FeatureStore(str(out)), target=target, dtype=torch.float32,
+                                drafter=SimpleNamespace(target_layer_ids=[2]))
+    held = torch.tensor([rows[5]["input_ids"]])
+    stored = FeatureStore(str(out)).features(held, [held.shape[1]])
+    assert torch.equal(ddtree_accept.Evaluator.replay_features(evaluator, held), stored)
+    new = torch.tensor([[7, 3, 1, 4, 1, 5, 9, 2, 6]])
+    expected = ddtree_accept.context_features(target, new, [2])
+    assert torch.equal(ddtree_accept.Evaluator.replay_features(evaluator, new), expected)
+    with pytest.raises(SystemExit, match=f"--features {out}: target.path: the store has None, this eval /models/x"):
+        ddtree_accept.replay_store(str(out), "/models/x", [2])
+
+
+def test_an_append_that_cannot_be_written_is_said_once_and_the_run_goes_on(half_store, tmp_path, capsys,
+                                                                           monkeypatch):
+    cfg, half = half_store
+    out = tmp_path / "store"
+    shutil.copytree(half, out)
+
+    def full_disk(tensors, path, metadata):
+        Path(path).write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(feature_store, "save_file", full_disk)
+    features, cache = hybrid(cfg, out)
+    rows = datasets.load_from_disk(str(cfg.parent / "data"))
+    for members in ([90], [91]):
+        batch = collate([rows[i] for i in members], bucket=0)
+        assert features(batch["input_ids"], [2], batch["lengths"])[0].abs().sum() > 0
+        cache.flush()
+    err = capsys.readouterr().err
+    assert err.count("warning: data.features_cache:") == 1 and "No space left on device" in err
+    assert not list(out.glob("cache-*")) and len(FeatureStore(str(out)).rows) == 80
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.features_cache=true"], "data.features_cache is read only with data.features"),
+    (["data.features_dtype=fp8"], "data.features_dtype is read only with data.features"),
+    (["data.features=STORE", "data.features_cache=true"],
+     "data.features_cache=true appends the rows the target computes to the store: it needs "
+     "data.features_missing=generate"),
+])
+def test_store_settings_that_cannot_work_are_refused_before_anything_loads(store, overrides, message):
+    from train import check_store_settings
+    cfg, out = store
+    settings = load_config(str(cfg), [o.replace("STORE", str(out)) for o in overrides])
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_store_settings(settings)

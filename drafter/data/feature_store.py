@@ -6,6 +6,11 @@ once by data_tools/features.py and read by training (`data.features=DIR`) in pla
         features [tokens, K*H]   each row's real positions, rows one after another
         offsets  [rows + 1]      int64: row i is features[offsets[i]:offsets[i + 1]]
         keys     [rows]          int64: the row's token key (`row_key`), by which training finds it
+        feature_scales [tokens, K]  fp8 stores: each token's scale per layer (value = stored x scale)
+        final [tokens, H]        --target-labels full: the target's final-normed last hidden state
+        (final_scales [tokens, 1] with fp8), from which training computes its whole distribution
+        next_tokens [tokens]     --target-labels argmax: int32, the target's argmax at each position
+    DIR/cache-<writer>-<n>.safetensors      rows a hybrid run computed (data.features_cache), as a shard
     DIR/head.safetensors                    the target's input embedding and LM head (what the drafter reads)
     DIR/target/                             the target's config (and tokenizer), so training needs no target files
     DIR/run.lock                            held by a dump while it writes (drafter/infra/run_lock.py)
@@ -19,6 +24,8 @@ resumed dump keeps the shards that check out, and training refuses a truncated o
 import hashlib
 import json
 import os
+import secrets
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,15 +38,22 @@ from safetensors.torch import save_file
 from torch import nn
 
 from drafter.data.datasets import DataError
+from drafter.losses.divergences import DIVERGENCES
 
 INDEX = "index.json"
 HEAD = "head.safetensors"
 TARGET_DIR = "target"
 FORMAT = 1
-STORE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
-# what a dump writes into its directory; anything else there is someone else's
+STORE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}  # of the training dtypes
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+# what of the target's labels a store holds: none; the argmax at each position (objective.labels=target
+# with the hard-label losses); or its final hidden state, its whole distribution through the stored LM head
+TARGET_LABELS = ("none", "argmax", "full")
+# what a dump, or a run appending to the store, writes into its directory; anything else is someone else's
 OWN_FILES = (INDEX, HEAD, TARGET_DIR, "run.lock")
+CACHE_PATTERN = "cache-*.safetensors"
+CACHE_FLUSH_BYTES = 256 * 2**20  # a hybrid run appends its computed rows to the store in files of about this
 
 
 class FeatureStoreError(DataError):
@@ -113,23 +127,81 @@ def target_file_identity(path: str | None, random: dict | None) -> dict:
             "tokenizer_sha256": file_digest([local / name for name in TOKENIZER_FILES if (local / name).is_file()])}
 
 
-def store_identity(cfg, dataset, layer_ids: list[int], dtype: str, feature_code: str) -> dict:
+def store_identity(cfg, dataset, layer_ids: list[int], dtype: str, feature_code: str,
+                   target_labels: str = "none") -> dict:
     """The store's identity for the run config `cfg` over `dataset`, its features computed by the code
-    whose hash is `feature_code` (the target's `feature_code_version`); the dump records it, training
-    compares every field it can know."""
+    whose hash is `feature_code` (the target's `feature_code_version`), holding `target_labels` (one of
+    TARGET_LABELS); the dump records it, training compares every field it can know."""
     random = OmegaConf.to_container(cfg.target.random) if cfg.target.random is not None else None
     return {"target.path": cfg.target.path, "target.random": random,
             **target_file_identity(cfg.target.path, random),
             "target.chat_template_kwargs": OmegaConf.to_container(cfg.target.chat_template_kwargs),
             "dataset": dataset_fingerprint(dataset), "dataset_rows": len(dataset),
             "data.max_length": cfg.data.max_length, "layer_ids": [int(i) for i in layer_ids], "dtype": dtype,
-            "feature_code": feature_code}
+            "feature_code": feature_code, "target_labels": target_labels}
+
+
+def labels_needed(objective, draft_vocab: bool) -> str:
+    """What of the target's labels (TARGET_LABELS) the objective reads: none with data labels; its
+    whole distribution for a divergence to it (kl, tv) or over a draft vocabulary (whose argmax is over
+    the K words, not the stored one over all); else its argmax."""
+    if objective.labels != "target":
+        return "none"
+    divergence = DIVERGENCES.get(objective.loss)
+    return "full" if draft_vocab or (divergence is not None and divergence.needs_target) else "argmax"
+
+
+# ----------------------------------------------------------------------------- a shard's values
+
+def token_bytes(layers: int, hidden: int, dtype: str, target_labels: str) -> int:
+    """A stored token's bytes: its features (fp8: one byte a value, a 4-byte scale a layer) and the
+    target's labels (full: its final hidden state, stored as one more layer; argmax: an int32)."""
+    def values(groups: int) -> int:
+        return groups * hidden * STORE_DTYPES[dtype].itemsize + (4 * groups if dtype == "fp8" else 0)
+    return values(layers) + {"none": 0, "argmax": 4, "full": values(1)}[target_labels]
+
+
+def encode(values: torch.Tensor, dtype: str, groups: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(`values` [tokens, groups x H] as a store of `dtype` holds them, their scales or None). fp8: each
+    token's values of each group (a layer) divided by its scale, their largest magnitude / FP8_MAX (so
+    that nothing saturates), with the scales [tokens, groups] in fp32 beside them."""
+    if dtype != "fp8":
+        return values.to(STORE_DTYPES[dtype]), None
+    grouped = values.float().view(values.shape[0], groups, -1)
+    scales = grouped.abs().amax(-1) / FP8_MAX
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    return (grouped / scales[..., None]).to(torch.float8_e4m3fn).view(values.shape), scales
+
+
+def decode(values: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    """What `encode` stored, back as values (fp32 from fp8; as stored otherwise)."""
+    if scales is None:
+        return values
+    return (values.float().view(values.shape[0], scales.shape[1], -1) * scales[..., None]).view(values.shape)
+
+
+def shard_tensors(features, final, next_tokens, offsets, keys, dtype: str, groups: int) -> dict:
+    """The tensors of a shard of rows: their features [tokens, K*H] in the store's `dtype` (`groups` = K
+    layers), the target's final hidden states [tokens, H] or its argmax [tokens] where the store holds
+    them (else None), the rows' offsets and keys."""
+    stored, scales = encode(features, dtype, groups)
+    tensors = {"features": stored, "offsets": offsets, "keys": keys}
+    if scales is not None:
+        tensors["feature_scales"] = scales
+    if final is not None:
+        tensors["final"], final_scales = encode(final, dtype, 1)
+        if final_scales is not None:
+            tensors["final_scales"] = final_scales
+    if next_tokens is not None:
+        tensors["next_tokens"] = next_tokens.to(torch.int32)
+    return tensors
 
 
 # ----------------------------------------------------------------------------- checking a shard
 
-def shard_problem(path: Path, identity: str, first: int, rows: int) -> str | None:
-    """Why the shard at `path` is not a whole shard of rows [first, first + rows) of this store, or None."""
+def shard_problem(path: Path, identity: str, first: int | None, rows: int | None) -> str | None:
+    """Why the shard at `path` is not a whole shard of rows [first, first + rows) of this store (first
+    None: a cache shard, of any rows), or None."""
     if not path.is_file():
         return "missing"
     size = path.stat().st_size
@@ -147,17 +219,17 @@ def shard_problem(path: Path, identity: str, first: int, rows: int) -> str | Non
     meta = header.get("__metadata__", {})
     if meta.get("identity") != identity:
         return f"written by another dump (identity {meta.get('identity')}, this store's {identity})"
-    if (meta.get("first_row"), meta.get("rows")) != (str(first), str(rows)):
+    if first is not None and (meta.get("first_row"), meta.get("rows")) != (str(first), str(rows)):
         return f"holds rows from {meta.get('first_row')} ({meta.get('rows')} rows), not from {first} ({rows})"
     return None
 
 
-def write_shard(path: Path, features: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor, metadata: dict):
+def write_shard(path: Path, tensors: dict, metadata: dict):
     """Write to a temporary name, flush to disk, then rename: a crash never leaves a shard that reads as whole.
     A disk that fills removes the temporary file and says so."""
     tmp = path.with_name(path.name + ".tmp")
     try:
-        save_file({"features": features.contiguous(), "offsets": offsets, "keys": keys}, str(tmp), metadata=metadata)
+        save_file({name: t.contiguous() for name, t in tensors.items()}, str(tmp), metadata=metadata)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
     except OSError as error:
@@ -204,33 +276,55 @@ def store_refusal(store: "FeatureStore", cfg, layer_ids: list[int], dtype: torch
     `store`, the store of the dataset at `data_key` (data.path or data.eval_path), in one line naming the
     field and both values; None when it can. Fields this machine cannot know (a target whose files are
     not here) are not compared, nor, with data.features_missing=generate, the dataset (the store may
-    hold any of its rows)."""
+    hold any of its rows); a store grown by hybrid runs (data.features_cache) serves another dataset
+    when it holds every row of it the run reads. The store's dtype is data.features_dtype's (null: the
+    training dtype's), and it must hold the target's labels the objective reads."""
     import datasets
-    expected = store_identity(cfg, datasets.load_from_disk(OmegaConf.select(cfg, data_key)), layer_ids,
-                              DTYPE_NAMES.get(dtype, str(dtype)), feature_code)
+    dataset = datasets.load_from_disk(OmegaConf.select(cfg, data_key))
+    asked = cfg.data.features_dtype or DTYPE_NAMES.get(dtype, str(dtype))
+    expected = store_identity(cfg, dataset, layer_ids, asked, feature_code)
+    expected["target_labels"] = None  # what it must hold: below
     if store.identity.get("data.max_length", 0) >= cfg.data.max_length:  # it holds every row the run reads
         expected["data.max_length"] = None
-    if cfg.data.features_missing == "generate":
+    if cfg.data.features_missing == "generate" or (store.cache_files and holds_every_row(store, dataset, cfg)):
         expected.update({"dataset": None, "dataset_rows": None, "data.max_length": None})
+    setting = "data.features" if data_key == "data.path" else "data.eval_features"
+    keys = {**CONFIG_KEYS, "dataset": data_key, "dataset_rows": data_key}
+    if cfg.data.features_dtype:
+        keys["dtype"] = "data.features_dtype"
     for field, value in expected.items():
         if value is not None and store.identity.get(field) != value:
-            key = f" ({CONFIG_KEYS[field]})".replace("data.path", data_key) if field in CONFIG_KEYS else ""
-            setting = "data.features" if data_key == "data.path" else "data.eval_features"
+            key = f" ({keys[field]})" if field in keys else ""
             return (f"{setting}={store.directory} does not match this run: {field}{key}: the store has "
                     f"{store.identity.get(field)!r}, this run {value!r}")
+    needed = labels_needed(cfg.objective, cfg.drafter.draft_vocab_size is not None)
+    if needed != "none" and store.target_labels not in (needed, "full"):
+        why = (f"objective.loss={cfg.objective.loss}" if cfg.drafter.draft_vocab_size is None
+               else f"drafter.draft_vocab_size={cfg.drafter.draft_vocab_size}")
+        return (f"{setting}={store.directory} does not serve this objective: target_labels: the store holds "
+                f"{store.target_labels!r}, objective.labels=target with {why} reads {needed!r} (dump the store "
+                f"with data_tools/features.py --target-labels {needed})")
     return None
+
+
+def holds_every_row(store: "FeatureStore", dataset, cfg) -> bool:
+    """Whether `store` holds every row of `dataset` a run of `cfg` reads (those up to data.max_length)."""
+    for ids, length in zip(dataset["input_ids"], dataset["length"]):
+        if length <= cfg.data.max_length and row_key(ids) not in store.rows:
+            return False
+    return True
 
 
 @dataclass(frozen=True)
 class StoredRow:
-    shard: int
+    file: int
     start: int
     end: int
 
 
 class FeatureStore:
-    """A complete store, every shard checked; `features(input_ids, lengths)` gives a batch's
-    features [b, T, K*H] (zeros past each row's length, where features are never read)."""
+    """A complete store, every shard checked, and the cache shards hybrid runs appended to it;
+    `row(key, length)` gives a row's features and the target's labels it holds."""
 
     def __init__(self, directory: str):
         self.directory = Path(directory)
@@ -239,64 +333,111 @@ class FeatureStore:
         if not self.index.get("complete"):
             raise FeatureStoreError(f"{self.directory / INDEX}: the dump has not finished; run data_tools/features.py "
                                     "again with the same arguments to resume it")
-        digest = identity_digest(self.identity)
+        self.digest = identity_digest(self.identity)
         self.files, self.rows = [], {}
-        for number, shard in enumerate(self.index["shards"]):
-            path = self.directory / shard["file"]
-            if problem := shard_problem(path, digest, shard["first_row"], shard["rows"]):
-                raise FeatureStoreError(f"feature store shard {path}: {problem}")
-            handle = safe_open(str(path), framework="pt")
-            offsets, keys = handle.get_tensor("offsets").tolist(), handle.get_tensor("keys").tolist()
-            for i, key in enumerate(keys):
-                self.rows.setdefault(key, StoredRow(number, offsets[i], offsets[i + 1]))
-            self.files.append(handle)
+        for shard in self.index["shards"]:
+            self.add_file(self.directory / shard["file"], shard["first_row"], shard["rows"])
+        # appended whole or not at all (a .tmp name until then): a file of this name that is not whole is refused
+        self.cache_files = sorted(self.directory.glob(CACHE_PATTERN))
+        for path in self.cache_files:
+            self.add_file(path)
         self.layer_ids = list(self.identity["layer_ids"])
-        self.dtype = STORE_DTYPES[self.identity["dtype"]]
+        self.dtype_name = self.identity["dtype"]
+        self.target_labels = self.identity.get("target_labels", "none")
         self.width = len(self.layer_ids) * self.index["hidden_size"]
 
-    def row_features(self, key: int, length: int) -> torch.Tensor | None:
-        """The features [length, K*H] of the row with this key, or None when the store does not hold it."""
+    def add_file(self, path: Path, first: int | None = None, rows: int | None = None):
+        """Read a shard's keys (first None: a cache shard); rows already held keep their first place."""
+        if problem := shard_problem(path, self.digest, first, rows):
+            raise FeatureStoreError(f"feature store shard {path}: {problem}")
+        handle = safe_open(str(path), framework="pt")
+        offsets, keys = handle.get_tensor("offsets").tolist(), handle.get_tensor("keys").tolist()
+        for i, key in enumerate(keys):
+            self.rows.setdefault(key, StoredRow(len(self.files), offsets[i], offsets[i + 1]))
+        self.files.append(handle)
+
+    def row(self, key: int, length: int):
+        """(features [length, K*H], the target's labels there or None) of the row with this key, decoded
+        (fp8: to fp32), or None when the store does not hold it."""
         row = self.rows.get(key)
         if row is None or row.end - row.start != length:
             return None
-        return self.files[row.shard].get_slice("features")[row.start:row.end]
+        handle, span = self.files[row.file], slice(row.start, row.end)
+        fp8 = self.dtype_name == "fp8"
+        features = decode(handle.get_slice("features")[span],
+                          handle.get_slice("feature_scales")[span] if fp8 else None)
+        labels = None
+        if self.target_labels == "full":
+            labels = decode(handle.get_slice("final")[span], handle.get_slice("final_scales")[span] if fp8 else None)
+        elif self.target_labels == "argmax":
+            labels = handle.get_slice("next_tokens")[span].long()
+        return features, labels
 
-    def features(self, input_ids: torch.Tensor, lengths) -> torch.Tensor:
-        return batch_features([self], input_ids, lengths)
+    def features(self, input_ids: torch.Tensor, lengths, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return StoreFeatures([self], dtype)(input_ids, self.layer_ids, lengths)[0]
 
 
-def batch_features(stores: list[FeatureStore], input_ids: torch.Tensor, lengths,
-                   generate=None, layer_ids=None) -> torch.Tensor:
-    """A batch's features [b, T, K*H] from the first of `stores` that holds each row (zeros past each
-    row's length, where features are never read). A row none holds is computed by `generate` (the
-    target's feature pass, TargetFeatures) when given, else refused, named by its tokens."""
-    out = torch.zeros((*input_ids.shape, stores[0].width), dtype=stores[0].dtype)
-    ids, missing = input_ids.cpu(), []
-    for i, length in enumerate(lengths.tolist() if torch.is_tensor(lengths) else lengths):
-        tokens = ids[i, :length].numpy()
-        key = row_key(tokens)
-        row = next((f for f in (store.row_features(key, length) for store in stores) if f is not None), None)
-        if row is not None:
-            out[i, :length] = row
-        elif generate is None:
-            raise FeatureStoreError(f"{', '.join(str(s.directory) for s in stores)}: no row with these {length} "
-                                    f"tokens (first {tokens[:8].tolist()}): the store was written for another "
-                                    "dataset (data.features_missing=generate computes such rows with the target)")
-        else:
-            missing.append(i)
-    if missing:  # the feature pass gives a row the same bits whatever else its batch holds
-        computed, _ = generate(input_ids[missing], layer_ids, [int(lengths[i]) for i in missing])
-        out[missing] = computed.to(out.dtype).cpu()
-    return out.to(input_ids.device)
+class StoreCache:
+    """The rows a hybrid run computes (data.features_cache), appended to `store` as shards of their own
+    (cache-<writer>-<n>.safetensors), each written whole (a temporary name, fsync, rename: a kill leaves
+    at most a .tmp no reader opens) once about CACHE_FLUSH_BYTES are buffered, and at `flush`. Each
+    process writes its own files under a random writer id, so ranks, and runs, append at once with
+    nothing shared to update; readers find the files by name. An append that cannot be written (a full
+    disk, a read-only store) is said once and the run goes on appending nothing more."""
+
+    def __init__(self, store: FeatureStore):
+        self.store, self.writer, self.count = store, secrets.token_hex(6), 0
+        self.buffered, self.held, self.bytes, self.failed = [], set(), 0, False
+
+    def add(self, key: int, features: torch.Tensor, final, next_tokens):
+        """A row as the store holds it: features [L, K*H], and the target's final hidden states [L, H]
+        or its argmax [L] where the store holds them (else None)."""
+        if key in self.held or key in self.store.rows:
+            return
+        self.held.add(key)
+        self.buffered.append((key, features.cpu(), None if final is None else final.cpu(),
+                              None if next_tokens is None else next_tokens.cpu()))
+        self.bytes += features.numel() * features.element_size()
+        if self.bytes >= CACHE_FLUSH_BYTES:
+            self.flush()
+
+    def flush(self):
+        if not self.buffered or self.failed:
+            return
+        keys, features, finals, next_tokens = zip(*self.buffered)
+        lengths = [len(f) for f in features]
+        offsets = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int64)
+        store = self.store
+        tensors = shard_tensors(torch.cat(features), torch.cat(finals) if finals[0] is not None else None,
+                                torch.cat(next_tokens) if next_tokens[0] is not None else None, offsets,
+                                torch.tensor(keys, dtype=torch.int64), store.dtype_name, len(store.layer_ids))
+        path = store.directory / f"cache-{self.writer}-{self.count:05d}.safetensors"
+        try:
+            write_shard(path, tensors, {"identity": store.digest, "cache": self.writer})
+        except FeatureStoreError as error:
+            self.failed, self.buffered = True, []
+            print(f"warning: data.features_cache: {str(error).split(';')[0]}; this run appends no more rows "
+                  "(the store is as it was)", file=sys.stderr, flush=True)
+            return
+        self.count += 1
+        self.buffered, self.bytes = [], 0
+        store.add_file(path)
 
 
 class StoreFeatures:
     """TargetFeatures' interface over feature stores (data.features, and data.eval_features for the
-    rows of data.eval_path): what micro_step and evaluate call for a batch's features (no final hidden
-    states: a store holds none)."""
+    rows of data.eval_path): what micro_step and evaluate call for a batch's (features [b, T, K*H] in
+    `dtype`, the target's labels `labels` reads (labels_needed): None; its final hidden states [b, T, H]
+    (full); or its argmax next tokens [b, T] (argmax)), zeros past each row's length. A row no store
+    holds is computed by `generate` (the target's TargetFeatures; hybrid mode), rounded as the first
+    store holds it, and given to `cache` (a StoreCache) when there is one; without `generate` it is
+    refused, named by its tokens. `next_tokens` (final hidden states [n, H] -> the target's argmax [n],
+    `lm_head.target_next_tokens` over the run's head) turns final hidden states into argmax labels."""
 
-    def __init__(self, stores: list[FeatureStore], generate=None):
-        self.stores, self.generate = stores, generate  # generate: TargetFeatures, for rows no store holds
+    def __init__(self, stores: list[FeatureStore], dtype: torch.dtype, labels: str = "none", generate=None,
+                 next_tokens=None, cache: StoreCache | None = None):
+        self.stores, self.dtype, self.labels = stores, dtype, labels
+        self.generate, self.next_tokens, self.cache = generate, next_tokens, cache
         self.group = generate.group if generate is not None else None  # generation's (hybrid only)
 
     def __call__(self, input_ids, layer_ids, lengths=None):
@@ -306,7 +447,69 @@ class StoreFeatures:
             if list(layer_ids) != store.layer_ids:
                 raise FeatureStoreError(f"{store.directory}: layer_ids: the store has {store.layer_ids}, "
                                         f"the drafter reads {list(layer_ids)}")
-        return batch_features(self.stores, input_ids, lengths, self.generate, layer_ids), None
+        lengths = lengths.tolist() if torch.is_tensor(lengths) else list(lengths)
+        features = torch.zeros((*input_ids.shape, self.stores[0].width), dtype=self.dtype)
+        labels = self._empty_labels(input_ids)
+        ids, missing = input_ids.cpu(), []
+        for i, length in enumerate(lengths):
+            tokens = ids[i, :length].numpy()
+            key = row_key(tokens)
+            found = next(((store, row) for store in self.stores if (row := store.row(key, length)) is not None), None)
+            if found is not None:
+                store, (row_features, row_labels) = found
+                features[i, :length] = row_features
+                if labels is not None:
+                    labels[i, :length] = self._as_read(row_labels, store.target_labels)
+            elif self.generate is None:
+                raise FeatureStoreError(f"{', '.join(str(s.directory) for s in self.stores)}: no row with these "
+                                        f"{length} tokens (first {tokens[:8].tolist()}): the store was written for "
+                                        "another dataset (data.features_missing=generate computes such rows with "
+                                        "the target)")
+            else:
+                missing.append(i)
+        if missing:  # the feature pass gives a row the same bits whatever else its batch holds
+            self._compute(input_ids, layer_ids, lengths, missing, features, labels)
+        return features.to(input_ids.device), None if labels is None else labels.to(input_ids.device)
+
+    def _empty_labels(self, input_ids):
+        if self.labels == "full":
+            return torch.zeros((*input_ids.shape, self.stores[0].index["hidden_size"]), dtype=self.dtype)
+        return torch.zeros(input_ids.shape, dtype=torch.long) if self.labels == "argmax" else None
+
+    def _as_read(self, row_labels, held: str):
+        """A stored row's labels as this run reads them (a store's final hidden states, for argmax labels,
+        through the run's head)."""
+        if self.labels == "argmax" and held == "full":
+            return self.next_tokens(row_labels.to(self.dtype)).cpu()
+        return row_labels
+
+    def _compute(self, input_ids, layer_ids, lengths, missing, features, labels):
+        """The rows `missing` of the batch through the target, rounded as the first store holds them (its
+        dtype; its argmax from the target's own final hidden states, as the dump computes it)."""
+        store = self.stores[0]
+        computed, final = self.generate(input_ids[missing], layer_ids, [lengths[i] for i in missing])
+        for j, i in enumerate(missing):
+            length = lengths[i]
+            row, row_final = computed[j, :length].cpu(), None if final is None else final[j, :length].cpu()
+            features[i, :length] = decode(*encode(row, store.dtype_name, len(store.layer_ids)))
+            next_tokens = None
+            if row_final is not None and (store.target_labels == "argmax" or self.labels == "argmax"):
+                next_tokens = self.next_tokens(row_final.to(self.dtype)).cpu()
+            if labels is not None:
+                if self.labels == "full":
+                    labels[i, :length] = decode(*encode(row_final, store.dtype_name, 1))
+                elif store.target_labels == "full":  # argmax read as _as_read reads the stored rows
+                    labels[i, :length] = self._as_read(decode(*encode(row_final, store.dtype_name, 1)), "full")
+                else:
+                    labels[i, :length] = next_tokens
+            if self.cache is not None:
+                self.cache.add(row_key(input_ids[i, :length].cpu().numpy()), row,
+                               row_final if store.target_labels == "full" else None,
+                               next_tokens if store.target_labels == "argmax" else None)
+
+    def flush(self):
+        if self.cache is not None:
+            self.cache.flush()
 
     def most_in_group(self, count: int) -> int:
         return count

@@ -108,7 +108,8 @@ def loss_chunk_peak_bytes(cfg, vocab_size: int, rows: int) -> int:
 def block_loss(hidden, head, blocks, final_hidden, cfg, chunk_rows: int, softcap: float | None = None):
     """(loss, data-label ranks [rows]) of the drafter's final states `hidden` [b, A, B, H] on the batch's
     `blocks` (models.blocks.Blocks) under the objective `cfg`; `final_hidden` [b, T, H]: the target's
-    final-normed hidden states, needed with cfg.labels == "target", its logits capped at `softcap`."""
+    final-normed hidden states, needed with cfg.labels == "target", its logits capped at `softcap` (or,
+    from a feature store, its argmax [b, T] at each position, for the losses that read no more)."""
     b, num_blocks, block_size, width = hidden.shape
     states, labels = hidden[:, :, 1:].reshape(-1, width), blocks.labels[..., 1:].reshape(-1)
     fixed = blocks.weights[..., 1:].reshape(-1)
@@ -116,8 +117,10 @@ def block_loss(hidden, head, blocks, final_hidden, cfg, chunk_rows: int, softcap
         return weighted_data_ce(states, head, labels, fixed, chunk_rows)
     if cfg.labels == "target" and final_hidden is None:
         raise ValueError("objective.labels=target needs the target's final hidden states (final_hidden)")
-    teacher = (teacher_rows(final_hidden, blocks.positions).reshape(-1, width).to(hidden.dtype)
-               if cfg.labels == "target" else None)
+    teacher = None
+    if cfg.labels == "target":  # final hidden states, or the argmax tokens a feature store holds
+        teacher = teacher_rows(final_hidden, blocks.positions)
+        teacher = teacher.reshape(-1) if final_hidden.dim() == 2 else teacher.reshape(-1, width).to(hidden.dtype)
     row_loss, ranks, hard_labels, hard_logprob, drafter_argmax = ChunkedLMHeadLoss.apply(
         states, head, labels, teacher, row_loss_spec(cfg, chunk_rows, softcap), None)
     shape = (-1, block_size - 1)

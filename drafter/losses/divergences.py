@@ -69,8 +69,12 @@ DIVERGENCES = {
 def teacher_rows(final_hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """The target's final hidden state that predicts each slot k >= 1: at sequence position p+k-1,
     [b, A, B-1, H] from `final_hidden` [b, T, H] and the blocks' positions [b, A, B] (slots past the
-    sequence read its last position; they carry no weight)."""
-    b, T, width = final_hidden.shape
+    sequence read its last position; they carry no weight). `final_hidden` may instead be the target's
+    argmax at each position [b, T] (a feature store's, for the hard-label losses): then [b, A, B-1]."""
+    b, T = final_hidden.shape[:2]
     predicting = positions[..., :-1].clamp(max=T - 1)  # slot k's position p+k, minus one
+    if final_hidden.dim() == 2:
+        return final_hidden.gather(1, predicting.reshape(b, -1)).view(predicting.shape)
+    width = final_hidden.shape[2]
     gathered = final_hidden.gather(1, predicting.reshape(b, -1, 1).expand(-1, -1, width))
     return gathered.view(*predicting.shape, width)

@@ -52,6 +52,20 @@ def teacher_logits(hidden: torch.Tensor, head_weight: torch.Tensor, softcap: flo
     return logits if softcap is None else torch.tanh(logits / softcap) * softcap
 
 
+@torch.no_grad()
+def target_next_tokens(final_hidden: torch.Tensor, head_weight: torch.Tensor, softcap: float | None,
+                       chunk_rows: int) -> torch.Tensor:
+    """The target's argmax [rows] at its final hidden states `final_hidden` [rows, H], as the loss kernel
+    takes its hard labels with labels=target (what a feature store holds for them), `chunk_rows` rows of
+    logits at a time, on the head's device."""
+    final_hidden = final_hidden.to(head_weight.device)
+    tokens = torch.empty(final_hidden.shape[0], dtype=torch.long, device=final_hidden.device)
+    for start in range(0, final_hidden.shape[0], chunk_rows):
+        rows = slice(start, start + chunk_rows)
+        tokens[rows] = teacher_logits(final_hidden[rows], head_weight, softcap).log_softmax(-1).argmax(-1)
+    return tokens
+
+
 def label_rank(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Each row's label rank as argmax orders tokens (by logit, ties to the lower id): 0 = top-1."""
     label_logit = logits.gather(1, labels[:, None])
@@ -72,8 +86,9 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
     """Row losses through the frozen LM head, one chunk of rows at a time (module docstring).
 
     forward(hidden [rows, H], head_weight [V, H], data_labels [rows], teacher_hidden [rows, H] or None
-    (labels=target: the target's final hidden states predicting each row), spec, row_weights [rows] or
-    None) -> (loss, ranks, hard_labels, hard_logprob, drafter_argmax):
+    (labels=target: the target's final hidden states predicting each row; or its argmax there [rows],
+    as a feature store holds it for the hard-label losses), spec, row_weights [rows] or None)
+    -> (loss, ranks, hard_labels, hard_logprob, drafter_argmax):
       loss: with row_weights, sum_r w_r loss_r / sum_r w_r (the weights carry no gradient); without,
         the per-row losses [rows] (fp32), differentiable w.r.t. `hidden`;
       ranks: each row's data label rank as serving's argmax orders tokens (by logit, a tie going to
@@ -111,7 +126,9 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
                 drafter_argmax[chunk] = logits.argmax(-1)
             log_q = drafter_logprobs(logits, folded)
             del logits
-            if spec.labels == "target":
+            if spec.labels == "target" and teacher_hidden.dim() == 1:  # the target's argmax, stored
+                hard_labels[chunk] = teacher_hidden[chunk]
+            elif spec.labels == "target":
                 log_t = teacher_logits(teacher_hidden[chunk], head_weight, spec.softcap).log_softmax(-1)
                 hard_labels[chunk] = log_t.argmax(-1)
             hard = hard_labels[chunk, None]

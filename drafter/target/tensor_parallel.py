@@ -230,7 +230,7 @@ class TargetFeatures:
 def feature_code_version() -> str:
     """A hash of the source of the functions that compute the features: a feature store written by other
     code is refused rather than trusted."""
-    parts = [model.context_features, model.FeatureTap, model.layer_state, TargetFeatures._target_pass,
-             TargetFeatures._row_by_row]
+    parts = [model.context_features, model.features_and_final_hidden, model.FeatureTap, model.layer_state,
+             TargetFeatures._target_pass, TargetFeatures._row_by_row]
     source = "".join(inspect.getsource(part) for part in parts) + str(FEATURE_WIDTH_MULTIPLE)
     return hashlib.sha256(source.encode()).hexdigest()[:16]

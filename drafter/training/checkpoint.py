@@ -50,7 +50,7 @@ RESUMABLE_KEYS = ("run.name", "run.out_dir", "target.tp_size", "objective.chunk_
                   "train.dist_timeout_minutes", "train.ds_config", "train.tau_budgets", "train.generate_every",
                   "train.generate_prompts", "train.generate_max_prompts", "train.generate_max_new_tokens",
                   "train.generate_max_seconds", "data.num_workers", "data.prefetch_factor", "data.features", "fsdp",
-                  "wandb")
+                  "data.features_cache", "wandb")
 RUN_FILES = ("checkpoints", "metrics.jsonl", "config.yaml", "wandb")  # what a run writes in out_dir
 
 

@@ -31,6 +31,7 @@ def choices() -> dict[str, tuple]:
             "drafter.arch": tuple(ARCHITECTURES),
             "train.engine": ENGINES,
             "data.features_missing": ("error", "generate"),
+            "data.features_dtype": (None, "fp32", "bf16", "fp8"),
             "optim.name": OPTIMIZERS,
             "wandb.mode": (None, "online", "offline", "disabled")}
 
