@@ -35,7 +35,7 @@ from transformers import AutoTokenizer
 
 from drafter.config import ObjectiveConfig, lr_factor, noise_std
 from drafter.data.datasets import DataError, content_fingerprint, load_datasets, supervised_token_counts
-from drafter.data.feature_store import (FeatureStore, StoreCache, StoreFeatures, labels_needed, load_stored_head,
+from drafter.data.feature_store import (FeatureStore, StoreCache, StoreFeatures, labels_refusal, load_stored_head,
                                         store_model_config, store_refusal)
 from drafter.data.loader import make_loader
 from drafter.data.sampler import held_out_share, plan_notes, sampler_from_config
@@ -45,6 +45,7 @@ from drafter.infra.engine import build_engine, engine_settings
 from drafter.infra.launch import local_world_size, remove_cpu_allreduce_buffer, set_cpu_threads
 from drafter.infra.progress import StageTimer
 from drafter.infra.run_lock import hold_run_directory
+from drafter.losses.divergences import labels_needed
 from drafter.losses.lm_head import chunk_rows_for, logit_softcap, target_next_tokens
 from drafter.metric_sums import finalize_metrics
 from drafter.models import drafter_from_state_dict, load_drafter, new_drafter
@@ -254,7 +255,9 @@ def build_run(cfg, rank, world_size, device, data: RunData, model_config, ds_con
     drafter = build_drafter(cfg, target, tokenizer, (data.train_set, data.eval_set), rank)
     for key, store in stores.items():
         data_key = "data.eval_path" if key == "data.eval_features" else "data.path"
-        if refusal := store_refusal(store, cfg, drafter.target_layer_ids, dtype, feature_code_version(), data_key):
+        needed = labels_needed(cfg.objective, drafter.draft_vocab is not None)
+        if refusal := (store_refusal(store, cfg, drafter.target_layer_ids, dtype, feature_code_version(), data_key)
+                       or labels_refusal(store, cfg, needed, key)):
             raise DataError(refusal)
     generate_prompts = generation_prompts(cfg, tokenizer, data.eval_set)
     # every rank probes (the same forwards: under tp each is a collective over the group)

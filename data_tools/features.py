@@ -35,7 +35,7 @@ from safetensors.torch import save_file
 from drafter.data.datasets import check_prepared_thinking, load_prepared
 from drafter.data.feature_store import (DTYPE_NAMES, FORMAT, HEAD, INDEX, OWN_FILES, STORE_DTYPES, TARGET_DIR,
                                         TARGET_LABELS, FeatureStoreError, identity_digest, identity_mismatch,
-                                        labels_needed, row_key, shard_name, shard_problem, shard_tensors,
+                                        row_key, shard_name, shard_problem, shard_tensors,
                                         store_identity, token_bytes, write_shard)
 from drafter.errors import UserError
 from drafter.data.loader import collate
@@ -43,6 +43,7 @@ from drafter.infra.launch import set_cpu_threads
 from drafter.infra.memory import size_text
 from drafter.infra.progress import progress_bar
 from drafter.infra.run_lock import hold_run_directory
+from drafter.losses.divergences import labels_needed
 from drafter.losses.lm_head import chunk_rows_for, logit_softcap, target_next_tokens
 from drafter.models.configure import drafter_config
 from drafter.target.model import compute_dtype, input_embedding_scale, load_target, random_qwen3

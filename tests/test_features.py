@@ -26,11 +26,12 @@ from conftest import make_drafter
 from data_tools import features as features_cli
 from drafter.config import ObjectiveConfig
 from drafter.data import feature_store
-from drafter.data.feature_store import (FeatureStore, FeatureStoreError, StoreCache, StoreFeatures, row_key,
-                                        store_refusal)
+from drafter.data.feature_store import (FeatureStore, FeatureStoreError, StoreCache, StoreFeatures,
+                                        labels_refusal, row_key, store_refusal)
 from drafter.data.loader import collate
 from drafter.errors import ConfigError
 from drafter.infra.run_lock import acquire
+from drafter.losses.divergences import labels_needed
 from drafter.losses.lm_head import target_next_tokens
 from drafter.target.model import random_qwen3
 from drafter.target.tensor_parallel import TargetFeatures, feature_code_version, form_tp_group
@@ -429,9 +430,10 @@ def test_an_objective_the_store_cannot_serve_is_refused_naming_the_field(store, 
     _, full, argmax = labelled_stores
     directory = {"none": plain, "argmax": argmax}[which]
     settings = load_config(str(cfg), overrides)
-    refusal = store_refusal(FeatureStore(str(directory)), settings, [2], torch.float32, feature_code_version())
+    needed = labels_needed(settings.objective, settings.drafter.draft_vocab_size is not None)
+    refusal = labels_refusal(FeatureStore(str(directory)), settings, needed)
     assert refusal.startswith(f"data.features={directory} does not serve this objective: ") and message in refusal
-    assert store_refusal(FeatureStore(str(full)), settings, [2], torch.float32, feature_code_version()) is None
+    assert labels_refusal(FeatureStore(str(full)), settings, needed) is None
 
 
 def test_an_fp8_store_holds_each_token_to_fp8_rounding_of_its_own_scale(store, tmp_path):

@@ -38,7 +38,6 @@ from safetensors.torch import save_file
 from torch import nn
 
 from drafter.data.datasets import DataError
-from drafter.losses.divergences import DIVERGENCES
 
 INDEX = "index.json"
 HEAD = "head.safetensors"
@@ -139,16 +138,6 @@ def store_identity(cfg, dataset, layer_ids: list[int], dtype: str, feature_code:
             "dataset": dataset_fingerprint(dataset), "dataset_rows": len(dataset),
             "data.max_length": cfg.data.max_length, "layer_ids": [int(i) for i in layer_ids], "dtype": dtype,
             "feature_code": feature_code, "target_labels": target_labels}
-
-
-def labels_needed(objective, draft_vocab: bool) -> str:
-    """What of the target's labels (TARGET_LABELS) the objective reads: none with data labels; its
-    whole distribution for a divergence to it (kl, tv) or over a draft vocabulary (whose argmax is over
-    the K words, not the stored one over all); else its argmax."""
-    if objective.labels != "target":
-        return "none"
-    divergence = DIVERGENCES.get(objective.loss)
-    return "full" if draft_vocab or (divergence is not None and divergence.needs_target) else "argmax"
 
 
 # ----------------------------------------------------------------------------- a shard's values
@@ -278,7 +267,7 @@ def store_refusal(store: "FeatureStore", cfg, layer_ids: list[int], dtype: torch
     not here) are not compared, nor, with data.features_missing=generate, the dataset (the store may
     hold any of its rows); a store grown by hybrid runs (data.features_cache) serves another dataset
     when it holds every row of it the run reads. The store's dtype is data.features_dtype's (null: the
-    training dtype's), and it must hold the target's labels the objective reads."""
+    training dtype's). Whether it holds the target's labels the objective reads: `labels_refusal`."""
     import datasets
     dataset = datasets.load_from_disk(OmegaConf.select(cfg, data_key))
     asked = cfg.data.features_dtype or DTYPE_NAMES.get(dtype, str(dtype))
@@ -297,14 +286,19 @@ def store_refusal(store: "FeatureStore", cfg, layer_ids: list[int], dtype: torch
             key = f" ({keys[field]})" if field in keys else ""
             return (f"{setting}={store.directory} does not match this run: {field}{key}: the store has "
                     f"{store.identity.get(field)!r}, this run {value!r}")
-    needed = labels_needed(cfg.objective, cfg.drafter.draft_vocab_size is not None)
-    if needed != "none" and store.target_labels not in (needed, "full"):
-        why = (f"objective.loss={cfg.objective.loss}" if cfg.drafter.draft_vocab_size is None
-               else f"drafter.draft_vocab_size={cfg.drafter.draft_vocab_size}")
-        return (f"{setting}={store.directory} does not serve this objective: target_labels: the store holds "
-                f"{store.target_labels!r}, objective.labels=target with {why} reads {needed!r} (dump the store "
-                f"with data_tools/features.py --target-labels {needed})")
     return None
+
+
+def labels_refusal(store: "FeatureStore", cfg, needed: str, setting: str = "data.features") -> str | None:
+    """Why `store` cannot serve an objective that reads the target's labels `needed` (TARGET_LABELS:
+    the losses' `labels_needed`), in one line naming target_labels; None when it can."""
+    if needed == "none" or store.target_labels in (needed, "full"):
+        return None
+    why = (f"objective.loss={cfg.objective.loss}" if cfg.drafter.draft_vocab_size is None
+           else f"drafter.draft_vocab_size={cfg.drafter.draft_vocab_size}")
+    return (f"{setting}={store.directory} does not serve this objective: target_labels: the store holds "
+            f"{store.target_labels!r}, objective.labels=target with {why} reads {needed!r} (dump the store "
+            f"with data_tools/features.py --target-labels {needed})")
 
 
 def holds_every_row(store: "FeatureStore", dataset, cfg) -> bool:

@@ -78,3 +78,13 @@ def teacher_rows(final_hidden: torch.Tensor, positions: torch.Tensor) -> torch.T
     width = final_hidden.shape[2]
     gathered = final_hidden.gather(1, predicting.reshape(b, -1, 1).expand(-1, -1, width))
     return gathered.view(*predicting.shape, width)
+
+
+def labels_needed(objective, draft_vocab: bool) -> str:
+    """What of the target's labels a feature store must hold for `objective` (drafter.data.feature_store's
+    TARGET_LABELS): none with data labels; its whole distribution for a divergence to it (kl, tv) or
+    over a draft vocabulary (whose argmax is over the K words, not the stored one over all); else its argmax."""
+    if objective.labels != "target":
+        return "none"
+    divergence = DIVERGENCES.get(objective.loss)
+    return "full" if draft_vocab or (divergence is not None and divergence.needs_target) else "argmax"
