@@ -84,7 +84,8 @@ def test_report_from_a_run_checkpoint(checkpoint, capsys):
     captured = capsys.readouterr()
     assert "| prompts | ddtree@8 |" in captured.out
     progress = captured.err.split("\r")[-1]  # the bar's last state: 3 prompts x 4 methods
-    assert re.match(r"prompts: 100%.* 12/12 \[.*run/s, method=ddtree@8\]", progress), progress
+    # tqdm writes the rate as run/s, or s/run when a run takes over a second (a loaded machine)
+    assert re.match(r"prompts: 100%.* 12/12 \[.*(run/s|s/run), method=ddtree@8\]", progress), progress
     assert (out.parent / "results_tau_hist.png").stat().st_size > 0
     assert (out.parent / "results_budget.png").stat().st_size > 0
 
