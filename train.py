@@ -35,8 +35,8 @@ from transformers import AutoTokenizer
 
 from drafter.config import ObjectiveConfig, lr_factor, noise_std
 from drafter.data.datasets import DataError, content_fingerprint, load_datasets, supervised_token_counts
-from drafter.data.feature_store import (FeatureStore, StoreCache, StoreFeatures, labels_refusal, load_stored_head,
-                                        store_model_config, store_refusal)
+from drafter.data.feature_store import FeatureStore, StoreCache, StoreFeatures, load_stored_head, store_model_config
+from drafter.data.feature_store_format import labels_refusal, store_refusal
 from drafter.data.loader import make_loader
 from drafter.data.sampler import held_out_share, plan_notes, sampler_from_config
 from drafter.errors import ConfigError, UserError
