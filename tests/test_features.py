@@ -614,7 +614,7 @@ def test_an_append_that_cannot_be_written_is_said_once_and_the_run_goes_on(half_
      "data.features_missing=generate"),
 ])
 def test_store_settings_that_cannot_work_are_refused_before_anything_loads(store, overrides, message):
-    from train import check_store_settings
+    from drafter.training.run_setup import check_store_settings
     cfg, out = store
     settings = load_config(str(cfg), [o.replace("STORE", str(out)) for o in overrides])
     with pytest.raises(ConfigError, match=re.escape(message)):
