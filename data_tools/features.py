@@ -1,5 +1,5 @@
 """Write the target's context features of a prepared dataset once, for training to read in place of the
-target's forward (`data.features=DIR`; the format: drafter/data/feature_store.py).
+target's forward (`data.features=DIR`; the format: drafter/data/feature_store_format.py).
 
     python data_tools/features.py --cfg configs/toy.yaml --data artifacts/toy/train_data --out artifacts/features/toy [--dtype fp32|bf16|fp8]
     torchrun --nproc_per_node 8 data_tools/features.py --cfg configs/v3.yaml --data artifacts/qwen3-8b --out /fast/features
@@ -33,10 +33,10 @@ from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
 from drafter.data.datasets import check_prepared_thinking, load_prepared
-from drafter.data.feature_store import (DTYPE_NAMES, FORMAT, HEAD, INDEX, OWN_FILES, STORE_DTYPES, TARGET_DIR,
-                                        TARGET_LABELS, FeatureStoreError, identity_digest, identity_mismatch,
-                                        row_key, shard_name, shard_problem, shard_tensors,
-                                        store_identity, token_bytes, write_shard)
+from drafter.data.feature_store_format import (DTYPE_NAMES, FORMAT, HEAD, INDEX, OWN_FILES, STORE_DTYPES,
+                                               TARGET_DIR, TARGET_LABELS, FeatureStoreError, identity_digest,
+                                               identity_mismatch, row_key, shard_name, shard_problem,
+                                               shard_tensors, store_identity, token_bytes, write_shard)
 from drafter.errors import UserError
 from drafter.data.loader import collate
 from drafter.infra.launch import set_cpu_threads
@@ -103,7 +103,7 @@ def check_out_dir(out: Path):
 
 
 def is_own_file(name: str) -> bool:
-    """A dump's files, and the cache shards hybrid runs append (drafter/data/feature_store.py)."""
+    """A dump's files, and the cache shards hybrid runs append (drafter/data/feature_store_format.py)."""
     return (name in OWN_FILES or re.fullmatch(r"shard-\d{5}-of-\d{5}\.safetensors", name) is not None
             or re.fullmatch(r"cache-[0-9a-f]+-\d{5}\.safetensors", name) is not None)
 

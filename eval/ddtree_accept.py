@@ -52,7 +52,8 @@ from transformers import AutoConfig, AutoTokenizer
 
 from drafter.data.benchmarks import load_prompts
 from drafter.data.chat_template import prompt_token_ids
-from drafter.data.feature_store import FeatureStore, FeatureStoreError, row_key
+from drafter.data.feature_store import FeatureStore
+from drafter.data.feature_store_format import FeatureStoreError, row_key
 from drafter.errors import ConfigError, model_path_problem
 from drafter.infra.launch import LaunchError, init_distributed, launched_world_size, local_device, local_world_size
 from drafter.infra.progress import progress_bar

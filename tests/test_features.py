@@ -25,9 +25,9 @@ from safetensors.torch import load_file
 from conftest import make_drafter
 from data_tools import features as features_cli
 from drafter.config import ObjectiveConfig
-from drafter.data import feature_store
-from drafter.data.feature_store import (FeatureStore, FeatureStoreError, StoreCache, StoreFeatures,
-                                        labels_refusal, row_key, store_refusal)
+from drafter.data import feature_store_format
+from drafter.data.feature_store import FeatureStore, StoreCache, StoreFeatures
+from drafter.data.feature_store_format import FeatureStoreError, labels_refusal, row_key, store_refusal
 from drafter.data.loader import collate
 from drafter.errors import ConfigError
 from drafter.infra.run_lock import acquire
@@ -280,7 +280,7 @@ def test_a_disk_that_fills_mid_dump_keeps_the_whole_shards_and_resumes(store, tm
     cfg, whole = store
     out = tmp_path / "store"
     written = []
-    real_save = feature_store.save_file
+    real_save = feature_store_format.save_file
 
     def fill_up(tensors, path, metadata):
         if len(written) == 2:
@@ -289,13 +289,13 @@ def test_a_disk_that_fills_mid_dump_keeps_the_whole_shards_and_resumes(store, tm
         written.append(path)
         real_save(tensors, path, metadata=metadata)
 
-    monkeypatch.setattr(feature_store, "save_file", fill_up)
+    monkeypatch.setattr(feature_store_format, "save_file", fill_up)
     assert dump(cfg, out, "--shard-rows", "40") == 2
     err = capsys.readouterr().err
     assert "shard-00002-of-00004.safetensors: could not be written (No space left on device)" in err
     assert sorted(p.name for p in out.glob("shard-*")) == ["shard-00000-of-00004.safetensors",
                                                          "shard-00001-of-00004.safetensors"]
-    monkeypatch.setattr(feature_store, "save_file", real_save)
+    monkeypatch.setattr(feature_store_format, "save_file", real_save)
     assert dump(cfg, out, "--shard-rows", "40") == 0
     assert "(2 already whole)" in capsys.readouterr().out
     assert FeatureStore(str(out)).rows.keys() == FeatureStore(str(whole)).rows.keys()
@@ -512,7 +512,7 @@ def test_rows_a_hybrid_run_computes_are_appended_by_each_writer_and_read_back_bi
 KILLED_APPEND = """
 import os, signal, sys
 import datasets, torch
-from drafter.data import feature_store
+from drafter.data import feature_store_format
 from drafter.data.loader import collate
 from drafter.errors import ConfigError
 sys.path.insert(0, {tests!r})
@@ -524,13 +524,13 @@ def append(members):
     features(batch["input_ids"], [2], batch["lengths"])
     cache.flush()
 append([100, 101])
-real = feature_store.save_file
+real = feature_store_format.save_file
 def killed_mid_write(tensors, path, metadata):
     real(tensors, path, metadata=metadata)
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) // 2)
     os.kill(os.getpid(), signal.SIGKILL)
-feature_store.save_file = killed_mid_write
+feature_store_format.save_file = killed_mid_write
 append([120, 121])
 """
 
@@ -594,7 +594,7 @@ def test_an_append_that_cannot_be_written_is_said_once_and_the_run_goes_on(half_
         Path(path).write_bytes(b"partial")
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(feature_store, "save_file", full_disk)
+    monkeypatch.setattr(feature_store_format, "save_file", full_disk)
     features, cache = hybrid(cfg, out)
     rows = datasets.load_from_disk(str(cfg.parent / "data"))
     for members in ([90], [91]):
@@ -614,7 +614,7 @@ def test_an_append_that_cannot_be_written_is_said_once_and_the_run_goes_on(half_
      "data.features_missing=generate"),
 ])
 def test_store_settings_that_cannot_work_are_refused_before_anything_loads(store, overrides, message):
-    from train import check_store_settings
+    from drafter.training.run_setup import check_store_settings
     cfg, out = store
     settings = load_config(str(cfg), [o.replace("STORE", str(out)) for o in overrides])
     with pytest.raises(ConfigError, match=re.escape(message)):

@@ -112,7 +112,7 @@ def test_the_tp_size_may_change_across_a_resume():
     import numpy as np
 
     from drafter.training.checkpoint import run_identity
-    from train import data_position
+    from drafter.training.run_setup import data_position
     tp1, tp2 = (load_config(str(REPO / "configs" / "v3.yaml"), ["data.path=/x", f"target.tp_size={g}"]) for g in (1, 2))
     assert run_identity(tp1) == run_identity(tp2)
     sampler = SimpleNamespace(boundaries=np.array([64, 128]), lengths=np.arange(10))
