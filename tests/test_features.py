@@ -612,6 +612,9 @@ def test_an_append_that_cannot_be_written_is_said_once_and_the_run_goes_on(half_
     (["data.features=STORE", "data.features_cache=true"],
      "data.features_cache=true appends the rows the target computes to the store: it needs "
      "data.features_missing=generate"),
+    (["data.features=STORE", "drafter.layers_from_target=[1]"],
+     "drafter.layers_from_target=[1] copies the target's layers, and a run from data.features loads only its "
+     "embedding and LM head"),
 ])
 def test_store_settings_that_cannot_work_are_refused_before_anything_loads(store, overrides, message):
     from train import check_store_settings
