@@ -12,6 +12,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 from collections import namedtuple
 from dataclasses import replace
 from pathlib import Path
@@ -20,6 +21,7 @@ from types import SimpleNamespace
 import datasets
 import pytest
 import torch
+from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from conftest import make_drafter
@@ -622,3 +624,25 @@ def test_store_settings_that_cannot_work_are_refused_before_anything_loads(store
     settings = load_config(str(cfg), [o.replace("STORE", str(out)) for o in overrides])
     with pytest.raises(ConfigError, match=re.escape(message)):
         check_store_settings(settings)
+
+
+def test_a_variants_replay_from_a_store_is_the_online_replay_and_another_targets_store_is_refused(
+        store, tmp_path, monkeypatch):
+    """bench/variants.py --also-eval-features: a run's final drafter replayed on a set whose store it is
+    gives the online replay's taus exactly; the store of another target stops it naming the field."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import variants
+    cfg, out = store
+    settings = load_config(str(cfg))
+    target = random_qwen3(**settings.target.random)
+    latest = tmp_path / "run" / "checkpoints" / "latest"
+    make_drafter(target, num_layers=1, block_size=8, target_layer_ids=[2]).save_pretrained(latest / "drafter")
+    OmegaConf.save(settings, latest / "config.yaml")
+    monkeypatch.setattr("drafter.target.model.load_target", lambda path, device, dtype: target)
+    data = str(cfg.parent / "data")
+    online = variants.replay(tmp_path / "run", data, 1, None)
+    assert variants.replay(tmp_path / "run", data, 1, str(out)) == online
+    settings.target.random.seed = 1
+    OmegaConf.save(settings, latest / "config.yaml")
+    with pytest.raises(SystemExit, match=re.escape(f"error: --also-eval-features {out}: ") + ".*target.random"):
+        variants.replay(tmp_path / "run", data, 1, str(out))
