@@ -40,6 +40,7 @@ from drafter.target.tensor_parallel import TargetFeatures, feature_code_version,
 from drafter.training.objective import training_step
 from drafter.training.run_config import load_config
 from eval import ddtree_accept
+from tiny_tokenizer import save_tiny_tokenizer
 from runs import (REPO, VENV_BIN, _env, free_port, kill_job, launch, records, run_to_end, train_losses, wait_for_step,
                   write_run)
 
@@ -646,3 +647,20 @@ def test_a_variants_replay_from_a_store_is_the_online_replay_and_another_targets
     OmegaConf.save(settings, latest / "config.yaml")
     with pytest.raises(SystemExit, match=re.escape(f"error: --also-eval-features {out}: ") + ".*target.random"):
         variants.replay(tmp_path / "run", data, 1, str(out))
+
+
+def test_the_eval_refuses_a_store_whose_target_path_now_holds_another_target(tmp_path):
+    """eval/ddtree_accept.py --features: the target at the store's target.path retrained since the dump
+    (its weights differ) would replay on the old target's features: refused naming target_weights."""
+    cfg = write_run(tmp_path)
+    settings = OmegaConf.load(cfg)
+    target_dir, random = tmp_path / "target", OmegaConf.to_container(settings.target.random)
+    random_qwen3(**random).save_pretrained(target_dir)
+    save_tiny_tokenizer(target_dir)
+    settings.target = {"path": str(target_dir)}
+    OmegaConf.save(settings, cfg)
+    assert dump(cfg, tmp_path / "store") == 0
+    assert ddtree_accept.replay_store(str(tmp_path / "store"), str(target_dir), [2]).layer_ids == [2]
+    random_qwen3(seed=1, **random).save_pretrained(target_dir)
+    with pytest.raises(SystemExit, match=re.escape(f"error: --features {tmp_path / 'store'}: target_weights: ")):
+        ddtree_accept.replay_store(str(tmp_path / "store"), str(target_dir), [2])
