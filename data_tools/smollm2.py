@@ -23,7 +23,7 @@ outputs this tool writes and nothing else):
   train_data/            data_tools/prepare.py's training set (answers that loop dropped)
   sharegpt_answers.jsonl ShareGPT's own first answers to training prompts (written by people and
                          ChatGPT, not the target): no regeneration, so ~70x the tokens per CPU-hour;
-                         train on them with `objective.labels=target` (the Makefile's demo-real-sharegpt)
+                         train on them with `objective.labels=target` (data.path=<out>/sharegpt_data)
   sharegpt_data/         those answers prepared (cut to 768 tokens)
   bench_chat_data/       each bench with the target's greedy answers, prepared: replayed tau during
   bench_code_data/       training is the served tau of the bench prompts
