@@ -319,6 +319,9 @@ def main():
     parser.add_argument("--threads", type=int, default=None, help="torch threads per run (default: cores / jobs)")
     parser.add_argument("overrides", nargs="*", help="key.sub=value for every run")
     args = parser.parse_args()
+    for flag, needs in (("eval_features", "features"), ("also_eval_features", "also_eval")):
+        if getattr(args, flag) and not getattr(args, needs):  # else every run, or the replay, would ignore it
+            parser.error(f"--{flag.replace('_', '-')} is read only with --{needs.replace('_', '-')}")
     out = Path(args.out).resolve()
     args.threads = args.threads or max(1, (os.cpu_count() or 1) // args.jobs)
     variants = GROUPS.get(args.variants, args.variants.split(","))

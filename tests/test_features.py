@@ -664,3 +664,15 @@ def test_the_eval_refuses_a_store_whose_target_path_now_holds_another_target(tmp
     random_qwen3(seed=1, **random).save_pretrained(target_dir)
     with pytest.raises(SystemExit, match=re.escape(f"error: --features {tmp_path / 'store'}: target_weights: ")):
         ddtree_accept.replay_store(str(tmp_path / "store"), str(target_dir), [2])
+
+
+@pytest.mark.parametrize("argv, message", [(["--eval-features", "S"], "--eval-features is read only with --features"),
+                                           (["--also-eval-features", "S"],
+                                            "--also-eval-features is read only with --also-eval")])
+def test_a_variants_store_flag_without_its_set_is_refused(argv, message, monkeypatch, capsys):
+    sys.path.insert(0, str(REPO / "bench"))
+    import variants
+    monkeypatch.setattr(sys, "argv", ["variants.py", *argv])
+    with pytest.raises(SystemExit):
+        variants.main()
+    assert message in capsys.readouterr().err
