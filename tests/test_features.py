@@ -676,3 +676,13 @@ def test_a_variants_store_flag_without_its_set_is_refused(argv, message, monkeyp
     with pytest.raises(SystemExit):
         variants.main()
     assert message in capsys.readouterr().err
+
+
+def test_a_store_path_that_is_a_file_or_an_index_that_is_no_object_is_one_line(tmp_path):
+    (tmp_path / "file").write_text("not a store")
+    with pytest.raises(FeatureStoreError, match=f"data.features={tmp_path / 'file'}: no index.json there"):
+        FeatureStore(str(tmp_path / "file"))
+    (tmp_path / "store").mkdir()
+    (tmp_path / "store" / "index.json").write_text("[]")
+    with pytest.raises(FeatureStoreError, match="index.json: store format None, this code reads"):
+        FeatureStore(str(tmp_path / "store"))
