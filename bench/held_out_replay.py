@@ -9,10 +9,12 @@ Every row is replayed on its own (no padding), with the target's features, as tr
 """
 import argparse
 import json
+import sys
 
 import torch
 
 from drafter.data.datasets import load_prepared
+from drafter.errors import ConfigError, UserError
 from drafter.metric_sums import finalize_metrics
 from drafter.models import load_drafter
 from drafter.serving.served import replayed_tau
@@ -23,7 +25,11 @@ from drafter.training.checkpoint import drafter_dir
 def replay_checkpoint(ckpt: str, data_path: str, budgets: list[int], dtype: torch.dtype) -> dict:
     directory = drafter_dir(ckpt)
     drafter = load_drafter(directory, dtype=dtype).eval()
-    target = load_target(drafter.config.dflash_config["target_path"], "cpu", dtype)
+    target_path = drafter.config.dflash_config.get("target_path")
+    if target_path is None:
+        raise ConfigError(f"{directory}: its dflash_config names no target_path (a run on a random target): "
+                          "there is no target to replay with")
+    target = load_target(target_path, "cpu", dtype)
     rows = load_prepared(data_path, target.config.get_text_config().vocab_size)
     summed = {}
     with torch.no_grad():
@@ -44,7 +50,10 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--out", help="write the table as JSON here")
     args = parser.parse_args(argv)
     budgets = [int(b) for b in args.budgets.split(",")]
-    results = [replay_checkpoint(ckpt, args.data, budgets, DTYPES[args.dtype]) for ckpt in args.ckpt]
+    try:
+        results = [replay_checkpoint(ckpt, args.data, budgets, DTYPES[args.dtype]) for ckpt in args.ckpt]
+    except (UserError, FileNotFoundError) as error:  # no checkpoint, no target, no prepared set there
+        sys.exit(f"error: {error}")
     print("| checkpoint | slot 1 / 2 / 4 / 8 / 15 | DFlash | " + " | ".join(f"DDTree@{b}" for b in budgets) + " |")
     for r in results:
         acc = r["replay_acc_pos"]

@@ -58,9 +58,11 @@ def recipe_key(cfg) -> str:
     return json.dumps(container, sort_keys=True, default=str)
 
 
-def read_run(run_dir: Path) -> dict:
-    """A run's config and eval points: {dir, cfg, seed, held_out_set, points: [...]}; a CurveError
-    names a run this cannot draw."""
+def read_run(run_dir: Path, acc_key: str | None = None) -> dict:
+    """A run's config and eval points: {dir, cfg, seed, held_out_set, acc_key, points: [...]}; a
+    CurveError names a run this cannot draw. The slot accuracy is `acc_key`'s, by default
+    replay_acc_pos where every eval has it, else acc_pos (a run resumed across the change has both
+    kinds: one measure for the whole curve)."""
     metrics, config = run_dir / "metrics.jsonl", run_dir / "config.yaml"
     if not metrics.is_file() or not config.is_file():
         raise CurveError(f"{run_dir}: not a train.py run directory (it holds no metrics.jsonl and config.yaml)")
@@ -78,13 +80,16 @@ def read_run(run_dir: Path) -> dict:
     if len(sets) > 1:
         raise CurveError(f"{run_dir}: its evals ran on different held-out sets ({', '.join(sets)})")
     cfg = OmegaConf.load(config)
+    # every anchor of the replay; runs from before it: the eval step's random draw of a few
+    acc_key = acc_key or ("replay_acc_pos" if all("replay_acc_pos" in r for r in evals) else "acc_pos")
     points = []
     for r in evals:
-        acc = r.get("replay_acc_pos", r["acc_pos"])  # every anchor; older runs: training's random draw
+        acc = r[acc_key]
         points.append({"step": r["step"], **{x: r[x] for x in X_AXES},
                        "acc": {s: acc[s - 1] for s in curve_slots(len(acc) + 1)},
                        "tau": {k: v for k, v in r.items() if k.startswith("tau_") and isinstance(v, (int, float))}})
-    return {"dir": str(run_dir), "cfg": cfg, "seed": cfg.run.seed, "held_out_set": sets[0], "points": points}
+    return {"dir": str(run_dir), "cfg": cfg, "seed": cfg.run.seed, "held_out_set": sets[0], "acc_key": acc_key,
+            "points": points}
 
 
 def curve_slots(block_size: int) -> list[int]:
@@ -193,6 +198,11 @@ def main(argv=None) -> dict:
         parser.error("several runs: say where their overlay goes with --out")
     try:
         runs = [read_run(run) for run in args.runs]
+        if older := [r["dir"] for r in runs if r["acc_key"] == "acc_pos"]:
+            if len(older) < len(runs):  # drawn together, the runs' slot accuracies must be one measure
+                print(f"note: {', '.join(older)} predate replay_acc_pos: every run's slot accuracy is the eval "
+                      "step's acc_pos", file=sys.stderr)
+                runs = [read_run(run, "acc_pos") for run in args.runs]
         held_out_set = check_comparable(runs)
     except CurveError as error:
         sys.exit(f"error: {error}")

@@ -209,20 +209,23 @@ def replay(run: Path, data_path: str, threads: int, store: str | None) -> dict[s
     import torch
     from omegaconf import OmegaConf
 
-    from drafter.data.feature_store import FeatureStore, load_stored_head
+    from drafter.data.feature_store import FeatureStore, load_stored_head, store_refusal
     from drafter.data.loader import collate
     from drafter.metric_sums import finalize_metrics
     from drafter.models import load_drafter
     from drafter.serving.served import replayed_tau
     from drafter.target.model import context_features, load_target
+    from drafter.target.tensor_parallel import feature_code_version
 
     torch.set_num_threads(threads)
     config = OmegaConf.load(run / "checkpoints" / "latest" / "config.yaml")
     drafter = load_drafter(run / "checkpoints" / "latest" / "drafter", dtype=torch.float32).eval()
     stored = FeatureStore(store) if store else None
-    if stored is not None and stored.layer_ids != list(drafter.target_layer_ids):
-        sys.exit(f"--also-eval-features {store}: layer_ids: the store has {stored.layer_ids}, the drafter reads "
-                 f"{list(drafter.target_layer_ids)}")
+    # the run's own rules for a store of its eval set: its target, the set's rows, the drafter's layers, the dtype
+    as_eval = OmegaConf.merge(config, {"data": {"eval_path": data_path, "features_missing": "error"}})
+    if stored is not None and (refusal := store_refusal(stored, as_eval, drafter.target_layer_ids, torch.float32,
+                                                        feature_code_version(), "data.eval_path")):
+        sys.exit(f"error: --also-eval-features {store}: {refusal}")
     target = (load_stored_head(store, "cpu", torch.float32) if stored is not None
               else load_target(config.target.path, "cpu", torch.float32))
     rows = datasets.load_from_disk(data_path)
@@ -316,6 +319,9 @@ def main():
     parser.add_argument("--threads", type=int, default=None, help="torch threads per run (default: cores / jobs)")
     parser.add_argument("overrides", nargs="*", help="key.sub=value for every run")
     args = parser.parse_args()
+    for flag, needs in (("eval_features", "features"), ("also_eval_features", "also_eval")):
+        if getattr(args, flag) and not getattr(args, needs):  # else every run, or the replay, would ignore it
+            parser.error(f"--{flag.replace('_', '-')} is read only with --{needs.replace('_', '-')}")
     out = Path(args.out).resolve()
     args.threads = args.threads or max(1, (os.cpu_count() or 1) // args.jobs)
     variants = GROUPS.get(args.variants, args.variants.split(","))

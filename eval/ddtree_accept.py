@@ -53,7 +53,7 @@ from transformers import AutoConfig, AutoTokenizer
 from drafter.data.benchmarks import load_prompts
 from drafter.data.chat_template import prompt_token_ids
 from drafter.data.feature_store import FeatureStore
-from drafter.data.feature_store_format import FeatureStoreError, row_key
+from drafter.data.feature_store_format import FeatureStoreError, identity_mismatch, row_key, target_file_identity
 from drafter.errors import ConfigError, model_path_problem
 from drafter.infra.launch import LaunchError, init_distributed, launched_world_size, local_device, local_world_size
 from drafter.infra.progress import progress_bar
@@ -66,7 +66,8 @@ from drafter.serving.public_loop import PublicAgreement, check_public, load_publ
 from drafter.serving.served import PromptShare, replay_steps
 from drafter.target.cache import probe_decoding
 from drafter.target.model import TargetError, compute_dtype, context_features
-from drafter.target.tensor_parallel import TensorParallelError, check_tensor_parallel, form_tp_group, load_tp_target
+from drafter.target.tensor_parallel import (TensorParallelError, check_tensor_parallel, feature_code_version, form_tp_group,
+                                           load_tp_target)
 from drafter.training.checkpoint import drafter_dir, read_config_json
 
 
@@ -187,6 +188,10 @@ def replay_store(directory: str, target_path: str, layer_ids: list[int]) -> Feat
     if store.layer_ids != list(layer_ids):
         raise SystemExit(f"error: --features {directory}: layer_ids: the store has {store.layer_ids}, the drafter "
                          f"reads {list(layer_ids)}")
+    # the same path may hold another target since the dump (retrained, re-downloaded), or other feature code
+    expected = {**target_file_identity(target_path, None), "feature_code": feature_code_version()}
+    if problem := identity_mismatch(store.identity, expected):
+        raise SystemExit(f"error: --features {directory}: {problem}")
     return store
 
 

@@ -12,6 +12,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 from collections import namedtuple
 from dataclasses import replace
 from pathlib import Path
@@ -20,6 +21,7 @@ from types import SimpleNamespace
 import datasets
 import pytest
 import torch
+from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from conftest import make_drafter
@@ -38,6 +40,7 @@ from drafter.target.tensor_parallel import TargetFeatures, feature_code_version,
 from drafter.training.objective import training_step
 from drafter.training.run_config import load_config
 from eval import ddtree_accept
+from tiny_tokenizer import save_tiny_tokenizer
 from runs import (REPO, VENV_BIN, _env, free_port, kill_job, launch, records, run_to_end, train_losses, wait_for_step,
                   write_run)
 
@@ -612,6 +615,9 @@ def test_an_append_that_cannot_be_written_is_said_once_and_the_run_goes_on(half_
     (["data.features=STORE", "data.features_cache=true"],
      "data.features_cache=true appends the rows the target computes to the store: it needs "
      "data.features_missing=generate"),
+    (["data.features=STORE", "drafter.layers_from_target=[1]"],
+     "drafter.layers_from_target=[1] copies the target's layers, and a run from data.features loads only its "
+     "embedding and LM head"),
 ])
 def test_store_settings_that_cannot_work_are_refused_before_anything_loads(store, overrides, message):
     from drafter.training.run_setup import check_store_settings
@@ -619,3 +625,64 @@ def test_store_settings_that_cannot_work_are_refused_before_anything_loads(store
     settings = load_config(str(cfg), [o.replace("STORE", str(out)) for o in overrides])
     with pytest.raises(ConfigError, match=re.escape(message)):
         check_store_settings(settings)
+
+
+def test_a_variants_replay_from_a_store_is_the_online_replay_and_another_targets_store_is_refused(
+        store, tmp_path, monkeypatch):
+    """bench/variants.py --also-eval-features: a run's final drafter replayed on a set whose store it is
+    gives the online replay's taus exactly; the store of another target stops it naming the field."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import variants
+    cfg, out = store
+    settings = load_config(str(cfg))
+    target = random_qwen3(**settings.target.random)
+    latest = tmp_path / "run" / "checkpoints" / "latest"
+    make_drafter(target, num_layers=1, block_size=8, target_layer_ids=[2]).save_pretrained(latest / "drafter")
+    OmegaConf.save(settings, latest / "config.yaml")
+    monkeypatch.setattr("drafter.target.model.load_target", lambda path, device, dtype: target)
+    data = str(cfg.parent / "data")
+    online = variants.replay(tmp_path / "run", data, 1, None)
+    assert variants.replay(tmp_path / "run", data, 1, str(out)) == online
+    settings.target.random.seed = 1
+    OmegaConf.save(settings, latest / "config.yaml")
+    with pytest.raises(SystemExit, match=re.escape(f"error: --also-eval-features {out}: ") + ".*target.random"):
+        variants.replay(tmp_path / "run", data, 1, str(out))
+
+
+def test_the_eval_refuses_a_store_whose_target_path_now_holds_another_target(tmp_path):
+    """eval/ddtree_accept.py --features: the target at the store's target.path retrained since the dump
+    (its weights differ) would replay on the old target's features: refused naming target_weights."""
+    cfg = write_run(tmp_path)
+    settings = OmegaConf.load(cfg)
+    target_dir, random = tmp_path / "target", OmegaConf.to_container(settings.target.random)
+    random_qwen3(**random).save_pretrained(target_dir)
+    save_tiny_tokenizer(target_dir)
+    settings.target = {"path": str(target_dir)}
+    OmegaConf.save(settings, cfg)
+    assert dump(cfg, tmp_path / "store") == 0
+    assert ddtree_accept.replay_store(str(tmp_path / "store"), str(target_dir), [2]).layer_ids == [2]
+    random_qwen3(seed=1, **random).save_pretrained(target_dir)
+    with pytest.raises(SystemExit, match=re.escape(f"error: --features {tmp_path / 'store'}: target_weights: ")):
+        ddtree_accept.replay_store(str(tmp_path / "store"), str(target_dir), [2])
+
+
+@pytest.mark.parametrize("argv, message", [(["--eval-features", "S"], "--eval-features is read only with --features"),
+                                           (["--also-eval-features", "S"],
+                                            "--also-eval-features is read only with --also-eval")])
+def test_a_variants_store_flag_without_its_set_is_refused(argv, message, monkeypatch, capsys):
+    sys.path.insert(0, str(REPO / "bench"))
+    import variants
+    monkeypatch.setattr(sys, "argv", ["variants.py", *argv])
+    with pytest.raises(SystemExit):
+        variants.main()
+    assert message in capsys.readouterr().err
+
+
+def test_a_store_path_that_is_a_file_or_an_index_that_is_no_object_is_one_line(tmp_path):
+    (tmp_path / "file").write_text("not a store")
+    with pytest.raises(FeatureStoreError, match=f"data.features={tmp_path / 'file'}: no index.json there"):
+        FeatureStore(str(tmp_path / "file"))
+    (tmp_path / "store").mkdir()
+    (tmp_path / "store" / "index.json").write_text("[]")
+    with pytest.raises(FeatureStoreError, match="index.json: store format None, this code reads"):
+        FeatureStore(str(tmp_path / "store"))

@@ -1,14 +1,18 @@
 """Starting the drafter's layers from the target's (drafter/models/from_target.py): the copied layers
 hold the target's weights, and the context path is started so that the first drafter layer reads,
 at every context position, exactly the keys and values its target layer computes there."""
+import re
+
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, Qwen2Config
 
 from drafter.errors import ConfigError
 from drafter.models import new_drafter
 from drafter.models.configure import drafter_config
 from drafter.models.from_target import start_layers_from_target, suggested_layers
 from drafter.target.model import decoder_layers, input_embedding_scale, random_qwen3
+from drafter.target.tensor_parallel import TPGroup, shard_target
 
 
 def target_and_drafter(layer_ids=(1, 4)):
@@ -57,3 +61,41 @@ def test_layer_ids_that_do_not_fit_are_refused_by_key():
         start_layers_from_target(drafter, target, [2])
     with pytest.raises(ConfigError, match=r"\[6\] not layers of a target of 6 layers"):
         start_layers_from_target(drafter, target, [2, 6])
+
+
+def test_a_target_sharded_by_tensor_parallelism_is_refused_naming_the_weight():
+    """A tp member holds a share of each projection: copying only what still matches (the norms) would
+    start a drafter that is neither fresh nor the target's."""
+    target, drafter = target_and_drafter()
+    shard_target(target, TPGroup([0, 1], 0, None))
+    with pytest.raises(ConfigError, match=r"target layer 2's self_attn.q_proj.weight is \[32, 64\], the drafter's "
+                                          r"\[64, 64\] \(a target sharded by target.tp_size"):
+        start_layers_from_target(drafter, target, [2, 3])
+
+
+def family_target_and_drafter(config):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        target = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # a trained norm's weights are not the init's
+        for name, param in target.named_parameters():
+            if "norm" in name or "bias" in name:
+                param.uniform_(0.5, 1.5)
+    text = target.config.get_text_config()
+    drafter_cfg = drafter_config(text, num_layers=2, block_size=4, mask_token_id=255, target_layer_ids=[1, 4],
+                                 input_embedding_scale=input_embedding_scale(target))
+    return target, new_drafter(drafter_cfg, target.get_output_embeddings().weight, seed=0)
+
+
+@pytest.mark.parametrize("config, module", [
+    (Gemma3TextConfig(vocab_size=256, hidden_size=64, num_hidden_layers=6, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, intermediate_size=128), "self_attn.q_norm"),
+    (Qwen2Config(vocab_size=256, hidden_size=64, num_hidden_layers=6, num_attention_heads=4,
+                 num_key_value_heads=2, intermediate_size=128), "self_attn.q_proj"),
+])
+def test_a_target_layer_that_computes_otherwise_with_the_same_weights_is_refused(config, module):
+    """Gemma's norms scale by (1 + w) and Qwen2's q/k/v projections add a bias the drafter has not: the
+    same weights would not make the target's layer."""
+    target, drafter = family_target_and_drafter(config)
+    with pytest.raises(ConfigError, match=rf"target layer 2's {re.escape(module)} \(\w+\) computes otherwise"):
+        start_layers_from_target(drafter, target, [2, 3])

@@ -13,7 +13,8 @@ import learning_curve  # noqa: E402
 from drafter.config import Config  # noqa: E402
 
 
-def make_run(root: Path, name: str, seed: int, lr: float, slot1: list[float], held_out_set="abc", counts=True):
+def make_run(root: Path, name: str, seed: int, lr: float, slot1: list[float], held_out_set="abc", counts=True,
+             replayed=None):
     run = root / name
     run.mkdir()
     cfg = OmegaConf.structured(Config)
@@ -22,8 +23,9 @@ def make_run(root: Path, name: str, seed: int, lr: float, slot1: list[float], he
     OmegaConf.save(cfg, run / "config.yaml")
     lines = []
     for i, acc in enumerate(slot1):
-        record = {"kind": "eval", "step": 10 * (i + 1), "acc_pos": [0.0, 0.0, 0.0],
-                  "replay_acc_pos": [acc, acc / 2, acc / 4], "tau_dflash": 1 + acc}
+        record = {"kind": "eval", "step": 10 * (i + 1), "acc_pos": [acc / 10, 0.0, 0.0], "tau_dflash": 1 + acc}
+        if replayed is None or replayed[i]:
+            record["replay_acc_pos"] = [acc, acc / 2, acc / 4]
         if counts:
             record |= {"supervised_tokens": 100 * (i + 1), "blocks_trained": 10 * (i + 1), "held_out_set": held_out_set}
         lines.append(json.dumps(record))
@@ -54,3 +56,18 @@ def test_runs_it_cannot_draw_are_named(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit, match="empty: not a train.py run directory"):
         learning_curve.main([str(tmp_path / "empty"), "--no-floor"])
+
+
+def test_runs_that_predate_every_anchor_accuracy_draw_all_with_the_eval_steps(tmp_path, capsys):
+    """A run resumed across replay_acc_pos, or drawn with a run from before it, would mix two measures
+    in one curve or one band: every run then reads acc_pos."""
+    resumed = make_run(tmp_path, "resumed", 0, 1e-3, [0.1, 0.3], replayed=[False, True])
+    assert [p["acc"][1] for p in learning_curve.read_run(resumed)["points"]] == pytest.approx([0.01, 0.03])
+    new = make_run(tmp_path, "new", 1, 1e-3, [0.2, 0.5])
+    report = learning_curve.main([str(resumed), str(new), "--out", str(tmp_path / "o"), "--no-floor"])
+    [group] = report["groups"]
+    assert [[p["acc"][1] for p in run["points"]] for run in group["runs"]] == [pytest.approx([0.01, 0.03]),
+                                                                                pytest.approx([0.02, 0.05])]
+    assert "resumed predate replay_acc_pos" in capsys.readouterr().err
+    alone = learning_curve.main([str(new), "--no-floor"])  # a run of its own keeps every-anchor accuracy
+    assert [p["acc"][1] for p in alone["groups"][0]["runs"][0]["points"]] == pytest.approx([0.2, 0.5])

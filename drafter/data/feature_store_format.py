@@ -228,13 +228,14 @@ def read_index(directory: str) -> dict:
     path = Path(directory) / INDEX
     try:
         index = json.loads(path.read_text())
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # nothing there, or a file, not a store's directory
         raise FeatureStoreError(f"data.features={directory}: no {INDEX} there (write the store with "
                                 "data_tools/features.py)") from None
     except ValueError as error:
         raise FeatureStoreError(f"{path}: not JSON ({error})") from None
-    if index.get("format") != FORMAT:
-        raise FeatureStoreError(f"{path}: store format {index.get('format')}, this code reads {FORMAT}")
+    stored_format = index.get("format") if isinstance(index, dict) else None
+    if stored_format != FORMAT:
+        raise FeatureStoreError(f"{path}: store format {stored_format}, this code reads {FORMAT}")
     return index
 
 

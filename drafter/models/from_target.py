@@ -5,9 +5,11 @@ A fresh drafter must learn, before anything else, which context positions to rea
 starts uniform over hundreds of context keys, so the few that matter (the last positions before the
 anchor) reach slot 1 diluted, and the loss sits on the unigram for hundreds of steps (docs/results.md,
 "Calibrations"). The target's own layers already hold heads that read recent positions, with the
-rotary the drafter shares. Each drafter layer takes every weight of its target layer whose name and
-shape match (attention projections, MLP, the two norms); what the target's layer has not (a Llama
-target has no per-head q/k norms) keeps its fresh init.
+rotary the drafter shares. Each drafter layer takes every weight of its target layer of the same name
+(attention projections, MLP, the two norms); what the target's layer has not (a Llama target has no
+per-head q/k norms, a MoE layer no dense MLP) keeps its fresh init. A weight of another shape (a
+tensor-parallel share) or a module that computes otherwise with the same weights (Gemma's (1 + w)
+norms, Qwen2's biased projections) is refused: the layer would be neither fresh nor the target's.
 
 The context path is started so that the copied layers see what they saw inside the target: `fc`
 passes the first feature layer through unchanged (the identity on its slice, zeros elsewhere) and
@@ -48,11 +50,16 @@ def start_layers_from_target(drafter: nn.Module, target: nn.Module, layer_ids: l
     for layer, target_id in zip(drafter.layers, layer_ids):
         source = target_layers[target_id].state_dict()
         for name, tensor in layer.state_dict().items():
-            if name in source and source[name].shape == tensor.shape:
-                tensor.copy_(source[name])
-                copied.add(name)
-            else:
+            if name not in source:
                 kept.add(name)
+                continue
+            if source[name].shape != tensor.shape:  # a share of the layer (target.tp_size), or another layer
+                raise ConfigError(f"drafter.layers_from_target: target layer {target_id}'s {name} is "
+                                  f"{list(source[name].shape)}, the drafter's {list(tensor.shape)} (a target "
+                                  "sharded by target.tp_size holds a share of each layer: start from a whole one)")
+            tensor.copy_(source[name])
+            copied.add(name)
+        check_same_function(layer, target_layers[target_id], target_id, copied)
     if not copied:
         raise ConfigError(f"drafter.layers_from_target={list(layer_ids)}: no weight of the target's layers "
                           f"({type(target_layers[0]).__name__}) has a drafter layer's name and shape")
@@ -63,3 +70,21 @@ def start_layers_from_target(drafter: nn.Module, target: nn.Module, layer_ids: l
     return (f"drafter layers from target layers {list(layer_ids)}: copied {', '.join(sorted(copied))}; "
             f"fresh {', '.join(sorted(kept)) or 'none'}; fc = the first feature layer, hidden_norm = "
             f"layer {layer_ids[0]}'s input norm")
+
+
+def check_same_function(layer: nn.Module, target_layer: nn.Module, target_id: int, copied: set) -> None:
+    """Every module whose weights were all copied computes what the target's module of that name does
+    on the same input: a norm of another rule (Gemma's (1 + w)) or a projection whose bias the drafter
+    has not would otherwise start a layer that is not the target's."""
+    target_modules = dict(target_layer.named_modules())
+    for name, module in layer.named_modules():
+        params = dict(module.named_parameters(recurse=False))
+        if not params or not all(f"{name}.{p}" in copied for p in params) or name not in target_modules:
+            continue
+        probe = torch.randn(3, params["weight"].shape[-1], generator=torch.Generator().manual_seed(0))
+        probe = probe.to(params["weight"].dtype)
+        if not torch.allclose(module(probe), target_modules[name](probe), rtol=1e-4, atol=1e-5):
+            raise ConfigError(f"drafter.layers_from_target: target layer {target_id}'s {name} "
+                              f"({type(target_modules[name]).__name__}) computes otherwise than the drafter's "
+                              f"({type(module).__name__}) with the same weights: this target's layers cannot "
+                              "start the drafter's")

@@ -127,6 +127,10 @@ def check_store_settings(cfg):
                           "(data_tools/features.py --data <data.eval_path>)")
     if generate and cfg.target.tp_size > 1:
         raise ConfigError("data.features_missing=generate computes a rank's missing rows alone: use target.tp_size=1")
+    if cfg.drafter.layers_from_target is not None and not generate:
+        raise ConfigError(f"drafter.layers_from_target={list(cfg.drafter.layers_from_target)} copies the target's "
+                          "layers, and a run from data.features loads only its embedding and LM head: set "
+                          "data.features_missing=generate (the whole target loads) or drafter.layers_from_target=null")
     if cfg.data.features_cache and not generate:
         raise ConfigError("data.features_cache=true appends the rows the target computes to the store: it needs "
                           "data.features_missing=generate")
