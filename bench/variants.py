@@ -209,7 +209,8 @@ def replay(run: Path, data_path: str, threads: int, store: str | None) -> dict[s
     import torch
     from omegaconf import OmegaConf
 
-    from drafter.data.feature_store import FeatureStore, load_stored_head, store_refusal
+    from drafter.data.feature_store import FeatureStore, load_stored_head
+    from drafter.data.feature_store_format import store_refusal
     from drafter.data.loader import collate
     from drafter.metric_sums import finalize_metrics
     from drafter.models import load_drafter
