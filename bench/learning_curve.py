@@ -19,6 +19,12 @@ mean over seeds is drawn as a line, the seeds' range as a band. Runs evaluated o
 rows are never drawn together: the script names them and stops. A run without eval records, or whose
 records predate the trained-on counts, is named too. One run: curve.png and curve.json go into its own
 directory; several: into --out. The figure names the command, the machine and the seeds.
+
+`--break-even tau_ddtree@8=2.39,tau_dflash=2.71` extrapolates: for each group and each named tau, a
+least-squares line tau = a + b log10(x) through the group's mean points (x: supervised tokens, and
+blocks trained) says at what x the tau would reach its break-even (eval/ddtree_accept.py measures
+it), with a range from the slope plus and minus its standard error. A fit of a curve that has barely
+started is a guess; the report says on how many points it stands.
 """
 import argparse
 import json
@@ -138,6 +144,64 @@ def group_series(group: dict, x_axis: str, value) -> tuple[np.ndarray, np.ndarra
     return x, ys.mean(1), ys.min(1), ys.max(1)
 
 
+def extrapolate(x: np.ndarray, y: np.ndarray, goal: float) -> dict:
+    """Where y = a + b log10(x), fitted by least squares to the finite points, reaches `goal`: the x
+    (`needed`) and its range (`low`, `high`) at slopes b + and - its standard error, the line pivoting
+    on the points' centroid. None where the (bounded) slope does not rise, with the reason."""
+    keep = np.isfinite(x) & np.isfinite(y) & (x > 0)
+    lx, y = np.log10(x[keep]), y[keep]
+    fit = {"points": int(len(y)), "goal": goal}
+    if len(y) < 3:
+        return {**fit, "needed": None, "why": "fewer than 3 points"}
+    slope, intercept = np.polyfit(lx, y, 1)
+    spread = ((lx - lx.mean()) ** 2).sum()
+    residual = y - (intercept + slope * lx)
+    slope_se = float(np.sqrt((residual ** 2).sum() / (len(y) - 2) / spread)) if spread > 0 else math.inf
+
+    def reached_at(b: float) -> float | None:
+        return float(10 ** (lx.mean() + (goal - y.mean()) / b)) if b > 0 else None
+
+    fit.update(slope_per_decade=float(slope), slope_se=slope_se, needed=reached_at(slope),
+               low=reached_at(slope + slope_se), high=reached_at(slope - slope_se))
+    if fit["needed"] is None:
+        fit["why"] = "the fitted line does not rise"
+    return fit
+
+
+def extrapolations(groups: list[dict], break_even: dict[str, float]) -> list[dict]:
+    """`extrapolate` for every group, x axis and tau named in `break_even` (tau name -> goal)."""
+    found = []
+    for group in groups:
+        for x_axis in X_AXES:
+            for tau, goal in break_even.items():
+                x, mean, _, _ = group_series(group, x_axis, lambda p, k=tau: p["tau"].get(k, math.nan))
+                found.append({"group": group["label"], "x": x_axis, "tau": tau, **extrapolate(x, mean, goal)})
+    return found
+
+
+def extrapolation_line(fit: dict) -> str:
+    head = f"{fit['group']}: {fit['tau']} reaches {fit['goal']} at {fit['x']}"
+    if fit["needed"] is None:
+        return f"{head}: no estimate ({fit['why']}, {fit['points']} points)"
+    bounds = [f"{b:.3g}" if b is not None else "never" for b in (fit["low"], fit["high"])]
+    return (f"{head} ~{fit['needed']:.3g} (slope {fit['slope_per_decade']:.3f} +- {fit['slope_se']:.3f} a decade: "
+            f"{bounds[0]} to {bounds[1]}; {fit['points']} points)")
+
+
+def parse_break_even(text: str | None) -> dict[str, float]:
+    """'tau_ddtree@8=2.39,tau_dflash=2.71' -> {name: goal}; a SystemExit naming a malformed entry."""
+    goals = {}
+    for entry in filter(None, (text or "").split(",")):
+        name, _, value = entry.partition("=")
+        try:
+            goals[name.strip()] = float(value)
+        except ValueError:
+            sys.exit(f"error: --break-even entry {entry!r} is not NAME=TAU (e.g. tau_ddtree@8=2.39)")
+        if not name.strip().startswith("tau_"):
+            sys.exit(f"error: --break-even entry {entry!r}: the name is a replayed tau (tau_dflash, tau_ddtree@B)")
+    return goals
+
+
 def floors_for(cfg) -> list[dict] | None:
     """bench/floor.py's per-slot predictors on the run's own training and held-out rows (None when the
     data cannot be read here, e.g. a run made on another machine)."""
@@ -193,7 +257,9 @@ def main(argv=None) -> dict:
     parser.add_argument("runs", nargs="+", type=Path, help="train.py run directories")
     parser.add_argument("--out", type=Path, help="where the overlay of several runs goes (one run: its own dir)")
     parser.add_argument("--no-floor", action="store_true", help="skip the floor lines (they read the run's data)")
+    parser.add_argument("--break-even", help="NAME=TAU,...: extrapolate where each replayed tau reaches TAU")
     args = parser.parse_args(argv)
+    break_even = parse_break_even(args.break_even)
     if len(args.runs) > 1 and args.out is None:
         parser.error("several runs: say where their overlay goes with --out")
     try:
@@ -218,6 +284,13 @@ def main(argv=None) -> dict:
               "groups": [{"label": g["label"], "seeds": g["seeds"],
                           "runs": [{"dir": r["dir"], "seed": r["seed"], "points": r["points"]} for r in g["runs"]]}
                          for g in groups]}
+    if break_even:
+        logged = set(tau_names(groups))
+        if missing := sorted(set(break_even) - logged):
+            sys.exit(f"error: --break-even names {', '.join(missing)}, which no run logged ({', '.join(sorted(logged))})")
+        report["extrapolations"] = extrapolations(groups, break_even)
+        for fit in report["extrapolations"]:
+            print(extrapolation_line(fit))
     (out / "curve.json").write_text(json.dumps(report, indent=1, default=str))
     print(f"wrote {out / 'curve.png'} and {out / 'curve.json'}: {len(runs)} runs in {len(groups)} groups")
     return report

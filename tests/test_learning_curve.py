@@ -4,6 +4,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
@@ -71,3 +72,28 @@ def test_runs_that_predate_every_anchor_accuracy_draw_all_with_the_eval_steps(tm
     assert "resumed predate replay_acc_pos" in capsys.readouterr().err
     alone = learning_curve.main([str(new), "--no-floor"])  # a run of its own keeps every-anchor accuracy
     assert [p["acc"][1] for p in alone["groups"][0]["runs"][0]["points"]] == pytest.approx([0.2, 0.5])
+
+
+def test_extrapolation_finds_where_a_log_linear_curve_reaches_the_goal():
+    x = np.array([1e2, 1e3, 1e4, 1e5])
+    exact = learning_curve.extrapolate(x, 1 + 0.25 * np.log10(x), goal=3.0)  # 3 at 10^8
+    assert exact["needed"] == pytest.approx(1e8, rel=1e-6) and exact["slope_se"] == pytest.approx(0, abs=1e-9)
+    assert exact["low"] == pytest.approx(1e8, rel=1e-6) and exact["high"] == pytest.approx(1e8, rel=1e-6)
+    noisy = learning_curve.extrapolate(x, 1 + 0.25 * np.log10(x) + np.array([0.05, -0.05, 0.05, -0.05]), goal=3.0)
+    assert noisy["low"] < noisy["needed"] < noisy["high"]  # a steeper slope gets there sooner
+    flat = learning_curve.extrapolate(x, np.array([1.4, 1.3, 1.4, 1.3]), goal=2.0)
+    assert flat["needed"] is None and "does not rise" in flat["why"]
+    assert learning_curve.extrapolate(x[:2], x[:2], goal=2.0)["why"] == "fewer than 3 points"
+
+
+def test_break_even_extrapolations_go_into_the_report_and_a_tau_no_run_logged_is_named(tmp_path, capsys):
+    run = make_run(tmp_path, "a_s0", 0, 1e-3, [0.1, 0.2, 0.3, 0.4])  # tau_dflash 1.1 .. 1.4 over 100 .. 400 tokens
+    report = learning_curve.main([str(run), "--no-floor", "--break-even", "tau_dflash=2.0"])
+    fits = {f["x"]: f for f in report["extrapolations"]}
+    assert set(fits) == {"supervised_tokens", "blocks_trained"} and fits["supervised_tokens"]["needed"] > 400
+    assert json.loads((run / "curve.json").read_text())["extrapolations"][0]["tau"] == "tau_dflash"
+    assert "tau_dflash reaches 2.0 at supervised_tokens" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="tau_ddtree@8, which no run logged"):
+        learning_curve.main([str(run), "--no-floor", "--break-even", "tau_ddtree@8=2.4"])
+    with pytest.raises(SystemExit, match="is not NAME=TAU"):
+        learning_curve.main([str(run), "--no-floor", "--break-even", "tau_dflash=two"])
