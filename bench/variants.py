@@ -55,6 +55,8 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 SLIDING = ["drafter.layer_types=[sliding_attention,sliding_attention]", "drafter.sliding_window=32"]
+# the first layer sliding over 2 positions: the anchor's slot reads the context's last position alone
+ANCHOR_WINDOW = ["drafter.layer_types=[sliding_attention,full_attention]", "drafter.sliding_window=2"]
 DFLASH2 = ["drafter.arch=dflash2", "drafter.selector_rank=32"]  # rank 256 would outweigh the toy drafter
 VARIANTS = {
     "default": [],
@@ -66,6 +68,7 @@ VARIANTS = {
     "dflash2": DFLASH2,
     "sliding": SLIDING,  # the toy contexts are ~100-170 tokens: a 32-position window cuts most of them
     "dflash2-sliding": DFLASH2 + SLIDING,
+    "anchor-window": ANCHOR_WINDOW,
     "tv": ["objective.labels=target", "objective.loss=tv"],
     "first-failure": ["objective.truncate=first_failure"],
     "expected-chain": ["objective.loss=expected_chain"],
@@ -79,7 +82,7 @@ VARIANTS = {
                            "objective.normalize=count"],
 }
 GROUPS = {"objectives": ["default", "target-kl", "target-ce", "dpace", "tree", "muon"],
-          "drafters": ["default", "dflash2", "sliding", "dflash2-sliding"],
+          "drafters": ["default", "dflash2", "sliding", "dflash2-sliding", "anchor-window"],
           "acceptance": ["default", "tv", "first-failure", "expected-chain", "expected-tree"],
           "recipe": ["default", "any-anchor", "no-noise", "lr-to-0", "count-norm", "speculators-recipe"]}
 GROUPS["all"] = list(VARIANTS)
