@@ -10,7 +10,8 @@
 
 Variants are named overrides of configs/toy.yaml: distillation, position weights and the optimiser
 (`default`, `target-kl`, `target-ce`, `dpace`, `tree`, `muon`), the drafter variants (`dflash2`,
-`sliding`, `dflash2-sliding`), the objectives aimed at acceptance (`tv`, `first-failure`,
+`sliding`, `dflash2-sliding`, and `anchor-window`: a first layer sliding over 2 positions, the real
+world's default since it left the floor there), the objectives aimed at acceptance (`tv`, `first-failure`,
 `expected-chain`, `expected-tree`), the recipe differences of vLLM's speculators one at a time (`any-anchor`,
 `no-noise`, `lr-to-0`, `count-norm`) and together (`speculators-recipe`), and a 3x learning rate
 (`lr-6e-3`, on the real world);

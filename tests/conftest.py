@@ -21,6 +21,8 @@ VARIANTS = {
     "window_bidirectional": DrafterVariant(layer_types=("sliding_attention",) * 2, sliding_window=3,
                                            causal=False),
     "causal": DrafterVariant(causal=True),
+    # the real world's drafter: the anchor's slot reads the context's last position alone
+    "anchor_window": DrafterVariant(layer_types=("sliding_attention", "full_attention"), sliding_window=2),
     "dflash2": DrafterVariant(layer_types=("sliding_attention", "full_attention"), sliding_window=5,
                               arch="dflash2", conv_group_size=16, selector_rank=8, selector_top_k=4),
 }
