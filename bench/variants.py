@@ -10,9 +10,10 @@
 
 Variants are named overrides of configs/toy.yaml: distillation, position weights and the optimiser
 (`default`, `target-kl`, `target-ce`, `dpace`, `tree`, `muon`), the drafter variants (`dflash2`,
-`sliding`, `dflash2-sliding`, and `anchor-window`: a first layer sliding over 2 positions, the real
-world's default since it left the floor there), the objectives aimed at acceptance (`tv`, `first-failure`,
-`expected-chain`, `expected-tree`), the recipe differences of vLLM's speculators one at a time (`any-anchor`,
+`sliding`, `dflash2-sliding`; `anchor-window`, a first layer sliding over 2 positions, the real
+world's default since it left the floor there, and `all-full`, every layer full, its A/B there),
+the objectives aimed at acceptance (`tv`, `first-failure`, `expected-chain`, `expected-tree`), the
+recipe differences of vLLM's speculators one at a time (`any-anchor`,
 `no-noise`, `lr-to-0`, `count-norm`) and together (`speculators-recipe`), and a 3x learning rate
 (`lr-6e-3`, on the real world);
 `--variants objectives|drafters|acceptance|recipe|all` or a comma list. Every run is train.py in one
@@ -70,6 +71,7 @@ VARIANTS = {
     "sliding": SLIDING,  # the toy contexts are ~100-170 tokens: a 32-position window cuts most of them
     "dflash2-sliding": DFLASH2 + SLIDING,
     "anchor-window": ANCHOR_WINDOW,
+    "all-full": ["drafter.layer_types=null", "drafter.sliding_window=null"],  # the real world's default before it
     "tv": ["objective.labels=target", "objective.loss=tv"],
     "first-failure": ["objective.truncate=first_failure"],
     "expected-chain": ["objective.loss=expected_chain"],
