@@ -121,14 +121,29 @@ def check_comparable(runs: list[dict]) -> str:
     return next(iter(sets))
 
 
+def recipe_difference(cfg, base) -> str:
+    """The config keys (section.key=value) where `cfg`'s recipe differs from `base`'s, at most three."""
+    flat = lambda c: {f"{section}.{k}": v for section, values in json.loads(recipe_key(c)).items()  # noqa: E731
+                      if isinstance(values, dict) for k, v in values.items()}
+    mine, theirs = flat(cfg), flat(base)
+    keys = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+    text = ", ".join(f"{k}={json.dumps(mine.get(k))}" for k in keys[:3])
+    return text + (f" (+{len(keys) - 3} more)" if len(keys) > 3 else "")
+
+
 def group_runs(runs: list[dict]) -> list[dict]:
-    """Runs of one recipe together, labelled by what sets the recipe apart from the first group."""
+    """Runs of one recipe together, labelled by their run name, or where names repeat by what sets the
+    recipe apart from the first group's."""
     groups = {}
     for run in runs:
         groups.setdefault(recipe_key(run["cfg"]), []).append(run)
+    names = [members[0]["cfg"].run.name or Path(members[0]["dir"]).name for members in groups.values()]
+    base = next(iter(groups.values()))[0]["cfg"]
     labelled = []
     for i, members in enumerate(groups.values()):
-        name = members[0]["cfg"].run.name or Path(members[0]["dir"]).name
+        name = names[i]
+        if names.count(name) > 1:
+            name = name if i == 0 else recipe_difference(members[0]["cfg"], base)
         labelled.append({"label": name if len(groups) == 1 else f"{i}: {name}", "runs": members,
                          "seeds": [m["seed"] for m in members]})
     return labelled

@@ -97,3 +97,13 @@ def test_break_even_extrapolations_go_into_the_report_and_a_tau_no_run_logged_is
         learning_curve.main([str(run), "--no-floor", "--break-even", "tau_ddtree@8=2.4"])
     with pytest.raises(SystemExit, match="is not NAME=TAU"):
         learning_curve.main([str(run), "--no-floor", "--break-even", "tau_dflash=two"])
+
+
+def test_groups_of_one_run_name_are_labelled_by_what_their_recipe_changes(tmp_path):
+    runs = [make_run(tmp_path, "a_s0", 0, 1e-3, [0.1, 0.3]), make_run(tmp_path, "b_s0", 0, 2e-3, [0.0, 0.1])]
+    for run in runs:  # run.name unset: both runs get train.py's default name
+        cfg = OmegaConf.load(run / "config.yaml")
+        cfg.run.name = "smollm2-g10-b95"
+        OmegaConf.save(cfg, run / "config.yaml")
+    report = learning_curve.main([*map(str, runs), "--out", str(tmp_path / "ab"), "--no-floor"])
+    assert [g["label"] for g in report["groups"]] == ["0: smollm2-g10-b95", "1: optim.lr=0.002"]
