@@ -127,7 +127,7 @@ def recipe_difference(cfg, base) -> str:
                       if isinstance(values, dict) for k, v in values.items()}
     mine, theirs = flat(cfg), flat(base)
     keys = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
-    text = ", ".join(f"{k}={json.dumps(mine.get(k))}" for k in keys[:3])
+    text = ", ".join(f"{k}={json.dumps(mine.get(k), separators=(',', ':'))}" for k in keys[:3])
     return text + (f" (+{len(keys) - 3} more)" if len(keys) > 3 else "")
 
 
