@@ -115,9 +115,12 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
 
     def head_logits(self, target, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [..., V or K] of final states `hidden` under `head_weight`."""
+        # contiguous: a strided view (a block's slots 1..B-1) sends a bf16 matmul on the CPU down a
+        # path ~50x slower (torch 2.13); in fp32 the dtype cast already copied it
+        hidden = hidden.to(target.dtype).contiguous()
         if self.draft_vocab is None:
-            return target.get_output_embeddings()(hidden.to(target.dtype)).float()
-        return F.linear(hidden.to(target.dtype), self.head_weight(target)).float()
+            return target.get_output_embeddings()(hidden).float()
+        return F.linear(hidden, self.head_weight(target)).float()
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Token ids of its head's rows as the target's ids."""
