@@ -11,7 +11,8 @@
 Variants are named overrides of configs/toy.yaml: distillation, position weights and the optimiser
 (`default`, `target-kl`, `target-ce`, `dpace`, `tree`, `muon`), the drafter variants (`dflash2`,
 `sliding`, `dflash2-sliding`; `anchor-window`, a first layer sliding over 2 positions, the real
-world's default since it left the floor there, and `all-full`, every layer full, its A/B there),
+world's default since it left the floor there, `all-full`, every layer full, its A/B there, and
+`block-window`, a first layer sliding over 17 positions so that every slot of a 16-block reads p-1),
 the objectives aimed at acceptance (`tv`, `first-failure`, `expected-chain`, `expected-tree`), the
 recipe differences of vLLM's speculators one at a time (`any-anchor`,
 `no-noise`, `lr-to-0`, `count-norm`) and together (`speculators-recipe`), and a 3x learning rate
@@ -59,6 +60,8 @@ REPO = Path(__file__).resolve().parents[1]
 SLIDING = ["drafter.layer_types=[sliding_attention,sliding_attention]", "drafter.sliding_window=32"]
 # the first layer sliding over 2 positions: the anchor's slot reads the context's last position alone
 ANCHOR_WINDOW = ["drafter.layer_types=[sliding_attention,full_attention]", "drafter.sliding_window=2"]
+# the first layer sliding over a block and one: every slot, the last included, reads p-1 and the anchor there
+BLOCK_WINDOW = ["drafter.layer_types=[sliding_attention,full_attention]", "drafter.sliding_window=17"]
 DFLASH2 = ["drafter.arch=dflash2", "drafter.selector_rank=32"]  # rank 256 would outweigh the toy drafter
 VARIANTS = {
     "default": [],
@@ -71,6 +74,7 @@ VARIANTS = {
     "sliding": SLIDING,  # the toy contexts are ~100-170 tokens: a 32-position window cuts most of them
     "dflash2-sliding": DFLASH2 + SLIDING,
     "anchor-window": ANCHOR_WINDOW,
+    "block-window": BLOCK_WINDOW,
     "all-full": ["drafter.layer_types=null", "drafter.sliding_window=null"],  # the real world's default before it
     "tv": ["objective.labels=target", "objective.loss=tv"],
     "first-failure": ["objective.truncate=first_failure"],
@@ -221,26 +225,27 @@ def replay(run: Path, data_path: str, threads: int, store: str | None) -> dict[s
     from drafter.metric_sums import finalize_metrics
     from drafter.models import load_drafter
     from drafter.serving.served import replayed_tau
-    from drafter.target.model import context_features, load_target
+    from drafter.target.model import compute_dtype, context_features, load_target
     from drafter.target.tensor_parallel import feature_code_version
 
     torch.set_num_threads(threads)
     config = OmegaConf.load(run / "checkpoints" / "latest" / "config.yaml")
-    drafter = load_drafter(run / "checkpoints" / "latest" / "drafter", dtype=torch.float32).eval()
+    dtype = compute_dtype(config.target.dtype, torch.device("cpu"))  # the run's, as its own eval computed
+    drafter = load_drafter(run / "checkpoints" / "latest" / "drafter", dtype=dtype).eval()
     stored = FeatureStore(store) if store else None
     # the run's own rules for a store of its eval set: its target, the set's rows, the drafter's layers, the dtype
     as_eval = OmegaConf.merge(config, {"data": {"eval_path": data_path, "features_missing": "error"}})
-    if stored is not None and (refusal := store_refusal(stored, as_eval, drafter.target_layer_ids, torch.float32,
+    if stored is not None and (refusal := store_refusal(stored, as_eval, drafter.target_layer_ids, dtype,
                                                         feature_code_version(), "data.eval_path")):
         sys.exit(f"error: --also-eval-features {store}: {refusal}")
-    target = (load_stored_head(store, "cpu", torch.float32) if stored is not None
-              else load_target(config.target.path, "cpu", torch.float32))
+    target = (load_stored_head(store, "cpu", dtype) if stored is not None
+              else load_target(config.target.path, "cpu", dtype))
     rows = datasets.load_from_disk(data_path)
     summed = {}
     with torch.no_grad():
         for first in range(0, len(rows), 8):
             batch = collate(rows.select(range(first, min(first + 8, len(rows)))), bucket=0)
-            features = (stored.features(batch["input_ids"], batch["lengths"]) if stored is not None
+            features = (stored.features(batch["input_ids"], batch["lengths"], dtype) if stored is not None
                         else context_features(target, batch["input_ids"], drafter.target_layer_ids))
             for k, v in replayed_tau(drafter, target, features, batch["input_ids"], batch["loss_mask"],
                                      list(config.train.tau_budgets), "dense").items():

@@ -5,6 +5,7 @@ store that does not match the run, cannot serve its objective or is not whole; r
 appends, a kill in the middle of an append, the eval's replay from a store. Through the launchers
 (slow): a two-rank dump, and training from the store equal to training online (ZeRO-2, FSDP2 across a
 kill, hybrid and cached, distillation)."""
+import copy
 import errno
 import json
 import os
@@ -647,6 +648,27 @@ def test_a_variants_replay_from_a_store_is_the_online_replay_and_another_targets
     OmegaConf.save(settings, latest / "config.yaml")
     with pytest.raises(SystemExit, match=re.escape(f"error: --also-eval-features {out}: ") + ".*target.random"):
         variants.replay(tmp_path / "run", data, 1, str(out))
+
+
+def test_a_bf16_runs_variants_replay_reads_its_bf16_store_as_its_own_eval_does(store, tmp_path, monkeypatch):
+    """A run trained in bf16 (target.dtype=bf16) is replayed in bf16 from a bf16 store, equal to its
+    online bf16 replay: the replay once ran every run in fp32 and refused every bf16 store by dtype."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import variants
+    cfg, _ = store
+    out = tmp_path / "store_bf16"
+    assert dump(cfg, out, "--dtype", "bf16", "target.dtype=bf16") == 0
+    settings = load_config(str(cfg), ["target.dtype=bf16"])
+    target = random_qwen3(**settings.target.random)
+    latest = tmp_path / "run" / "checkpoints" / "latest"
+    make_drafter(target, num_layers=1, block_size=8, target_layer_ids=[2]).save_pretrained(latest / "drafter")
+    OmegaConf.save(settings, latest / "config.yaml")
+    monkeypatch.setattr("drafter.target.model.load_target",
+                        lambda path, device, dtype: copy.deepcopy(target).to(dtype))
+    data = str(cfg.parent / "data")
+    online = variants.replay(tmp_path / "run", data, 1, None)
+    assert variants.replay(tmp_path / "run", data, 1, str(out)) == online
+    assert online["tau_dflash"] > 1
 
 
 def test_the_eval_refuses_a_store_whose_target_path_now_holds_another_target(tmp_path):
