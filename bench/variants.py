@@ -263,10 +263,11 @@ def summarise(evals: dict[str, dict[int, list[dict]]], metrics: list[str]) -> di
     """variant -> metric -> {"steps": [...], "mean": [...], "se": [...]} over seeds, per eval step."""
     summary = {}
     for variant, per_seed in evals.items():
-        steps = sorted({r["step"] for records in per_seed.values() for r in records})
         summary[variant] = {}
-        for metric in metrics:
-            at = {s: [r[metric] for records in per_seed.values() for r in records if r["step"] == s] for s in steps}
+        for metric in metrics:  # the --also-eval replays are in the last record only
+            steps = sorted({r["step"] for records in per_seed.values() for r in records if metric in r})
+            at = {s: [r[metric] for records in per_seed.values() for r in records if r["step"] == s and metric in r]
+                  for s in steps}
             pairs = [mean_and_se(at[s]) for s in steps]
             summary[variant][metric] = {"steps": steps, "mean": [m for m, _ in pairs], "se": [e for _, e in pairs],
                                         "last": at[steps[-1]]}
