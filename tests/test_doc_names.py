@@ -78,12 +78,13 @@ def schema():
 def config_key_problem(key: str) -> str | None:
     """Why `key` (section.field[.sub...]) is no key of the schema, or None. Below a dict-typed field
     (target.random, target.chat_template_kwargs) any sub-key is allowed."""
-    node = schema()
-    for depth, part in enumerate(key.split(".")):
-        if not OmegaConf.is_dict(node) or part not in node:
-            return f"{key} is no config key ({'.'.join(key.split('.')[:depth + 1])} is not in the schema)"
+    node, parts = schema(), key.split(".")
+    for depth, part in enumerate(parts):
+        # keys(), not `in`: a mandatory field (data.path: ???) is not `in` its node
+        if not OmegaConf.is_dict(node) or part not in node.keys():
+            return f"{key} is no config key ({'.'.join(parts[:depth + 1])} is not in the schema)"
         field = OmegaConf.get_type(node, part)
-        if field is dict or field is None:
+        if field is dict or field is None or depth == len(parts) - 1:
             return None
         node = node[part]
     return None
