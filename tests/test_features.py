@@ -628,19 +628,28 @@ def test_store_settings_that_cannot_work_are_refused_before_anything_loads(store
         check_store_settings(settings)
 
 
-def test_a_variants_replay_from_a_store_is_the_online_replay_and_another_targets_store_is_refused(
-        store, tmp_path, monkeypatch):
-    """bench/variants.py --also-eval-features: a run's final drafter replayed on a set whose store it is
-    gives the online replay's taus exactly; the store of another target stops it naming the field."""
+def finished_run(settings, tmp_path: Path, monkeypatch):
+    """bench/variants.py, and a run directory under tmp_path/run as a finished run leaves it: a fresh
+    drafter of the store's layer 2 and the run's config; the target loads as the config's random one,
+    in the dtype asked for. Returns (variants, the checkpoint directory)."""
     sys.path.insert(0, str(REPO / "bench"))
     import variants
-    cfg, out = store
-    settings = load_config(str(cfg))
     target = random_qwen3(**settings.target.random)
     latest = tmp_path / "run" / "checkpoints" / "latest"
     make_drafter(target, num_layers=1, block_size=8, target_layer_ids=[2]).save_pretrained(latest / "drafter")
     OmegaConf.save(settings, latest / "config.yaml")
-    monkeypatch.setattr("drafter.target.model.load_target", lambda path, device, dtype: target)
+    monkeypatch.setattr("drafter.target.model.load_target",
+                        lambda path, device, dtype: copy.deepcopy(target).to(dtype))
+    return variants, latest
+
+
+def test_a_variants_replay_from_a_store_is_the_online_replay_and_another_targets_store_is_refused(
+        store, tmp_path, monkeypatch):
+    """bench/variants.py --also-eval-features: a run's final drafter replayed on a set whose store it is
+    gives the online replay's taus exactly; the store of another target stops it naming the field."""
+    cfg, out = store
+    settings = load_config(str(cfg))
+    variants, latest = finished_run(settings, tmp_path, monkeypatch)
     data = str(cfg.parent / "data")
     online = variants.replay(tmp_path / "run", data, 1, None)
     assert variants.replay(tmp_path / "run", data, 1, str(out)) == online
@@ -653,18 +662,10 @@ def test_a_variants_replay_from_a_store_is_the_online_replay_and_another_targets
 def test_a_bf16_runs_variants_replay_reads_its_bf16_store_as_its_own_eval_does(store, tmp_path, monkeypatch):
     """A run trained in bf16 (target.dtype=bf16) is replayed in bf16 from a bf16 store, equal to its
     online bf16 replay: the replay once ran every run in fp32 and refused every bf16 store by dtype."""
-    sys.path.insert(0, str(REPO / "bench"))
-    import variants
     cfg, _ = store
     out = tmp_path / "store_bf16"
     assert dump(cfg, out, "--dtype", "bf16", "target.dtype=bf16") == 0
-    settings = load_config(str(cfg), ["target.dtype=bf16"])
-    target = random_qwen3(**settings.target.random)
-    latest = tmp_path / "run" / "checkpoints" / "latest"
-    make_drafter(target, num_layers=1, block_size=8, target_layer_ids=[2]).save_pretrained(latest / "drafter")
-    OmegaConf.save(settings, latest / "config.yaml")
-    monkeypatch.setattr("drafter.target.model.load_target",
-                        lambda path, device, dtype: copy.deepcopy(target).to(dtype))
+    variants, _ = finished_run(load_config(str(cfg), ["target.dtype=bf16"]), tmp_path, monkeypatch)
     data = str(cfg.parent / "data")
     online = variants.replay(tmp_path / "run", data, 1, None)
     assert variants.replay(tmp_path / "run", data, 1, str(out)) == online

@@ -115,8 +115,8 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
 
     def head_logits(self, target, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [..., V or K] of final states `hidden` under `head_weight`."""
-        # contiguous: a strided view (a block's slots 1..B-1) sends a bf16 matmul on the CPU down a
-        # path ~50x slower (torch 2.13); in fp32 the dtype cast already copied it
+        # contiguous: a strided view (a block's slots 1..B-1) sent a bf16 matmul on the CPU down a
+        # path ~50x slower (torch 2.13); the copy is H values a row against the logits' V
         hidden = hidden.to(target.dtype).contiguous()
         if self.draft_vocab is None:
             return target.get_output_embeddings()(hidden).float()
