@@ -200,7 +200,7 @@ def test_deepspeed_json_autos_are_filled_from_the_yaml(tmp_path):
                           hidden_size=4096, on_cpu=False)
     assert ds["train_batch_size"] == 32 and ds["gradient_accumulation_steps"] == 4
     assert ds["train_micro_batch_size_per_gpu"] == 1 and ds["gradient_clipping"] == 1.0
-    assert ds["optimizer"]["params"] == {"lr": 6e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0}
+    assert "optimizer" not in ds  # torch's AdamW, built by the engine from the YAML
     assert ds["bf16"] == {"enabled": True, "check_grad_overflow": True}
     assert ds["zero_optimization"]["stage"] == 2
     # hard-coded values that agree with the YAML are fine; HF-style size autos are filled
@@ -209,8 +209,78 @@ def test_deepspeed_json_autos_are_filled_from_the_yaml(tmp_path):
                                                               "zero_optimization.reduce_bucket_size": "auto"})
     ds = deepspeed_config(consistent, cfg, world_size=8, bf16=True, hidden_size=4096, on_cpu=False)
     assert ds["zero_optimization"]["reduce_bucket_size"] == 4096 ** 2
+    offload = deepspeed_config(str(REPO / "ds_configs" / "zero2_offload.json"), cfg, 8, True, 4096, on_cpu=False)
+    assert offload["optimizer"]["params"] == {"lr": 6e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0}
     offload = deepspeed_config(str(REPO / "ds_configs" / "zero2_offload.json"), cfg, 8, True, 4096, on_cpu=True)
     assert offload["optimizer"]["params"]["torch_adam"] is True  # CPU-only machines
+
+
+CUDA = torch.device("cuda")  # constructible without a GPU: deepspeed_op_problem only reads its type
+
+
+@pytest.fixture
+def toolkit(monkeypatch):
+    """A machine's build tools, as deepspeed_op_problem sees them: `state` is edited by each test."""
+    from deepspeed.ops.op_builder import builder
+    from torch.utils import cpp_extension
+
+    import deepspeed.git_version_info as info
+    state = {"nvcc": (12, 8), "torch_cuda": "12.8", "prebuilt": set(), "cxx": True, "ninja": True}
+
+    def nvcc(name=""):
+        if state["nvcc"] is None:
+            raise builder.MissingCUDAException("CUDA_HOME does not exist, unable to compile CUDA op(s)")
+        return state["nvcc"]
+    monkeypatch.setattr(builder, "installed_cuda_version", nvcc)
+    monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: state["ninja"])
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/c++" if state["cxx"] else None)
+
+    def refresh():
+        monkeypatch.setattr(torch.version, "cuda", state["torch_cuda"])
+        monkeypatch.setattr(info, "installed_ops", {op: op in state["prebuilt"] for op in ("fused_adam", "cpu_adam")})
+    return state, refresh
+
+
+@pytest.mark.parametrize("json_name, edits, change, message", [
+    ("zero2.json", {}, {"nvcc": None}, None),  # torch's AdamW: nothing to compile
+    ("zero2.json", {"optimizer.type": "AdamW"}, {}, None),
+    ("zero2.json", {"optimizer.type": "AdamW"}, {"nvcc": None}, "compile its op fused_adam, which needs the CUDA toolkit's nvcc (CUDA_HOME does not exist"),
+    ("zero2.json", {"optimizer.type": "AdamW"}, {"nvcc": (11, 8)}, "needs an nvcc of torch's CUDA 12.8 (CUDA_HOME's nvcc is 11.8)"),
+    ("zero2.json", {"optimizer.type": "AdamW"}, {"nvcc": None, "prebuilt": {"fused_adam"}}, None),
+    ("zero2.json", {"optimizer.type": "AdamW"}, {"ninja": False}, "needs ninja"),
+    ("zero2.json", {"optimizer.type": "AdamW", "optimizer.params.torch_adam": True}, {"nvcc": None}, None),
+    ("zero2_offload.json", {}, {"nvcc": None}, None),  # CPU Adam is C++: no nvcc needed
+    ("zero2_offload.json", {}, {"cxx": False}, "compile its op cpu_adam, which needs a C++ compiler"),
+])
+def test_a_json_whose_optimizer_cannot_be_built_is_refused_before_weights_load(
+        tmp_path, toolkit, json_name, edits, change, message):
+    """On a GPU, a JSON `optimizer` block makes DeepSpeed compile FusedAdam (or CPU Adam under offload)
+    at its first step; without the tools for it the run stops at the config, in one line naming them."""
+    from drafter.infra.engine import engine_settings
+    state, refresh = toolkit
+    state.update(change)
+    refresh()
+    source = json.loads((REPO / "ds_configs" / json_name).read_text())
+    path = tmp_path / json_name
+    path.write_text(json.dumps(source))
+    path = ds_json(tmp_path, **edits) if json_name == "zero2.json" else str(path)
+    cfg = load_config(str(REPO / "configs" / "v3.yaml"), ["data.path=/x", f"train.ds_config={path}"])
+    if message is None:
+        assert engine_settings(cfg, 8, CUDA, torch.bfloat16, 4096)["zero_optimization"]
+    else:
+        with pytest.raises(EngineConfigError, match=f"train.ds_config={re.escape(path)}: .*{re.escape(message)}"):
+            engine_settings(cfg, 8, CUDA, torch.bfloat16, 4096)
+
+
+def test_an_offload_json_without_an_optimizer_block_is_refused(tmp_path):
+    """DeepSpeed refuses a client optimizer under offload at initialize; here it stops at the config."""
+    cfg = load_config(str(REPO / "configs" / "v3.yaml"), ["data.path=/x"])
+    source = json.loads((REPO / "ds_configs" / "zero2_offload.json").read_text())
+    del source["optimizer"]
+    path = tmp_path / "offload.json"
+    path.write_text(json.dumps(source))
+    with pytest.raises(EngineConfigError, match="offload_optimizer needs an `optimizer` block"):
+        deepspeed_config(str(path), cfg, 8, True, 4096, on_cpu=False)
 
 
 @pytest.mark.parametrize("edits, message", [

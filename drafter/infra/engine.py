@@ -19,6 +19,9 @@ matrix through DTensor ops); DeepSpeed refuses it before anything loads (see `de
 """
 import json
 import math
+import os
+import shutil
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,9 +31,15 @@ import torch.distributed as dist
 from torch import nn
 
 from drafter.errors import ConfigError
+from drafter.infra.repo_paths import find_in_repo
 from drafter.nested import flatten
 
 ZERO_STAGES = (1, 2, 3)
+
+# DeepSpeed's ZeRO step calls a torch collective that torch 2.13 deprecates: a note to DeepSpeed's
+# authors, printed on every rank's first step, with nothing for a user to decide
+warnings.filterwarnings("ignore", message="`torch.distributed.all_gather_into_tensor` is deprecated",
+                        category=FutureWarning)
 
 
 @dataclass
@@ -57,9 +66,13 @@ def uses_muon(param: nn.Parameter) -> bool:
 OPTIMIZERS = ("adamw", "muon")
 
 
-def build_optimizers(params: list[nn.Parameter], optim) -> list[torch.optim.Optimizer]:
-    """AdamW over `params`, or Muon over the matrices and AdamW over the rest (optim.name)."""
+def build_optimizers(params: list[nn.Parameter], optim, device: torch.device | None = None
+                     ) -> list[torch.optim.Optimizer]:
+    """torch's AdamW over `params` (its fused kernel on CUDA: no compiled ops to build), or Muon over
+    the matrices and AdamW over the rest (optim.name)."""
     adamw = dict(lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay)
+    if device is not None and device.type == "cuda":
+        adamw["fused"] = True
     if optim.name == "adamw":
         return [torch.optim.AdamW(params, **adamw)]
     matrices, others = [p for p in params if uses_muon(p)], [p for p in params if not uses_muon(p)]
@@ -79,10 +92,13 @@ def deepspeed_config(json_path: str, cfg, world_size: int, bf16: bool, hidden_si
     Values the YAML owns (batch shape, clipping, bf16, optimizer hyperparameters) may be hard-coded in
     the JSON only when they agree with the YAML; a contradiction, an "auto" left unfilled, a
     `scheduler` block (the YAML owns the schedule), fp16 or a ZeRO stage outside 1-3 is an error that
-    names the key and both values.
+    names the key and both values. Without an `optimizer` block (zero2.json, zero3.json) the step is
+    torch's AdamW, built by `DeepSpeedEngine`; a block (zero2_offload.json) makes DeepSpeed build its
+    own, a compiled op on a GPU (`deepspeed_op_problem` checks that it can be built).
     """
+    json_file = find_in_repo(json_path, "ds_configs", f"train.ds_config={json_path}")  # load_config's, for other callers
     try:
-        ds = json.loads(Path(json_path).read_text())
+        ds = json.loads(json_file.read_text())
     except (OSError, ValueError) as error:
         raise EngineConfigError(f"train.ds_config={json_path}: cannot read it as JSON ({error})") from None
     problems = []
@@ -102,7 +118,8 @@ def deepspeed_config(json_path: str, cfg, world_size: int, bf16: bool, hidden_si
         "optimizer.params.eps": (cfg.optim.eps, "optim.eps"),
         "optimizer.params.weight_decay": (cfg.optim.weight_decay, "optim.weight_decay"),
     }
-    ds.setdefault("optimizer", {"type": "AdamW"})
+    if "optimizer" not in ds:  # torch's AdamW, built by DeepSpeedEngine from the YAML
+        yaml_owned = {path: owned for path, owned in yaml_owned.items() if not path.startswith("optimizer.")}
     for path, (yaml_value, yaml_key) in yaml_owned.items():
         *parents, leaf = path.split(".")
         node = ds
@@ -115,7 +132,7 @@ def deepspeed_config(json_path: str, cfg, world_size: int, bf16: bool, hidden_si
             problems.append(f"{path}={current!r} in the JSON contradicts {yaml_key} = {yaml_value!r}")
     if bf16:
         ds["bf16"].setdefault("check_grad_overflow", True)  # skip non-finite steps in bf16 too
-    if on_cpu:
+    if on_cpu and "optimizer" in ds:  # DeepSpeed's compiled optimizers are CUDA (or x86 C++) ops
         ds["optimizer"].setdefault("params", {}).setdefault("torch_adam", True)
     zero = ds.setdefault("zero_optimization", {})
     for key, value in (("reduce_bucket_size", hidden_size * hidden_size),
@@ -131,6 +148,9 @@ def deepspeed_config(json_path: str, cfg, world_size: int, bf16: bool, hidden_si
         problems.append(f"optim.name={cfg.optim.name} is not supported under train.engine=deepspeed: DeepSpeed's "
                         "ZeRO Muon is its own optimizer (orthogonalised inside the ZeRO partitions), not "
                         "torch.optim.Muon, and its resume has not been verified here; use train.engine=fsdp")
+    if zero.get("offload_optimizer", {}).get("device", "none") != "none" and "optimizer" not in ds:
+        problems.append("zero_optimization.offload_optimizer needs an `optimizer` block (DeepSpeed's CPU Adam "
+                        "steps the offloaded state; ds_configs/zero2_offload.json has one)")
     if zero.get("offload_param") and stage != 3:
         problems.append("zero_optimization.offload_param needs stage 3 (offload_optimizer works with 1-3)")
     left = [key for key, value in flatten(ds).items() if value == "auto"]
@@ -141,17 +161,82 @@ def deepspeed_config(json_path: str, cfg, world_size: int, bf16: bool, hidden_si
     return ds
 
 
+def deepspeed_optimizer(ds_config: dict, device: torch.device) -> str:
+    """What steps the drafter under this JSON: torch's AdamW (no `optimizer` block), or the
+    DeepSpeed optimizer its block names, with the compiled op it builds (None: a torch optimizer)."""
+    op = deepspeed_op(ds_config, device)
+    if "optimizer" not in ds_config:
+        return "torch AdamW" + (" (fused)" if device.type == "cuda" else "")
+    return f"DeepSpeed {ds_config['optimizer'].get('type')} from the JSON" + (f" (op {op})" if op else "")
+
+
+def deepspeed_op(ds_config: dict, device: torch.device) -> str | None:
+    """The compiled DeepSpeed op that the JSON's `optimizer` block makes DeepSpeed build, or None."""
+    block = ds_config.get("optimizer")
+    if block is None or device.type != "cuda" or block.get("params", {}).get("torch_adam"):
+        return None
+    offload = ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
+    on_host = offload not in ("none", None)
+    kind = str(block.get("type", "")).lower()
+    if kind in ("adam", "adamw"):
+        return "cpu_adam" if on_host else "fused_adam"
+    if kind == "lion":
+        return "cpu_lion" if on_host else "fused_lion"
+    return {"lamb": "fused_lamb", "adagrad": "cpu_adagrad" if on_host else None}.get(kind)
+
+
+def deepspeed_op_problem(ds_config: dict, device: torch.device) -> str | None:
+    """Why the op of `deepspeed_op` cannot be built on this machine, or None: a CPU op needs a C++
+    compiler and ninja; a CUDA op needs CUDA_HOME with an nvcc of torch's CUDA major version. An op
+    that DeepSpeed was installed with (DS_BUILD_*=1) needs neither. Checked before any weights load,
+    where DeepSpeed itself would fail at its first step, minutes in, with a compiler trace."""
+    op = deepspeed_op(ds_config, device)
+    if op is None:
+        return None
+    from deepspeed.git_version_info import installed_ops
+    if installed_ops.get(op):
+        return None
+    from torch.utils.cpp_extension import is_ninja_available
+    missing = [] if is_ninja_available() else ["ninja (pip install ninja)"]
+    if op.startswith("cpu_"):
+        if not shutil.which(os.environ.get("CXX", "c++")):
+            missing.append(f"a C++ compiler ({os.environ.get('CXX', 'c++')} is not on PATH)")
+    else:
+        missing += cuda_toolkit_problems()
+    if not missing:
+        return None
+    return (f"the JSON's optimizer {ds_config['optimizer'].get('type')} makes DeepSpeed compile its op {op}, "
+            f"which needs {'; '.join(missing)}: install it, or remove the `optimizer` block to step with "
+            "torch's AdamW (docs/cluster.md)")
+
+
+def cuda_toolkit_problems() -> list[str]:
+    """What is missing to compile a CUDA extension against this torch: nvcc under CUDA_HOME, of
+    torch's CUDA major version (DeepSpeed refuses a major mismatch)."""
+    from deepspeed.ops.op_builder.builder import installed_cuda_version
+    try:
+        major, minor = installed_cuda_version()
+    except Exception as error:  # MissingCUDAException: no CUDA_HOME, or no nvcc in it
+        return [f"the CUDA toolkit's nvcc ({error})"]
+    torch_cuda = torch.version.cuda or "none (a CPU build of torch)"
+    if torch_cuda.split(".")[0] != str(major):
+        return [f"an nvcc of torch's CUDA {torch_cuda} (CUDA_HOME's nvcc is {major}.{minor})"]
+    return []
+
+
 class DeepSpeedEngine:
-    def __init__(self, drafter: nn.Module, ds_config: dict):
+    def __init__(self, drafter: nn.Module, ds_config: dict, optim, device: torch.device):
         import deepspeed
 
         self.num_parameters = sum(p.numel() for p in drafter.parameters())  # before ZeRO-3 partitions them
         self.stage = ds_config["zero_optimization"]["stage"]
         offload = ds_config["zero_optimization"].get("offload_optimizer", {}).get("device", "none")
-        self.description = f"deepspeed ZeRO-{self.stage}" + (f", optimizer offload to {offload}"
-                                                            if offload not in ("none", None) else "")
+        self.description = (f"deepspeed ZeRO-{self.stage}, {deepspeed_optimizer(ds_config, device)}"
+                            + (f", optimizer offload to {offload}" if offload not in ("none", None) else ""))
         deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
-        self.engine, _, _, _ = deepspeed.initialize(model=drafter, model_parameters=_trainable(drafter),
+        params = _trainable(drafter)
+        client = None if "optimizer" in ds_config else build_optimizers(params, optim, device)[0]
+        self.engine, _, _, _ = deepspeed.initialize(model=drafter, model_parameters=params, optimizer=client,
                                                     config=ds_config)
         self.module = self.engine.module
         self.sharded = self.stage == 3
@@ -215,7 +300,7 @@ class FSDPEngine:
         fully_shard(drafter, **shard)
         self.module = drafter
         self.sharded = True
-        self.optimizers = build_optimizers(_trainable(drafter), cfg.optim)
+        self.optimizers = build_optimizers(_trainable(drafter), cfg.optim, device)
         self.muon_lr_ratio = cfg.optim.muon_lr / cfg.optim.lr
         self.grad_clip, self.accum, self.micro = cfg.optim.grad_clip, cfg.optim.grad_accum, 0
 
@@ -276,13 +361,16 @@ def engine_settings(cfg, world_size: int, device: torch.device, dtype: torch.dty
     """What the engine of train.engine is built from, checked before any model loads: DeepSpeed's
     JSON with the YAML's values filled in (its contradictions with the YAML fail here); nothing for FSDP2."""
     if cfg.train.engine == "deepspeed":
-        return deepspeed_config(cfg.train.ds_config, cfg, world_size, dtype == torch.bfloat16, hidden_size,
-                                on_cpu=device.type == "cpu")
+        ds = deepspeed_config(cfg.train.ds_config, cfg, world_size, dtype == torch.bfloat16, hidden_size,
+                              on_cpu=device.type == "cpu")
+        if problem := deepspeed_op_problem(ds, device):
+            raise EngineConfigError(f"train.ds_config={cfg.train.ds_config}: {problem}")
+        return ds
     return None
 
 
 def build_engine(cfg, drafter: nn.Module, device: torch.device, dtype: torch.dtype, ds_config: dict | None):
     """The engine of train.engine around `drafter` (moved to `device`)."""
     if cfg.train.engine == "deepspeed":
-        return DeepSpeedEngine(drafter.to(device), ds_config)
+        return DeepSpeedEngine(drafter.to(device), ds_config, cfg.optim, device)
     return FSDPEngine(drafter.to(device), cfg, device, bf16=dtype == torch.bfloat16)
