@@ -31,6 +31,7 @@ from drafter.data.sampler import BucketSampler, bucket_table, plan_notes, sample
 from drafter.data.splits import split_holdout
 from drafter.infra.engine import deepspeed_config
 from drafter.infra.memory import GiB
+from drafter.infra.repo_paths import find_in_repo
 from drafter.training.memory_plan import fitting_changes, plan_inputs, plan_memory, target_model_config
 
 SHADES = " .:-=+*#%@"  # share of a column's steps in a bucket, from none to all
@@ -146,7 +147,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
 
     try:
-        cfg = OmegaConf.merge(OmegaConf.load(args.cfg), OmegaConf.from_dotlist(args.overrides))
+        cfg_path = find_in_repo(args.cfg, "configs", f"--cfg {args.cfg}")
+        cfg = OmegaConf.merge(OmegaConf.load(cfg_path), OmegaConf.from_dotlist(args.overrides))
+    except ConfigError as error:
+        parser.error(str(error))
     except OSError as error:
         parser.error(f"--cfg {args.cfg}: {error}")
     except CONFIG_FILE_ERRORS as error:

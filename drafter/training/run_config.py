@@ -12,6 +12,7 @@ from drafter.config import load_yaml_config
 from drafter.errors import ConfigError
 from drafter.infra.launch import LaunchError, init_distributed
 from drafter.infra.engine import ENGINES, OPTIMIZERS
+from drafter.infra.repo_paths import find_in_repo
 from drafter.losses import BLOCK_LOSSES, DIVERGENCES, LABELS, NORMALIZATIONS, POSITION_WEIGHTS, TRUNCATIONS
 from drafter.models import ARCHITECTURES
 from drafter.models.blocks import ANCHOR_CANDIDATES, ATTENTION_KERNELS
@@ -38,8 +39,17 @@ def choices() -> dict[str, tuple]:
 
 def load_config(path: str, overrides: list[str] = ()) -> DictConfig:
     """YAML at `path` + `key.sub=value` overrides, validated against the schema and the registries;
-    names the run. Raises ConfigError naming the file and every bad key."""
-    return load_yaml_config(path, overrides, choices())
+    names the run. Raises ConfigError naming the file and every bad key.
+
+    `path` and train.ds_config (when train.engine=deepspeed reads it) are found from any working
+    directory (drafter/infra/repo_paths.py: as given, then under the repo's configs/ or ds_configs/,
+    then the repo root), and the config holds ds_config's absolute path, so the run records the file it
+    read. run.out_dir stays relative to the working directory: outputs go where the user runs."""
+    cfg = load_yaml_config(str(find_in_repo(path, "configs", f"--cfg {path}")), overrides, choices())
+    if cfg.train.engine == "deepspeed":
+        ds_config = cfg.train.ds_config
+        cfg.train.ds_config = str(find_in_repo(ds_config, "ds_configs", f"train.ds_config={ds_config}"))
+    return cfg
 
 
 def config_and_world(path: str, overrides: list[str] = ()):
