@@ -150,7 +150,9 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
                              self.rotary_emb(ctx, ctx_positions), cache, block_len)
         for i, (layer, attention) in enumerate(zip(self.layers, self.layer_attention)):
             x = layer(x, inputs, masks[attention], i)
-        return self.norm(x).view(b, num_blocks, block_len, width)
+        # normed after the reshape, so the output is no view: FSDP2 places its pre-backward hook on
+        # the root's output, and a view's in-place use would drop it
+        return self.norm(x.view(b, num_blocks, block_len, width))
 
     @torch.no_grad()
     def draft_hidden(self, target, ctx_features, block_ids, cache: DraftCache) -> torch.Tensor:
