@@ -22,14 +22,14 @@ import signal
 import sys
 import time
 from collections import defaultdict
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import torch
 import torch.distributed as dist
 
 from drafter.config import lr_factor, noise_std
 from drafter.data.feature_store import StoreFeatures
-from drafter.data.loader import make_loader
+from drafter.data.loader import collate, make_loader
 from drafter.errors import UserError
 from drafter.infra.collectives import all_reduce_sum, any_rank
 from drafter.infra.launch import remove_cpu_allreduce_buffer, set_cpu_threads
@@ -40,6 +40,7 @@ from drafter.models import drafter_from_state_dict
 from drafter.models.blocks import blocks_drawn
 from drafter.serving.served import PromptShare, generation_tau, replayed_tau
 from drafter.target.calibration import calibrated_features
+from drafter.training.attention_check import ATTENTION_TOLERANCE, attention_verdict, compare_with_dense, worst_over_ranks
 from drafter.training.checkpoint import TrainerState, load_checkpoint, save_checkpoint
 from drafter.training.objective import training_step
 from drafter.training.run_config import config_and_world
@@ -55,7 +56,8 @@ EVAL_STREAM = 7      # the held-out batches' anchors (step: the batch's index)
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Train a DFlash drafter (see the module docstring).")
-    parser.add_argument("--cfg", required=True, help="OmegaConf YAML, e.g. configs/v3.yaml")
+    parser.add_argument("--cfg", required=True, help="OmegaConf YAML: a path, else a name under the repo's "
+                        "configs/ or its root, e.g. v3.yaml (found from any working directory)")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed
     parser.add_argument("overrides", nargs="*", help="key.sub=value")
     args = parser.parse_args(argv)
@@ -96,6 +98,8 @@ def train(cfg, rank, world_size, device) -> int:
     state.wandb_id = log.run_id
     try:
         announce(run, log, notes)
+        if run.attention != "dense":  # flex's backward has never run in CI: check it on this run's data
+            run = replace(run, attention=checked_attention(run, state, log))
         return train_loop(run, state, log, stop, last_saved=state.step if resume_from is not None else None)
     finally:
         log.close()
@@ -301,6 +305,27 @@ def add_feature_noise(features: torch.Tensor, std: float, num_layers: int,
 
 
 # ----------------------------------------------------------------------------- evaluation and generation
+
+def checked_attention(run: RunParts, state: TrainerState, log) -> str:
+    """The kernel to train with: run.attention where its loss and gradients match dense on one row of
+    this rank's next batch, else dense or a stop (drafter/training/attention_check.py)."""
+    planned = next(run.data.sampler.batches_for_rank(state.epoch, state.micro_step_in_epoch), None)
+    if planned is None:
+        return run.attention
+    batch = collate([run.data.train_set[int(planned.indices[0])]], planned.bucket, run.cfg.data.max_length)
+    input_ids, loss_mask = batch["input_ids"].to(run.device), batch["loss_mask"].to(run.device)
+    drafter = drafter_from_state_dict(run.engine.module.config, run.engine.full_state_dict()).to(
+        run.target.device, run.dtype)
+    features, final_hidden = run.target_features(input_ids, drafter.target_layer_ids, batch["lengths"])
+    features = calibrated_features(features, run.objective.feature_calibration)
+    comparison = worst_over_ranks(compare_with_dense(
+        drafter, run.target, features, input_ids, loss_mask, run.objective, run.attention,
+        ATTENTION_TOLERANCE[run.dtype], final_hidden))
+    kernel, line = attention_verdict(run.cfg.objective.attention, comparison)
+    log.print(line)
+    log.log({"step": state.step, **asdict(comparison), "trains_with": kernel}, prefix="attention_check")
+    return kernel
+
 
 def local_drafter(engine, target):
     """The drafter for evaluation and generation: the engine's module, or, when the engine shards it
