@@ -178,6 +178,28 @@ def test_a_plan_that_cannot_fit_stops_with_its_numbers_and_the_changes_that_fit(
     check_fits(big, big.total, node_ranks=8)  # fits exactly: no error
 
 
+
+def test_host_memory_per_node_while_the_target_loads(monkeypatch):
+    """None where each rank reads the target straight onto its GPU; the node's ranks x the whole target
+    where each loads it on the host: on the CPU, under tensor parallelism (sharded there), and a
+    random target (built in fp32)."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # 8 ranks on two nodes
+    target_bytes = built_bytes(random_qwen3(**RANDOM), 2)
+
+    def host(*overrides, device="cuda"):
+        cfg = config(*overrides)
+        return plan_memory(plan_inputs(cfg, target_model_config(None, cfg.target.random), 8, zero(2), 2, device))
+    hub = "target.path=someone/model"
+    assert host(hub).target_load_host == 0
+    assert "  host memory per node loading the target: none (each rank reads it straight onto its GPU)" \
+        in host(hub).lines()
+    assert host(hub, device="cpu").target_load_host == 4 * target_bytes
+    assert host(hub, "target.tp_size=2").target_load_host == 4 * target_bytes
+    assert f"  host memory per node loading the target: 4 ranks x {size_text(target_bytes)} = " \
+           f"{size_text(4 * target_bytes)}" in host(hub, device="cpu").lines()
+    assert host().target_load_host == 4 * 2 * target_bytes  # a random target: fp32
+
+
 @pytest.mark.parametrize("run", [["target.tp_size=2"],
                                  ["objective.labels=target", "optim.name=muon", "train.engine=fsdp"]])
 def test_data_plan_prints_the_start_up_plan_for_a_given_gpu(capsys, run):
@@ -215,7 +237,8 @@ def test_data_plan_names_a_config_or_dataset_it_cannot_read_in_one_line(capsys, 
     (tmp_path / "lengths.txt").write_text("12\nabc\n")
     (tmp_path / "broken.yaml").write_text("data: [1\n")
     cfg = str(REPO / "configs" / "smollm2.yaml")
-    for argv, message in [(["--cfg", str(tmp_path / "none.yaml")], "none.yaml: [Errno 2] No such file"),
+    for argv, message in [(["--cfg", str(tmp_path / "none.yaml")], f"none.yaml: not found; tried {tmp_path}/none.yaml"),
+                          (["--cfg", "none.yaml"], f"tried {Path.cwd()}/none.yaml, {REPO}/configs/none.yaml"),
                           (["--cfg", str(tmp_path / "broken.yaml")], "broken.yaml: not valid YAML: while parsing"),
                           (["--cfg", cfg, f"data.path={tmp_path}/none"], f"Directory {tmp_path}/none not found"),
                           (["--cfg", cfg, "--dataset", str(tmp_path)], "neither a `Dataset` directory"),

@@ -10,17 +10,21 @@ Training stops that forward after the last needed layer (an exception raised by 
 layers after it and the LM head never run; distillation (objective.labels=target) runs every layer
 (`features_and_final_hidden`) and computes the target's logits chunk by chunk inside the loss.
 """
+import os
 import weakref
 from collections import Counter
 from contextlib import contextmanager
+from pathlib import Path
 from unittest import mock
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from transformers import (AutoModelForCausalLM, AutoModelForImageTextToText, Qwen3Config, Qwen3ForCausalLM,
                           masking_utils)
 
 from drafter.errors import UserError, model_path_problem
+from drafter.infra.cpu_dtype import bf16_speed, say_once, slow_bf16_warning
 
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
@@ -28,30 +32,100 @@ DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.floa
 
 
 def compute_dtype(name: str, device: torch.device) -> torch.dtype:
-    """The target's dtype, which is also the drafter's compute dtype: `name` from DTYPES, or "auto"
-    (bf16 on GPUs, fp32 on the CPU)."""
+    """The target's dtype, which is also the drafter's compute dtype: `name` from DTYPES, or "auto":
+    bf16 on GPUs; on the CPU bf16 where this CPU's probe measures it faster than fp32, else fp32
+    (drafter/infra/cpu_dtype.py; the probe's verdict is said once on stderr). An explicit bf16 on a CPU
+    that the probe finds slow is warned about once, and kept."""
+    kind = torch.device(device).type
+    on_cpu = kind == "cpu"
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[name]
+        if not on_cpu:
+            return torch.bfloat16 if kind == "cuda" else torch.float32
+        speed = bf16_speed()
+        if speed.ratio is not None:  # measured here (DRAFTER_CPU_BF16 unset)
+            say_once(f"dtype auto: {speed.reason}")
+        return torch.bfloat16 if speed.fast else torch.float32
+    dtype = DTYPES[name]
+    if dtype == torch.bfloat16 and on_cpu and not (speed := bf16_speed()).fast:
+        say_once(slow_bf16_warning(name, speed))
+    return dtype
 
 
 class TargetError(UserError, ValueError):
     """A target whose structure this code cannot read (no decoder layers it can find, ...)."""
 
 
+class TargetFetchError(TargetError):
+    """A hub target whose files could not be fetched: raised on every rank, as one line."""
+
+
 def load_target(path: str, device: torch.device | str, dtype: torch.dtype) -> nn.Module:
-    """Load a HF causal LM frozen: eval mode, no grad, in `dtype` on `device`. A multimodal checkpoint
-    that transformers maps to image-text-to-text only (Kimi-K2.5) loads as that model: its decoder,
-    embedding and LM head are found the same way."""
+    """Load a HF causal LM frozen: eval mode, no grad, in `dtype` on `device`. On a GPU the weights
+    are read straight onto it (a device map of one device: no whole copy in host memory); on the CPU
+    they load there. A multimodal checkpoint that transformers maps to image-text-to-text only
+    (Kimi-K2.5) loads as that model: its decoder, embedding and LM head are found the same way."""
     check_target_path(path)
+    device = torch.device(device)
+    placed = {"device_map": {"": device}} if device.type == "cuda" else {}
     try:
-        target = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        target = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **placed)
     except ValueError as error:
         if "Unrecognized configuration class" not in str(error):
             raise
-        target = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
+        target = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, **placed)
     decoder_layers(target)  # an unreadable structure stops here, before any training or decoding
     return freeze(target.to(device))
+
+
+# what a target reads from its hub repository: config, tokenizer (chat template included), safetensors
+HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
+
+
+def hub_snapshot(hub_id: str, local_files_only: bool = False) -> str:
+    """The directory of `hub_id`'s files a target reads (HUB_FILES; its .bin weights where it has no
+    safetensors) in the hub cache, downloaded there unless `local_files_only`."""
+    from huggingface_hub import snapshot_download
+    local = snapshot_download(hub_id, allow_patterns=HUB_FILES, local_files_only=local_files_only)
+    if not any(Path(local).glob("*.safetensors")):
+        local = snapshot_download(hub_id, allow_patterns=[*HUB_FILES, "*.bin"], local_files_only=local_files_only)
+    return local
+
+
+def fetch_target(path: str | None) -> str | None:
+    """Where the target's files are read from: `path` itself, or for a hub id (`model_path_problem`)
+    its snapshot in the hub cache, fetched once per node. Under torch.distributed (a collective) each
+    node's local rank 0 fetches while its other ranks wait, every rank learns whether every fetch
+    worked before any reads the files, and a failed one stops every rank with one TargetFetchError."""
+    if path is None or model_path_problem(path) or Path(path).exists():
+        return path
+    world = dist.is_initialized()
+    first = not world or int(os.environ.get("LOCAL_RANK", "0")) == 0
+    local, failure = _attempt(hub_snapshot, path) if first else (None, None)
+    _stop_on_failure(path, failure)  # also the barrier the node's other ranks wait at
+    if world:  # the others find what their node's first rank fetched
+        if local is None:
+            local, failure = _attempt(hub_snapshot, path, local_files_only=True)
+        _stop_on_failure(path, failure)
+    return local
+
+
+def _attempt(fetch, *args, **kwargs) -> tuple[str | None, str | None]:
+    """(fetch's result, None), or (None, why it failed in one line)."""
+    try:
+        return fetch(*args, **kwargs), None
+    except Exception as error:
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        return None, f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
+def _stop_on_failure(path: str, failure: str | None) -> None:
+    """Raise TargetFetchError on every rank when a rank's fetch failed (the first rank's reason)."""
+    if dist.is_initialized():
+        failures = [None] * dist.get_world_size()
+        dist.all_gather_object(failures, failure)
+        failure = next((f for f in failures if f), None)
+    if failure:
+        raise TargetFetchError(f"target {path}: could not fetch its files from the hub ({failure})")
 
 
 def freeze(target: nn.Module) -> nn.Module:

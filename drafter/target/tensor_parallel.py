@@ -102,7 +102,10 @@ def form_tp_group(tp_size: int, backend: str | None = None) -> TPGroup:
 
 
 def load_tp_target(path: str, group: TPGroup, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """`load_target`, sharded over `group` on the host first: a sharded target is never whole on a GPU."""
+    """`load_target`, sharded over `group` on the host first: a sharded target is never whole on a GPU.
+    Host memory pays for it: every rank of the group loads the whole target there before keeping its
+    share, so a node holds (its ranks) x (the target's bytes) at once while it loads (the memory plan's
+    host line)."""
     if group.size == 1:
         return load_target(path, device, dtype)
     return shard_target(load_target(path, "cpu", dtype), group).to(device)

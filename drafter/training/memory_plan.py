@@ -11,15 +11,18 @@
     activations           an estimate at data.tokens_per_batch and the anchors of one micro batch
 
 Offloaded state (DeepSpeed offload_optimizer / offload_param, fsdp.cpu_offload) is counted in host
-memory instead. The activation figure is a rough model (what autograd keeps per drafter layer and
-row, the context K/V, one target layer's working set, one loss chunk), good to a factor of about 2:
-the plan is for sizing a run and catching one that cannot fit, not for accounting to the byte.
-Distillation (objective.labels=target) runs every target layer, but without gradient one layer's
-working set is alive at a time, as for features alone; it adds the final hidden states [tokens, H]
-kept for the loss, their rows gathered per block slot [rows, H], and its loss chunks hold both
-sides' logits (losses.loss_chunk_peak_bytes: total variation, objective.loss=tv, holds as many as
-KL; the block losses, objective.loss=expected_chain and expected_tree, are a pass of CE rows like
-D-PACE's).
+memory instead. Host memory per node while the target loads is a line of its own: none where each
+rank reads the weights straight onto its GPU; the node's ranks x the whole target where each rank
+loads it on the host (the CPU; target.tp_size > 1, sharded there; a random target, built in fp32),
+or x the embedding and LM head of a feature store. The activation figure is a rough model (what
+autograd keeps per drafter layer and row, the context K/V, one target layer's working set, one loss
+chunk), good to a factor of about 2: the plan is for sizing a run and catching one that cannot fit,
+not for accounting to the byte. Distillation (objective.labels=target) runs every target layer, but
+without gradient one layer's working set is alive at a time, as for features alone; it adds the
+final hidden states [tokens, H] kept for the loss, their rows gathered per block slot [rows, H], and
+its loss chunks hold both sides' logits (losses.loss_chunk_peak_bytes: total variation,
+objective.loss=tv, holds as many as KL; the block losses, objective.loss=expected_chain and
+expected_tree, are a pass of CE rows like D-PACE's).
 """
 import math
 from dataclasses import dataclass, replace
@@ -58,6 +61,8 @@ class PlanInputs:
     target_labels: bool       # objective.labels=target: the loss reads the target's final hidden states
     loss_chunk_peak: int      # bytes of logits alive at a loss chunk's peak (losses.loss_chunk_peak_bytes)
     head_params: int = 0      # with features from a store (data.features): the embedding and LM head alone load
+    node_ranks: int = 1       # ranks on one node
+    target_load_host: int = 0  # bytes of the target each rank holds in host memory while it loads
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,11 @@ class MemoryPlan:
     def total(self) -> int:
         return sum(self.gpu.values())
 
+    @property
+    def target_load_host(self) -> int:
+        """Host memory per node while the target loads: every rank's copy at once."""
+        return self.inputs.node_ranks * self.inputs.target_load_host
+
     def lines(self, gpu_bytes: int | None = None) -> list[str]:
         p = self.inputs
         stage = f"ZeRO-{p.zero_stage}" if p.engine == "deepspeed" else "FSDP2"
@@ -79,6 +89,9 @@ class MemoryPlan:
         lines.append(f"  {'total':<20} {size_text(self.total):>11}" + (f" of {size_text(gpu_bytes)}" if gpu_bytes else ""))
         if self.host:
             lines.append("  host memory per rank: " + ", ".join(f"{n} {size_text(b)}" for n, b in self.host.items()))
+        lines.append("  host memory per node loading the target: " + (
+            f"{p.node_ranks} ranks x {size_text(p.target_load_host)} = {size_text(self.target_load_host)}"
+            if p.target_load_host else "none (each rank reads it straight onto its GPU)"))
         if p.muon_params:
             lines.append(f"  optimizer state: Muon momentum on {p.muon_params:,} matrix parameters, AdamW m, v "
                          f"on {p.drafter_params - p.muon_params:,} others")
@@ -203,10 +216,13 @@ def target_model_config(path: str | None, random: dict | None):
         raise ConfigError(f"target.path={path}: {error}") from None
 
 
-def plan_inputs(cfg, model_config, world_size: int, ds_config: dict | None, dtype_bytes: int) -> PlanInputs:
-    """The plan's inputs from the run config, the target's (full) config and the DeepSpeed JSON."""
+def plan_inputs(cfg, model_config, world_size: int, ds_config: dict | None, dtype_bytes: int,
+                device_type: str = "cuda") -> PlanInputs:
+    """The plan's inputs from the run config, the target's (full) config and the DeepSpeed JSON, for
+    ranks on `device_type`."""
     from drafter.models.configure import drafter_config
     from drafter.infra.engine import uses_muon
+    from drafter.infra.launch import local_world_size
     from drafter.models import drafter_class
     from drafter.losses import loss_chunk_peak_bytes
     from drafter.target.tensor_parallel import planned_split
@@ -222,6 +238,8 @@ def plan_inputs(cfg, model_config, world_size: int, ds_config: dict | None, dtyp
     target, drafter = on_meta(model_config), on_meta(draft, drafter_class(draft))
     matrices = sum(param.numel() for param in drafter.parameters() if uses_muon(param))
     objective = OmegaConf.to_object(cfg.objective)
+    head_params = (2 * text.vocab_size * text.hidden_size
+                   if cfg.data.get("features") and cfg.data.get("features_missing", "error") == "error" else 0)
     return PlanInputs(
         target_params=count_parameters(target),
         target_split_params=sum(param.numel() for param, _ in planned_split(target)[0]),
@@ -238,5 +256,16 @@ def plan_inputs(cfg, model_config, world_size: int, ds_config: dict | None, dtyp
         target_labels=cfg.objective.labels == "target",
         loss_chunk_peak=loss_chunk_peak_bytes(objective, text.vocab_size,
                                               anchors_per_micro_batch(cfg) * (cfg.drafter.block_size - 1)),
-        head_params=2 * text.vocab_size * text.hidden_size
-        if cfg.data.get("features") and cfg.data.get("features_missing", "error") == "error" else 0)
+        head_params=head_params, node_ranks=local_world_size(world_size),
+        target_load_host=target_load_host(cfg, count_parameters(target), head_params, dtype_bytes, device_type))
+
+
+def target_load_host(cfg, target_params: int, head_params: int, dtype_bytes: int, device_type: str) -> int:
+    """Bytes of the target one rank holds in host memory while it loads (run_setup.build_target_and_tokenizer)."""
+    if head_params:  # the embedding and LM head of a feature store
+        return head_params * dtype_bytes
+    if cfg.target.path is None:  # random_qwen3, built in fp32
+        return target_params * 4
+    if device_type == "cpu" or cfg.target.tp_size > 1:  # loaded on the host, or sharded there
+        return target_params * dtype_bytes
+    return 0  # load_target reads it straight onto the GPU

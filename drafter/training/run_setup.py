@@ -33,7 +33,7 @@ from drafter.serving.decode import stop_token_ids
 from drafter.serving.served import bench_prompts, held_out_prompts
 from drafter.serving.path_memory import check_path_batch_fits
 from drafter.target.cache import TargetCache, probe_decoding
-from drafter.target.model import compute_dtype, input_embedding_scale, random_qwen3
+from drafter.target.model import compute_dtype, fetch_target, input_embedding_scale, random_qwen3
 from drafter.target.tensor_parallel import (TargetFeatures, check_tensor_parallel, feature_code_version, form_tp_group,
                                             load_tp_target, shard_target)
 from drafter.training.checkpoint import (agree_on_checkpoint, check_resumable, remove_partial_saves, run_identity,
@@ -57,6 +57,7 @@ class RunData:
     identity: dict
     position: dict
     held_out_set: str       # content_fingerprint of eval_set: curves of different held-out sets never mix
+    target_files: str | None = None  # where the target's files are read: target.path, or its hub snapshot
 
 
 @dataclass(frozen=True)
@@ -85,8 +86,11 @@ def prepare_data(cfg, rank, world_size, device):
         raise ConfigError(f"objective.attention={cfg.objective.attention}: flex_attention has no backward on "
                           "the CPU in this torch; train with dense there (auto)")
     check_store_settings(cfg)
+    # a hub target is fetched once per node, before its config, tokenizer or weights are read
+    target_files = (cfg.target.path if cfg.data.features and cfg.data.features_missing == "error"
+                    else fetch_target(cfg.target.path))
     model_config = (store_model_config(cfg.data.features) if cfg.data.features
-                    else target_model_config(cfg.target.path, cfg.target.random))
+                    else target_model_config(target_files, cfg.target.random))
     text_config = model_config.get_text_config()
     check_tensor_parallel(model_config, cfg.target.tp_size, local_world_size(world_size), world_size)
     ds_config = engine_settings(cfg, world_size, device, compute_dtype(cfg.target.dtype, device),
@@ -106,7 +110,7 @@ def prepare_data(cfg, rank, world_size, device):
         total_steps = min(total_steps, cfg.train.max_steps)
     data = RunData(train_set, sampler, eval_set, eval_set.select(eval_rows), eval_sampler, sampler.stats(0),
                    steps_per_epoch, total_steps, run_identity(cfg), data_position(cfg, sampler, world_size, ds_config),
-                   content_fingerprint(eval_set))
+                   content_fingerprint(eval_set), target_files)
     return data, model_config, ds_config
 
 
@@ -171,7 +175,7 @@ def build_run(cfg, rank, world_size, device, data: RunData, model_config, ds_con
     tp_group = form_tp_group(cfg.target.tp_size)
     stores = {key: FeatureStore(OmegaConf.select(cfg, key)) for key in ("data.features", "data.eval_features")
               if OmegaConf.select(cfg, key)}
-    target, tokenizer = build_target_and_tokenizer(cfg, device, dtype, tp_group)
+    target, tokenizer = build_target_and_tokenizer(cfg, device, dtype, tp_group, data.target_files)
     drafter = build_drafter(cfg, target, tokenizer, (data.train_set, data.eval_set), rank)
     for key, store in stores.items():
         data_key = "data.eval_path" if key == "data.eval_features" else "data.path"
@@ -218,7 +222,7 @@ def run_features(cfg, target, tp_group, device, dtype, stores, drafter):
 
 def check_memory_plan(cfg, model_config, world_size, device, dtype, ds_config, rank):
     """Printed before any weights load; on a GPU, a plan that cannot fit the device stops the run."""
-    plan = plan_memory(plan_inputs(cfg, model_config, world_size, ds_config, dtype.itemsize))
+    plan = plan_memory(plan_inputs(cfg, model_config, world_size, ds_config, dtype.itemsize, device.type))
     gpu_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     if rank == 0:
         print("\n".join(plan.lines(gpu_bytes)), flush=True)
@@ -238,15 +242,16 @@ def check_generation_memory(cfg, target, block_size, plan, device, rank):
         print(path_plan.line(), flush=True)
 
 
-def build_target_and_tokenizer(cfg, device, dtype, tp_group):
-    """The frozen target: whole, or this rank's share of its tensor-parallel group's copy; with
-    data.features, only what the drafter reads of it (embedding, LM head, config, tokenizer) from the store."""
+def build_target_and_tokenizer(cfg, device, dtype, tp_group, target_files):
+    """The frozen target, from `target_files` (`fetch_target`): whole, or this rank's share of its
+    tensor-parallel group's copy; with data.features, only what the drafter reads of it (embedding,
+    LM head, config, tokenizer) from the store."""
     if cfg.data.features and cfg.data.features_missing == "error":
         return load_stored_head(cfg.data.features, device, dtype), stored_tokenizer(cfg.data.features)
     if cfg.target.path is None:
         return shard_target(random_qwen3(**cfg.target.random).to(dtype), tp_group).to(device), None
-    tokenizer = AutoTokenizer.from_pretrained(cfg.target.path)
-    return load_tp_target(cfg.target.path, tp_group, device, dtype), tokenizer
+    tokenizer = AutoTokenizer.from_pretrained(target_files)
+    return load_tp_target(target_files, tp_group, device, dtype), tokenizer
 
 
 def stored_tokenizer(directory: str):
