@@ -34,7 +34,7 @@ class RunConfig:
 class TargetConfig:
     path: Optional[str] = None     # HF hub id or local dir; null -> a random Qwen3 of `random` shape
     random: Optional[dict] = None  # drafter.target.model.random_qwen3 kwargs (tests, GPU check)
-    dtype: str = "auto"            # auto: bf16 on GPU, fp32 on CPU
+    dtype: str = "auto"            # auto: bf16 on GPU; on a CPU bf16 only where a probe measures it faster
     tp_size: int = 1               # ranks sharing one tensor-parallel copy (consecutive, within a node)
     chat_template_kwargs: dict = field(default_factory=lambda: {"enable_thinking": False})
 

@@ -5,6 +5,11 @@ import pytest
 import torch
 
 torch.set_num_threads(int(os.environ.get("TEST_TORCH_THREADS", "1")))
+# dtype auto on the CPU is fp32 in every test, on any CPU (drafter/infra/cpu_dtype.py would otherwise pick
+# bf16 where its probe finds bf16 fast): the pinned losses, bit-identical resumes and stores compared with
+# online runs assume it. Set before anything runs, so the launched ranks and scripts inherit it too;
+# tests/test_cpu_dtype.py sets its own.
+os.environ["DRAFTER_CPU_BF16"] = "slow"
 
 from drafter.config import DrafterVariant
 from drafter.models import DFlashDraftModel, drafter_class  # noqa: E402
