@@ -3,12 +3,14 @@
     python eval/ddtree_accept.py --ckpt runs/v3/checkpoints/latest \\
         [--bench gsm8k,math500=/data/math500,prompts.jsonl] [--budgets 16,32,64,128,256,512] \\
         [--temperature 0] [--max-new-tokens 2048] [--max-samples N] [--out results.json] [--save-samples] \\
-        [--check-public N]
+        [--check-public N] [--threads N] [--no-hf-baseline]
     torchrun --nproc_per_node 8 eval/ddtree_accept.py ...        # prompts split over the ranks
     torchrun --nproc_per_node 8 eval/ddtree_accept.py --tp 4 ... # a target sharded over 4 ranks: 2 copies
+    ... eval/ddtree_accept.py ... target.tp_size=4 target.dtype=bf16  # the same, as training's overrides write it
 
-Runs, on the same prompts: plain autoregressive decoding (`ar`), DFlash single-path verification
-(`dflash`) and DDTree at each budget (`ddtree@N`). The target and the chat settings come from the
+Runs, on the same prompts: plain autoregressive decoding (`ar`), transformers' own greedy `generate`
+(`hf`, a baseline: temperature 0 and --tp 1 only, --no-hf-baseline leaves it out), DFlash single-path
+verification (`dflash`) and DDTree at each budget (`ddtree@N`). The target and the chat settings come from the
 drafter's config (`dflash_config.target_path`, `chat_template_kwargs`); `--target` and
 `--enable-thinking` override them. Writes the JSON report, prints a markdown table and saves two
 plots next to --out. Definitions: docs/design.md, "tau" (tau counts the bonus token; speedup is the
@@ -40,27 +42,38 @@ parallelism (drafter/target/tensor_parallel.py); a group's members decode the sa
 sharded forwards are collectives, and their outputs are the same on every member), the groups split
 the prompts, and each group's first rank reports. The figures, the table and the plots are
 `drafter/serving/eval_report.py`'s.
+
+Speed on a CPU: every speed figure is one process's, with the threads, ranks, dtype and CPU capability
+the report records with it (config: `threads`, `world_size`, `dtype`, `cpu_capability`, `regime`).
+--threads N sets torch's threads per rank (default: the node's cores shared by its local ranks; more is
+refused). One process with all cores (`python eval/ddtree_accept.py ...`) is the latency regime, "one
+stream, N threads", and the documented default for speed figures on a CPU; `torchrun --nproc_per_node 2
+... --threads 1` decodes two streams at once, "throughput, 2 ranks x 1 threads": its ms/token is one
+stream's, each slowed by the other.
 """
 import argparse
 import importlib.util
 import json
+import os
+import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from drafter.data.benchmarks import load_prompts
 from drafter.data.chat_template import prompt_token_ids
 from drafter.data.feature_store import FeatureStore
 from drafter.data.feature_store_format import FeatureStoreError, identity_mismatch, row_key, target_file_identity
 from drafter.errors import ConfigError, model_path_problem
-from drafter.infra.launch import LaunchError, init_distributed, launched_world_size, local_device, local_world_size
+from drafter.infra.launch import (LaunchError, init_distributed, launched_world_size, local_device, local_world_size,
+                                  set_cpu_threads)
 from drafter.infra.progress import progress_bar
 from drafter.models import load_drafter
-from drafter.serving.decode import (SAMPLING, Method, generate, speculative_methods, stop_token_ids,
+from drafter.serving.decode import (SAMPLING, Generation, Method, generate, speculative_methods, stop_token_ids,
                                     tree_verify_refusal)
-from drafter.serving.eval_report import markdown_table, save_plots, summarize, summarize_public
+from drafter.serving.eval_report import HF, best_method, markdown_table, save_plots, summarize, summarize_public
 from drafter.serving.lossless import BF16_TIE_TOLERANCE, near_tie_share
 from drafter.serving.public_loop import PublicAgreement, check_public, load_public
 from drafter.serving.served import PromptShare, replay_steps
@@ -71,10 +84,44 @@ from drafter.target.tensor_parallel import (TensorParallelError, check_tensor_pa
 from drafter.training.checkpoint import drafter_dir, read_config_json
 
 
+EVAL_DTYPES = ("auto", "float32", "bfloat16", "float16")
+TRAINING_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}  # target.dtype as training writes it -> --dtype
+# The training overrides this script shares (as trailing key=value arguments), and the flag each is an alias of.
+SHARED_OVERRIDES = {"target.tp_size": "--tp", "target.path": "--target", "target.dtype": "--dtype"}
+
+
+def apply_shared_overrides(parser, args):
+    """The trailing key=value arguments set their flags' values, so that a training command's target
+    overrides can be pasted as they are. An override this script does not share, or one that
+    contradicts its flag, is refused by name; then the flags left unset take their defaults."""
+    for item in args.overrides:
+        key, _, value = item.partition("=")
+        if key not in SHARED_OVERRIDES:
+            parser.error(f"{item}: not an override this script takes; it takes {', '.join(SHARED_OVERRIDES)} "
+                         "(key=value)")
+        flag = SHARED_OVERRIDES[key]
+        if key == "target.tp_size":
+            try:
+                value = int(value)
+            except ValueError:
+                parser.error(f"{item}: target.tp_size takes an integer")
+        if key == "target.dtype":
+            value = TRAINING_DTYPES.get(value, value)
+            if value not in EVAL_DTYPES:
+                parser.error(f"{item}: target.dtype takes one of {', '.join([*TRAINING_DTYPES, *EVAL_DTYPES])}")
+        given = getattr(args, flag.lstrip("-"))
+        if given is not None and given != value:
+            parser.error(f"{flag} {given} and {item} disagree: give one of them")
+        setattr(args, flag.lstrip("-"), value)
+    args.tp = 1 if args.tp is None else args.tp
+    args.dtype = args.dtype or "auto"
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ckpt", required=True, help="a drafter dir, or a run checkpoint holding drafter/")
-    parser.add_argument("--target", help="target path or hub id (default: the drafter config's)")
+    parser.add_argument("--target", help="target path or hub id (default: the drafter config's); "
+                        "alias: target.path=...")
     parser.add_argument("--bench", default="gsm8k,math500,humaneval,mbpp,mt-bench,alpaca",
                         help="comma-separated: hub benchmark NAMEs, NAME=PATH for a local copy of one "
                              "(save_to_disk directory or JSONL of its rows), or prompt JSONL files")
@@ -95,8 +142,8 @@ def parse_args(argv=None):
     parser.add_argument("--save-samples", action="store_true", help="store token ids per response")
     parser.add_argument("--enable-thinking", choices=["true", "false"],
                         help="override the checkpoint's chat_template_kwargs.enable_thinking")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="auto: bfloat16 on GPU, float32 on CPU")
+    parser.add_argument("--dtype", choices=EVAL_DTYPES, help="auto (the default): bfloat16 on GPU; on a CPU "
+                        "bfloat16 where a start-up probe runs it faster than float32, else float32; alias: target.dtype=... (bf16, fp32 as training writes them)")
     parser.add_argument("--tree-backend", default="auto", choices=["auto", "compiled", "tensor"])
     parser.add_argument("--sync-stages", action="store_true",
                         help="synchronise CUDA around every stage so that stage times are exact")
@@ -104,12 +151,20 @@ def parse_args(argv=None):
     parser.add_argument("--features", default=None,
                         help="a feature store (data_tools/features.py) of this target: replayed rows it holds read "
                              "their features from it, so that drafters are replayed on the same features")
-    parser.add_argument("--tp", type=int, default=1, help="ranks that share one tensor-parallel copy of the "
-                        "target (torchrun; it must divide the ranks of a node)")
+    parser.add_argument("--tp", type=int, help="ranks that share one tensor-parallel copy of the target "
+                        "(torchrun; it must divide the ranks of a node; default 1); alias: target.tp_size=G")
     parser.add_argument("--check-public", type=int, default=0, metavar="N",
                         help="also decode the first N prompts of each benchmark with the public dflash 0.1.0 "
                              "loop and compare it with ours step by step (module docstring)")
+    parser.add_argument("--threads", type=int, help="torch's CPU threads per rank (default: the node's cores "
+                        "divided by its local ranks; more is refused)")
+    parser.add_argument("--hf-baseline", action=argparse.BooleanOptionalAction,
+                        help="also time transformers' own greedy generate on the same prompts (method hf; "
+                             "default: on at temperature 0, skipped with a note under --tp > 1)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="the training overrides this shares: " + ", ".join(SHARED_OVERRIDES))
     args = parser.parse_args(argv)
+    apply_shared_overrides(parser, args)
     try:
         args.budgets = [int(b) for b in args.budgets.split(",") if b]
     except ValueError:
@@ -131,6 +186,10 @@ def parse_args(argv=None):
     if args.check_public and (args.temperature > 0 or args.tp > 1):
         parser.error("--check-public compares greedy decodes on one whole target: it needs --temperature 0 "
                      "and --tp 1")
+    if args.hf_baseline and args.temperature > 0:
+        parser.error("--hf-baseline runs transformers' greedy generate: it needs --temperature 0")
+    if args.hf_baseline is None:
+        args.hf_baseline = args.temperature <= 0
     if args.check_public and importlib.util.find_spec("dflash") is None:
         parser.error("--check-public runs the public loop of the dflash package, which is not installed: "
                      "pip install --no-deps dflash==0.1.0")
@@ -158,6 +217,43 @@ def tensor_parallel_group(args, target_path: str, world_size: int, device: torch
     except (TensorParallelError, OSError, ValueError) as error:  # also a hub id that cannot be fetched
         raise SystemExit(f"error: {error}") from None
     return form_tp_group(args.tp, backend="nccl" if device.type == "cuda" else None)
+
+
+def cpu_threads(requested: int | None, world_size: int) -> int:
+    """Sets torch's threads for this rank (launch.set_cpu_threads: `requested`, default the node's cores
+    shared by its local ranks) and returns them; more than that share stops the eval in one line."""
+    cores, local_ranks = os.cpu_count() or 1, local_world_size(world_size)
+    share = max(1, cores // local_ranks)
+    if requested is not None and not 1 <= requested <= share:
+        raise SystemExit(f"error: --threads {requested}: this node has {cores} cores for {local_ranks} local "
+                         f"rank(s), so at most {share} threads per rank")
+    set_cpu_threads(requested, world_size)
+    return torch.get_num_threads()
+
+
+def speed_regime(threads: int, world_size: int, tp: int) -> str:
+    """How the report's speed figures were measured: one stream, or ranks decoding streams at once."""
+    each = f"{threads} thread{'s' if threads != 1 else ''}"
+    if world_size == 1:
+        return f"one stream, {each}"
+    if tp == world_size:
+        return f"one stream, tensor-parallel over {tp} ranks x {each}"
+    return f"throughput, {world_size} ranks x {each}"
+
+
+class FirstTokenClock(StoppingCriteria):
+    """Never stops generate; notes when it is first called, once the prefill's token is chosen: `ar`'s
+    clock starts there too (prefill excluded)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.start = device, None
+
+    def __call__(self, input_ids, scores, **kwargs):
+        if self.start is None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            self.start = time.perf_counter()
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
 def setup_distributed(gather_timeout_minutes: float) -> tuple[int, int, torch.device]:
@@ -216,7 +312,10 @@ class Evaluator:
         self.tree_refusal = self.verify_refusal or tree_verify_refusal(self.target)
         self.args, self.dtype = args, dtype
         methods = speculative_methods(args.budgets)
-        self.methods = [Method("ar")] + [m for m in methods if args.temperature <= 0 or not self.replays(m)]
+        baseline = [HF] if args.hf_baseline and args.tp == 1 else []
+        self.hf_note = ("hf: skipped under --tp > 1 (transformers' generate runs a whole target)"
+                        if args.hf_baseline and args.tp > 1 else None)
+        self.methods = [Method("ar")] + baseline + [m for m in methods if args.temperature <= 0 or not self.replays(m)]
         if args.check_public and self.verify_refusal:
             raise TargetError(f"--check-public: the public loop verifies by one cached multi-token forward, "
                               f"which this target cannot continue ({self.verify_refusal})")
@@ -228,6 +327,8 @@ class Evaluator:
 
     def replays(self, method: Method) -> bool:
         """Whether `method` is replayed on `ar`'s text instead of generated (module docstring)."""
+        if method == HF:
+            return False
         refusal = self.tree_refusal if method.is_tree else self.verify_refusal
         return method.name != "ar" and refusal is not None
 
@@ -250,11 +351,33 @@ class Evaluator:
                 return stored[0][None].to(self.target.device, self.dtype)
         return context_features(self.target, ids, self.drafter.target_layer_ids)
 
-    def generate(self, method: Method, prompt_ids: torch.Tensor, max_new_tokens: int):
+    def generate(self, method: Method | str, prompt_ids: torch.Tensor, max_new_tokens: int):
+        if method == HF:
+            return self.generate_hf(prompt_ids, max_new_tokens)
         return generate(self.target, prompt_ids, max_new_tokens, self.stop_token_ids, method=method.name,
                         drafter=self.drafter, budget=method.budget, temperature=self.args.temperature,
                         sampling=self.args.sampling if method.name == "dflash" else "match",
                         synchronize_stages=self.args.sync_stages, tree_backend=self.args.tree_backend)
+
+    @torch.inference_mode()
+    def generate_hf(self, prompt_ids: torch.Tensor, max_new_tokens: int) -> Generation:
+        """transformers' own greedy `generate` with `ar`'s ids, stops and token budget, timed as `ar` is
+        (from the prefill's token to the last). The target's generation_config is set aside meanwhile,
+        so that none of its settings (temperature, top_p, a repetition penalty) changes greedy decoding."""
+        clock, stops = FirstTokenClock(self.target.device), self.stop_token_ids
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else (stops or [0])[0]
+        saved, self.target.generation_config = self.target.generation_config, GenerationConfig()
+        try:
+            output = self.target.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids),
+                                          max_new_tokens=max_new_tokens, eos_token_id=stops or None,
+                                          pad_token_id=pad, do_sample=False, num_beams=1,
+                                          stopping_criteria=StoppingCriteriaList([clock]))
+        finally:
+            self.target.generation_config = saved
+        if self.target.device.type == "cuda":
+            torch.cuda.synchronize()
+        output_ids = output[0, prompt_ids.shape[1]:].tolist()
+        return Generation(output_ids, [1] * (len(output_ids) - 1), time.perf_counter() - clock.start)
 
     def prompt_ids(self, messages: list[dict]) -> torch.Tensor:
         ids = prompt_token_ids(self.tokenizer, messages, self.enable_thinking)
@@ -332,7 +455,7 @@ def in_prompt_order(records: dict[str, list[dict]], prompts) -> dict[str, list[d
     return {m: sorted(rs, key=lambda r: order[(r["source"], r["turn"])]) for m, rs in records.items()}
 
 
-def report(records_by_bench: dict, args, evaluator: Evaluator, world_size: int,
+def report(records_by_bench: dict, args, evaluator: Evaluator, world_size: int, threads: int,
            public_checks: dict[str, list[tuple[str, PublicAgreement]]]) -> dict:
     benchmarks = {}
     for bench, records in records_by_bench.items():
@@ -340,15 +463,18 @@ def report(records_by_bench: dict, args, evaluator: Evaluator, world_size: int,
                                 args.tie_tolerance)
                    for m, rs in records.items()}
         ar_time = methods["ar"]["time_per_output_token"]
+        hf_time = methods.get(HF, {}).get("time_per_output_token")
         for summary in methods.values():
             tpot = summary["time_per_output_token"]
             summary["speedup"] = ar_time / tpot if ar_time and tpot else None
+            summary["speedup_over_hf"] = hf_time / tpot if hf_time and tpot else None
             # the tau at which this method's time per step (draft, tree, verify, commit) equals ar's
             # time per token: speedup = tau_pooled / break_even_tau (none without a verify step)
             summary["break_even_tau"] = (tpot * summary["tau_pooled"] / ar_time
                                          if ar_time and tpot and summary["tau_pooled"] else None)
         margins = [m for r in records["ar"] for m in r["margins"]]
-        benchmarks[bench] = {"methods": methods,
+        benchmarks[bench] = {"methods": methods, "best_method": best_method(methods),
+                             "ar_over_hf": ar_time / hf_time if ar_time and hf_time else None,
                              "near_tie_share": near_tie_share(margins, args.tie_tolerance)
                              if args.temperature <= 0 else None}
         if public_checks.get(bench):
@@ -358,6 +484,10 @@ def report(records_by_bench: dict, args, evaluator: Evaluator, world_size: int,
               "tie_tolerance": args.tie_tolerance, "max_new_tokens": args.max_new_tokens,
               "enable_thinking": evaluator.enable_thinking, "dtype": str(evaluator.dtype),
               "device": str(evaluator.target.device), "world_size": world_size, "tp_size": args.tp,
+              "threads": threads, "regime": speed_regime(threads, world_size, args.tp),
+              "cpu_capability": torch.backends.cpu.get_cpu_capability()
+              if evaluator.target.device.type == "cpu" else None,
+              "hf_baseline": HF in evaluator.methods, "hf_note": evaluator.hf_note,
               "block_size": evaluator.drafter.block_size, "tree_verify_refusal": evaluator.tree_refusal,
               "verify_refusal": evaluator.verify_refusal, "check_public": args.check_public,
               "stage_times_synchronized":
@@ -379,6 +509,7 @@ def load_prompt_sets(bench: str, max_samples: int | None) -> dict[str, list]:
 def main(argv=None) -> dict | None:
     args = parse_args(argv)
     rank, world_size, device = setup_distributed(args.gather_timeout)
+    threads = cpu_threads(args.threads, world_size)
     try:  # what the flags name, checked before any model loads
         target_path = target_path_of(args)
         prompt_sets = load_prompt_sets(args.bench, args.max_samples)
@@ -388,6 +519,8 @@ def main(argv=None) -> dict | None:
     share = PromptShare.of(tp_group, world_size)  # the groups split the prompts, as generation in training does
     torch.manual_seed(args.seed + share.index)  # a group's members sample alike, in lockstep
     evaluator = Evaluator(args, device, target_path, tp_group)
+    if rank == 0 and evaluator.hf_note:
+        print(evaluator.hf_note, flush=True)
     records = {}
     for name, prompts in prompt_sets.items():
         if rank == 0:
@@ -402,7 +535,7 @@ def main(argv=None) -> dict | None:
     records = {name: in_prompt_order(records[name], prompts) for name, prompts in prompt_sets.items()}
     public_checks = {name: evaluator.check_public(prompts[:args.check_public])
                      for name, prompts in prompt_sets.items()} if args.check_public else {}
-    results = report(records, args, evaluator, world_size, public_checks)
+    results = report(records, args, evaluator, world_size, threads, public_checks)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))

@@ -355,7 +355,7 @@ def test_eval_serves_a_draft_vocab_checkpoint_losslessly_and_will_not_compare_it
     flags = ["--ckpt", str(tmp_path / "ckpt"), "--bench", str(prompts), "--budgets", "2,8",
              "--max-new-tokens", "10", "--out", str(tmp_path / "results.json")]
     methods = ddtree_accept.main(flags)["benchmarks"]["prompts"]["methods"]
-    assert list(methods) == ["ar", "dflash", "ddtree@2", "ddtree@8"]
+    assert list(methods) == ["ar", "hf", "dflash", "ddtree@2", "ddtree@8"]
     assert all(summary["lossless"] == "yes" for summary in methods.values())
     with pytest.raises(ConfigError, match="--check-public: .* drafts over a draft vocabulary"):
         ddtree_accept.main(flags + ["--check-public", "1"])

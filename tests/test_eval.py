@@ -27,6 +27,14 @@ PROMPTS = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def keep_torch_threads():
+    """The eval sets torch's threads (--threads); give the next test the ones it had."""
+    threads = ddtree_accept.torch.get_num_threads()
+    yield
+    ddtree_accept.torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A run checkpoint dir holding drafter/, whose config names a local target dir."""
@@ -46,18 +54,18 @@ def test_report_from_a_run_checkpoint(checkpoint, capsys):
     out = checkpoint / "report" / "results.json"
     results = ddtree_accept.main([
         "--ckpt", str(checkpoint / "ckpt"), "--bench", str(checkpoint / "prompts.jsonl"),
-        "--budgets", "2,8", "--max-new-tokens", "14", "--out", str(out), "--save-samples"])
+        "--budgets", "2,8", "--max-new-tokens", "14", "--out", str(out), "--save-samples", "--threads", "1"])
     assert json.loads(out.read_text()) == json.loads(json.dumps(results))
     assert results["config"]["target"] == str(checkpoint / "target")
     methods = results["benchmarks"]["prompts"]["methods"]
-    assert list(methods) == ["ar", "dflash", "ddtree@2", "ddtree@8"]
+    assert list(methods) == ["ar", "hf", "dflash", "ddtree@2", "ddtree@8"]  # hf: transformers' generate
 
     reference = methods["ar"]["samples"]
     assert [(s["source"].rsplit(":", 1)[1], s["turn"]) for s in reference] == [
         ("1", 0), ("2", 0), ("2", 1), ("3", 0)]
     assert len(reference[2]["prompt_ids"]) > len(reference[1]["prompt_ids"])  # turn 2 sees turn 1
     assert results["config"]["sampling"] == "match" and results["config"]["tie_tolerance"] > 0
-    for name, summary in methods.items():
+    for name, summary in methods.items():  # hf too: its tokens are ar's
         assert summary["lossless"] == "yes" and summary["divergence_rate"] == 0
         assert summary["divergences"] == []
         samples = summary["samples"]
@@ -81,11 +89,26 @@ def test_report_from_a_run_checkpoint(checkpoint, capsys):
     assert share == sum(m < results["config"]["tie_tolerance"] for m in margins) / len(margins)
     assert methods["ddtree@8"]["stage_ms_per_step"]["tree_build"] > 0
 
+    bench = results["benchmarks"]["prompts"]
+    hf_time = methods["hf"]["time_per_output_token"]
+    assert isinstance(bench["ar_over_hf"], float) and bench["ar_over_hf"] > 0
+    assert bench["ar_over_hf"] == pytest.approx(methods["ar"]["time_per_output_token"] / hf_time)
+    assert methods["hf"]["speedup_over_hf"] == pytest.approx(1)
+    assert methods["ddtree@8"]["speedup_over_hf"] == pytest.approx(hf_time / methods["ddtree@8"]["time_per_output_token"])
+    speculative = {m: s["speedup"] for m, s in methods.items() if m not in ("ar", "hf")}
+    assert bench["best_method"] == max(speculative, key=speculative.get)
+    config = results["config"]
+    assert (config["threads"], config["world_size"], config["regime"]) == (1, 1, "one stream, 1 thread")
+    assert config["dtype"] == "torch.float32" and config["cpu_capability"] and config["hf_baseline"] is True
+
     captured = capsys.readouterr()
-    assert "| prompts | ddtree@8 |" in captured.out
-    progress = captured.err.split("\r")[-1]  # the bar's last state: 3 prompts x 4 methods
+    assert "| prompts | ddtree@8 |" in captured.out and "| prompts | hf |" in captured.out
+    assert f"speed: one stream, 1 thread, torch.float32, CPU capability {config['cpu_capability']}" in captured.out
+    assert f"prompts: best method {bench['best_method']}, " in captured.out
+    assert f"our ar takes {bench['ar_over_hf']:.2f}x its time per token, tokens as ar's: yes" in captured.out
+    progress = captured.err.split("\r")[-1]  # the bar's last state: 3 prompts x 5 methods
     # tqdm writes the rate as run/s, or s/run when a run takes over a second (a loaded machine)
-    assert re.match(r"prompts: 100%.* 12/12 \[.*(run/s|s/run), method=ddtree@8\]", progress), progress
+    assert re.match(r"prompts: 100%.* 15/15 \[.*(run/s|s/run), method=ddtree@8\]", progress), progress
     assert (out.parent / "results_tau_hist.png").stat().st_size > 0
     assert (out.parent / "results_budget.png").stat().st_size > 0
 
@@ -95,7 +118,7 @@ def test_answers_of_the_prefill_token_alone_report_no_tau(checkpoint):
     tau and no break-even tau, and the report is still written."""
     out = checkpoint / "one_token.json"
     results = ddtree_accept.main(["--ckpt", str(checkpoint / "ckpt"), "--bench", str(checkpoint / "prompts.jsonl"),
-                                  "--budgets", "2", "--max-new-tokens", "1", "--out", str(out)])
+                                  "--budgets", "2", "--max-new-tokens", "1", "--out", str(out), "--threads", "1"])
     methods = results["benchmarks"]["prompts"]["methods"]
     assert all(s["output_tokens"] == 4 and s["tau_pooled"] is None and s["break_even_tau"] is None
                for s in methods.values())
@@ -109,7 +132,7 @@ def test_check_public_reports_the_public_loop_step_by_step(checkpoint, tmp_path,
     pytest.importorskip("dflash.model")
     results = ddtree_accept.main([
         "--ckpt", str(checkpoint / "ckpt"), "--bench", str(checkpoint / "prompts.jsonl"), "--budgets", "2",
-        "--max-new-tokens", "14", "--out", str(tmp_path / "results.json"), "--check-public", "2"])
+        "--max-new-tokens", "14", "--out", str(tmp_path / "results.json"), "--check-public", "2", "--threads", "1"])
     check = results["benchmarks"]["prompts"]["public_check"]
     assert results["config"]["check_public"] == 2
     assert (check["prompts"], check["identical"], check["verdict"]) == (2, 2, "yes")
@@ -145,7 +168,45 @@ def test_target_flag_overrides_the_recorded_target(checkpoint, tmp_path):
     target_path = ddtree_accept.target_path_of(args)
     assert target_path == str(checkpoint / "target")
     evaluator = ddtree_accept.Evaluator(args, ddtree_accept.torch.device("cpu"), target_path, form_tp_group(1))
-    assert evaluator.enable_thinking is False and [str(m) for m in evaluator.methods] == ["ar", "dflash", "ddtree@4"]
+    assert evaluator.enable_thinking is False and [str(m) for m in evaluator.methods] == ["ar", "hf", "dflash", "ddtree@4"]
+
+
+def test_hf_baseline_decodes_greedily_whatever_the_target_s_generation_config(checkpoint):
+    """hf is transformers' generate on ar's ids: a generation_config that samples, or penalises repeats,
+    does not change its greedy tokens. It runs at temperature 0 only, unless left out."""
+    args = ddtree_accept.parse_args(["--ckpt", str(checkpoint / "ckpt"), "--budgets", "4"])
+    evaluator = ddtree_accept.Evaluator(args, ddtree_accept.torch.device("cpu"), ddtree_accept.target_path_of(args),
+                                        form_tp_group(1))
+    config = evaluator.target.generation_config
+    config.do_sample, config.temperature, config.top_p, config.repetition_penalty = True, 0.6, 0.5, 5.0
+    ids = evaluator.prompt_ids([{"role": "user", "content": PROMPTS[0]["prompt"]}])
+    hf = evaluator.generate("hf", ids, 12)
+    ar = evaluator.generate(ddtree_accept.Method("ar"), ids, 12)
+    assert hf.output_ids == ar.output_ids and len(hf.output_ids) == 12 and hf.decode_seconds > 0
+    assert evaluator.target.generation_config is config and config.repetition_penalty == 5.0  # given back
+    for flags, on in [([], True), (["--temperature", "0.7"], False), (["--no-hf-baseline"], False)]:
+        assert ddtree_accept.parse_args(["--ckpt", "x"] + flags).hf_baseline is on, flags
+    with pytest.raises(SystemExit):
+        ddtree_accept.parse_args(["--ckpt", "x", "--hf-baseline", "--temperature", "0.7"])
+
+
+def test_threads_beyond_the_node_s_share_stop_eval_in_one_line(checkpoint, tmp_path):
+    for requested in ("10000", "0"):
+        with pytest.raises(SystemExit) as stopped:
+            ddtree_accept.main(["--ckpt", str(checkpoint / "ckpt"), "--threads", requested,
+                                "--out", str(tmp_path / "r.json")])
+        message = str(stopped.value.code)
+        assert message.startswith(f"error: --threads {requested}: this node has {os.cpu_count()} cores for 1 local")
+        assert "\n" not in message
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_best_method_is_the_fastest_lossless_speculative_one():
+    methods = {"ar": {"speedup": 1.0, "lossless": "yes"}, "hf": {"speedup": 3.0, "lossless": "yes"},
+               "dflash": {"speedup": 2.5, "lossless": "no"}, "ddtree@8": {"speedup": 0.7, "lossless": "ties-only"},
+               "ddtree@16": {"speedup": 0.6, "lossless": "yes"}, "ddtree@32": {"speedup": None, "lossless": None}}
+    assert eval_report.best_method(methods) == "ddtree@8"
+    assert eval_report.best_method({"ar": methods["ar"], "hf": methods["hf"]}) is None
 
 
 def test_bad_prompt_lines_name_file_and_line(tmp_path):
@@ -279,7 +340,7 @@ def test_two_ranks_gather_the_same_report_and_so_does_a_tp2_target(checkpoint, t
     sharded copy of the target and decode every prompt together: the same tokens, the same tau."""
     common = ["--ckpt", str(checkpoint / "ckpt"), "--bench", str(checkpoint / "prompts.jsonl"),
               "--budgets", "4", "--max-new-tokens", "8", "--save-samples"]
-    single = ddtree_accept.main(common + ["--out", str(tmp_path / "single.json")])
+    single = ddtree_accept.main(common + ["--out", str(tmp_path / "single.json"), "--threads", "1"])
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
     for tp in (1, 2):
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
@@ -288,7 +349,13 @@ def test_two_ranks_gather_the_same_report_and_so_does_a_tp2_target(checkpoint, t
         assert len(re.findall(r"prompts: 100%", proc.stderr)) == 1  # rank 0's progress alone
         two = json.loads((tmp_path / f"tp{tp}.json").read_text())
         assert two["config"]["world_size"] == 2 and two["config"]["tp_size"] == tp
+        assert two["config"]["regime"] == ("throughput, 2 ranks x 1 thread" if tp == 1 else
+                                           "one stream, tensor-parallel over 2 ranks x 1 thread")
+        assert ("hf" in two["benchmarks"]["prompts"]["methods"]) == (tp == 1)  # skipped with a note under --tp 2
+        assert (two["config"]["hf_note"] is None) == (tp == 1)
         for method, summary in single["benchmarks"]["prompts"]["methods"].items():
+            if method == "hf" and tp == 2:
+                continue
             theirs = two["benchmarks"]["prompts"]["methods"][method]
             assert [(s["source"], s["turn"], s["output_ids"], s["acceptance_lengths"]) for s in theirs["samples"]] == [
                 (s["source"], s["turn"], s["output_ids"], s["acceptance_lengths"]) for s in summary["samples"]]

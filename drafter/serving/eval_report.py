@@ -1,13 +1,24 @@
 """An evaluation's figures (eval/ddtree_accept.py's report): per benchmark and method, tau, its histogram,
 acceptance by depth, time per token and per stage, the lossless verdict against `ar` (each prompt's
-first divergence, classed by `lossless.py`), the public loop's comparison; in words as a markdown table
-and drawn as two plots. Definitions: docs/design.md, "tau"."""
+first divergence, classed by `lossless.py`), speedups over `ar` and over `hf` (transformers' own greedy
+generate), the best method, the public loop's comparison; in words as a markdown table and drawn as two
+plots. Definitions: docs/design.md, "tau"."""
 from dataclasses import asdict
 from pathlib import Path
 
 from drafter.serving.decode import STAGES, Method
 from drafter.serving.lossless import BF16_TIE_TOLERANCE, first_divergence, lossless_verdict
 from drafter.serving.public_loop import PublicAgreement
+
+HF = "hf"  # transformers' own greedy generate: a baseline row of the report, not a method of ours
+
+
+def best_method(methods: dict[str, dict]) -> str | None:
+    """The speculative method with the highest measured speedup over `ar`, among those not found lossy
+    (lossless yes or ties-only; every one above temperature 0); None where none was timed."""
+    speedups = {name: s["speedup"] for name, s in methods.items()
+                if name not in ("ar", HF) and s["speedup"] is not None and s["lossless"] != "no"}
+    return max(speedups, key=speedups.get, default=None)
 
 
 def divergences_from(records: list[dict], reference: list[dict], tolerance: float):
@@ -90,9 +101,9 @@ def markdown_table(results: dict) -> str:
     def fmt(value, spec):
         return "-" if value is None else format(value, spec)
 
-    lines = ["| bench | method | tau | tau pooled | ms/token | speedup | break-even tau | lossless | "
+    lines = ["| bench | method | tau | tau pooled | ms/token | speedup | vs hf | break-even tau | lossless | "
              + " | ".join(f"{s} ms/step" for s in STAGES) + " |",
-             "|---|---|---:|---:|---:|---:|---:|:---:|" + "---:|" * len(STAGES)]
+             "|---|---|---:|---:|---:|---:|---:|---:|:---:|" + "---:|" * len(STAGES)]
     for bench, entry in results["benchmarks"].items():
         for method, s in entry["methods"].items():
             tpot = s["time_per_output_token"]
@@ -102,7 +113,15 @@ def markdown_table(results: dict) -> str:
             stages = " | ".join(fmt(s["stage_ms_per_step"].get(st), ".2f") for st in STAGES)
             lines.append(f"| {bench} | {method} | {fmt(s['tau'], '.2f')} | {fmt(s['tau_pooled'], '.2f')} "
                          f"| {fmt(tpot and tpot * 1e3, '.2f')} | {fmt(s['speedup'], '.2f')} "
+                         f"| {fmt(s.get('speedup_over_hf'), '.2f')} "
                          f"| {fmt(s['break_even_tau'], '.2f')} | {lossless} | {stages} |")
+    config = results["config"]
+    lines.append(f"\nspeed: {config.get('regime')}, {config['dtype']}"
+                 + (f", CPU capability {config['cpu_capability']}" if config.get("cpu_capability") else ""))
+    if config.get("hf_note"):
+        lines.append(f"\n{config['hf_note']}")
+    for bench, entry in results["benchmarks"].items():
+        lines.append(speed_line(bench, entry))
     if results["config"].get("tree_verify_refusal"):
         rows = "dflash and ddtree" if results["config"].get("verify_refusal") else "ddtree"
         lines.append(f"\n{results['config']['tree_verify_refusal']}: the {rows} rows are the exact tau on "
@@ -115,6 +134,19 @@ def markdown_table(results: dict) -> str:
         if "public_check" in entry:
             lines.append(public_check_line(bench, entry["public_check"]))
     return "\n".join(lines)
+
+
+def speed_line(bench: str, entry: dict) -> str:
+    """The best method against `ar`, and `ar` against transformers' own generate, in words."""
+    methods, best = entry["methods"], entry.get("best_method")
+    line = f"\n{bench}: best method " + (f"{best}, {methods[best]['speedup']:.2f}x ar" if best else "none timed")
+    if best and methods[best]["speedup"] < 1:
+        line += " (plain decoding is faster)"
+    if entry.get("ar_over_hf") is not None:
+        hf = methods[HF]
+        line += (f"; hf (transformers generate) {hf['time_per_output_token'] * 1e3:.2f} ms/token, our ar takes "
+                 f"{entry['ar_over_hf']:.2f}x its time per token, tokens as ar's: {hf['lossless']}")
+    return line
 
 
 def public_check_line(bench: str, check: dict) -> str:
@@ -144,7 +176,7 @@ def save_plots(results: dict, out: Path) -> list[Path]:
     fig, axes = plt.subplots(1, len(benches), figsize=(5 * len(benches), 3.5), squeeze=False)
     for ax, (bench, entry) in zip(axes[0], benches.items()):
         for method, s in entry["methods"].items():
-            if method != "ar" and s["steps"]:
+            if method not in ("ar", HF) and s["steps"]:
                 fractions = [c / s["steps"] for c in s["tau_histogram"]]
                 ax.plot(range(1, len(fractions) + 1), fractions, marker="o", label=method)
         ax.set(title=bench, xlabel="tokens committed per step (tau)", ylabel="fraction of steps")
@@ -157,7 +189,7 @@ def save_plots(results: dict, out: Path) -> list[Path]:
 
     fig, (tau_ax, speed_ax) = plt.subplots(1, 2, figsize=(10, 3.5))
     for bench, entry in benches.items():
-        methods = {Method.parse(m): s for m, s in entry["methods"].items()}
+        methods = {Method.parse(m): s for m, s in entry["methods"].items() if m != HF}
         tree = {m.budget: s for m, s in methods.items() if m.is_tree}
         budgets = sorted(tree)
         for ax, key in ((tau_ax, "tau"), (speed_ax, "speedup")):
