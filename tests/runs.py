@@ -12,8 +12,9 @@ import time
 from pathlib import Path
 
 import datasets
-import numpy as np
 import yaml
+
+from bench.preflight_runs import arithmetic_rows
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -26,15 +27,8 @@ UNIFORM_LOSS = math.log(TINY_VOCAB)  # where a fresh drafter starts on write_run
 
 def write_run(tmp_path: Path, **train) -> Path:
     """A tiny prepared dataset (arithmetic sequences over 32 tokens) and a config for a random target."""
-    rng = np.random.default_rng(0)
-    rows = {"input_ids": [], "loss_mask": [], "length": []}
-    for _ in range(160):
-        n, start, stride = int(rng.integers(24, 100)), int(rng.integers(0, 32)), int(rng.integers(1, 4))
-        rows["input_ids"].append([(start + stride * t) % 32 for t in range(n)])
-        rows["loss_mask"].append([0] * 4 + [1] * (n - 4))
-        rows["length"].append(n)
     if not (tmp_path / "data").exists():
-        datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "data"))
+        datasets.Dataset.from_dict(arithmetic_rows()).save_to_disk(str(tmp_path / "data"))
         settings = {"chat_template_kwargs": {"enable_thinking": False}}  # as data_tools/prepare.py records it
         (tmp_path / "data" / "stats.json").write_text(json.dumps({"settings": settings}))
     cfg = {

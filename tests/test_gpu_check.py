@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import gpu_check
+from bench import gpu_check, preflight_runs
 from drafter.models import blocks
 
 TINY = ["--tiny", "--warmup", "1", "--steps", "2"]
@@ -73,7 +73,7 @@ def test_a_check_past_its_budget_is_a_timeout_and_the_next_check_still_runs(caps
 def test_a_sub_run_past_its_budget_is_killed_with_its_children(tmp_path):
     """The whole process tree goes, not only the launcher: its child (here `sleep`) too."""
     t0 = time.perf_counter()
-    figures = gpu_check.sub_run("sleeper", ["bash", "-c", "sleep 60 & echo $!; wait"], tmp_path / "s.log", 2)
+    figures = preflight_runs.sub_run("sleeper", ["bash", "-c", "sleep 60 & echo $!; wait"], tmp_path / "s.log", 2)
     assert time.perf_counter() - t0 < 15
     assert figures["rc"] is None and figures["failure"] == "sleeper: timeout after 2 s (hang?)"
     child = int(figures["last_lines"][-1])
