@@ -40,7 +40,7 @@ demo: $(STAMP)
 define real_world
 	$(PY) data_tools/smollm2.py --out $(1) $(4)
 	.venv/bin/deepspeed --num_gpus 2 train.py --cfg configs/smollm2.yaml $(3)
-	.venv/bin/torchrun --nproc_per_node 2 eval/ddtree_accept.py --ckpt $(2)/checkpoints/latest \
+	$(PY) eval/ddtree_accept.py --ckpt $(2)/checkpoints/latest \
 		--bench $(1)/bench_chat.jsonl,$(1)/bench_code.jsonl --max-samples 8 \
 		--budgets 8,16,32,64 --max-new-tokens 96 --save-samples --out $(2)/eval.json
 	$(PY) eval/plot_run.py $(2)
@@ -75,7 +75,7 @@ demo-real-recipe: $(STAMP)
 		train.engine=fsdp target.dtype=bf16 data.features=$(RECIPE_STORE)_train_data \
 		data.eval_features=$(RECIPE_STORE)_bench_chat_data train.epochs=1000 train.max_steps=1200 \
 		train.eval_every=200 train.save_every=200
-	.venv/bin/torchrun --nproc_per_node 2 eval/ddtree_accept.py --ckpt $(RECIPE)/checkpoints/latest \
+	$(PY) eval/ddtree_accept.py --ckpt $(RECIPE)/checkpoints/latest \
 		--bench artifacts/smollm2/bench_chat.jsonl,artifacts/smollm2/bench_code.jsonl --max-samples 8 \
 		--budgets 8,16,32,64 --max-new-tokens 96 --save-samples --out $(RECIPE)/eval.json
 	$(PY) eval/plot_run.py $(RECIPE)
