@@ -241,3 +241,21 @@ def test_dflash2_starts_as_the_dflash_of_its_other_weights(target):
     torch.testing.assert_close(dflash2.draft_logits(target, features[:, :12], block, DraftCache()),
                                dflash.draft_logits(target, features[:, :12], block, DraftCache()),
                                rtol=0, atol=1e-6)
+
+
+def test_head_logits_hands_the_head_a_fresh_tensor_for_a_batch_of_one(target, drafter):
+    """A block's slots 1..B-1 of one sequence are a view that torch calls contiguous (a size-1 batch
+    dimension's stride is ignored) at a storage offset; in bf16 on the CPU such an input took a matmul
+    path ~20x slower (bench/cpu_limits.py's drafter step), so the head gets a copy at offset 0."""
+    seen = []
+    head = target.get_output_embeddings()
+    handle = head.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    try:
+        hidden = torch.randn(1, 9, target.config.hidden_size)[:, 1:]
+        assert hidden.is_contiguous() and hidden.storage_offset() > 0
+        logits = drafter.head_logits(target, hidden)
+    finally:
+        handle.remove()
+    (given,) = seen
+    assert given.storage_offset() == 0 and given.stride() == torch.empty(given.shape).stride()
+    torch.testing.assert_close(logits, head(hidden).float())

@@ -115,9 +115,10 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
 
     def head_logits(self, target, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [..., V or K] of final states `hidden` under `head_weight`."""
-        # contiguous: a strided view (a block's slots 1..B-1) sent a bf16 matmul on the CPU down a
-        # path ~50x slower (torch 2.13); the copy is H values a row against the logits' V
-        hidden = hidden.to(target.dtype).contiguous()
+        # a fresh copy, not a view: in bf16 on the CPU (torch 2.13) a block's slots 1..B-1 went down a
+        # matmul path ~20-50x slower, for a batch of one too (which .contiguous() returns unchanged: its
+        # flag ignores the batch stride of a size-1 dimension); the copy is H values a row against V
+        hidden = hidden.to(target.dtype, memory_format=torch.contiguous_format, copy=True)
         if self.draft_vocab is None:
             return target.get_output_embeddings()(hidden).float()
         return F.linear(hidden, self.head_weight(target)).float()
