@@ -62,18 +62,22 @@ demo-real-long: $(STAMP)
 		train.eval_every=120,--train-prompts 1024)
 
 # The real world's recipe (docs/results.md "Leaving the floor"): the demo's world; its training and chat-bench
-# features dumped once in bf16; 2 CPU ranks under FSDP2 in bf16 reading them, the drafter's first layer
-# sliding over 2 positions (configs/smollm2.yaml); the demo's evaluation and the learning curve.
+# features dumped once; 2 CPU ranks under FSDP2 reading them, the drafter's first layer sliding over 2
+# positions (configs/smollm2.yaml); the demo's evaluation and the learning curve. The stores and the
+# training are bf16 where this CPU runs bf16 faster than fp32 (AVX-512 BF16, AMX), else fp32: an AVX2-only
+# CPU emulates bf16 tens of times slower (drafter/infra/cpu_dtype.py decides, once, for the whole recipe).
 RECIPE := runs/smollm2_recipe
-RECIPE_STORE := artifacts/features/smollm2_bf16
+RECIPE_STORE := artifacts/features/smollm2
+CPU_DTYPE = $(PY) -c "from drafter.infra.cpu_dtype import bf16_speed; print('bf16' if bf16_speed().fast else 'fp32')"
 demo-real-recipe: $(STAMP)
 	$(PY) data_tools/smollm2.py --out artifacts/smollm2
+	dtype=$$($(CPU_DTYPE)) && echo "recipe dtype: $$dtype" && \
 	for set in train_data bench_chat_data; do \
 		$(PY) data_tools/features.py --cfg configs/smollm2.yaml --data artifacts/smollm2/$$set \
-			--out $(RECIPE_STORE)_$$set --dtype bf16 target.dtype=bf16 || exit 1; done
+			--out $(RECIPE_STORE)_$${dtype}_$$set --dtype $$dtype target.dtype=$$dtype || exit 1; done && \
 	.venv/bin/torchrun --nproc_per_node 2 train.py --cfg configs/smollm2.yaml run.out_dir=$(RECIPE) \
-		train.engine=fsdp target.dtype=bf16 data.features=$(RECIPE_STORE)_train_data \
-		data.eval_features=$(RECIPE_STORE)_bench_chat_data train.epochs=1000 train.max_steps=1200 \
+		train.engine=fsdp target.dtype=$$dtype data.features=$(RECIPE_STORE)_$${dtype}_train_data \
+		data.eval_features=$(RECIPE_STORE)_$${dtype}_bench_chat_data train.epochs=1000 train.max_steps=1200 \
 		train.eval_every=200 train.save_every=200
 	$(PY) eval/ddtree_accept.py --ckpt $(RECIPE)/checkpoints/latest \
 		--bench artifacts/smollm2/bench_chat.jsonl,artifacts/smollm2/bench_code.jsonl --max-samples 8 \
