@@ -66,3 +66,22 @@ def test_relative_links_in_the_docs_resolve():
                 if why:
                     problems.append(f"{name}:{number}: ]({target}): {why}")
     assert not problems, "\n".join(problems)
+
+
+# a config comment citing a section: "(docs/training.md: Objectives and optimisers)" or "(README: Quick start ...)"
+CITED_SECTION = re.compile(r"\((docs/[\w./-]+\.md|README)(?::\s*([^)]+))?\)")
+
+
+def test_config_comments_cite_pages_and_sections_that_exist():
+    """A YAML comment that cites a page (and a section of it) names a file of the checkout and a heading
+    of that file: three configs once pointed at a README section that did not exist."""
+    problems = []
+    for name in checkout_files(".yaml", ".json"):
+        for number, line in enumerate((REPO / name).read_text().splitlines(), 1):
+            for page, section in CITED_SECTION.findall(line.partition("#")[2] if name.endswith(".yaml") else line):
+                path = REPO / ("README.md" if page == "README" else page)
+                if not path.is_file():
+                    problems.append(f"{name}:{number}: {page} does not exist")
+                elif section and heading_anchors(f"# {section}").pop() not in heading_anchors(path.read_text()):
+                    problems.append(f"{name}:{number}: {page} has no section {section!r}")
+    assert not problems, "\n".join(problems)
