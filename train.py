@@ -52,6 +52,7 @@ from drafter.training.tracking import RunLogger, Window, bucket_summary, console
 NOISE_STREAM = 1     # + the micro step: the feature noise
 ANCHOR_STREAM = -1   # - the micro step: the training anchors
 EVAL_STREAM = 7      # the held-out batches' anchors (step: the batch's index)
+CHECK_TOKENS, CHECK_ANCHORS = 1024, 64  # the attention check's slice of the first batch: its last tokens
 
 
 def main(argv=None):
@@ -318,8 +319,16 @@ def checked_attention(run: RunParts, state: TrainerState, log) -> str:
         run.target.device, run.dtype)
     features, final_hidden = run.target_features(input_ids, drafter.target_layer_ids, batch["lengths"])
     features = calibrated_features(features, run.objective.feature_calibration)
+    # the row's last positions: the dense reference materialises [heads, queries, keys] scores, which a
+    # full-length row with every anchor would not fit beside the run (features are causal: a suffix's
+    # are its own, with the row before it as context)
+    end = int(batch["lengths"][0])
+    window = slice(max(0, end - CHECK_TOKENS), end)
+    input_ids, loss_mask, features = input_ids[:, window], loss_mask[:, window], features[:, window]
+    final_hidden = None if final_hidden is None else final_hidden[:, window]
+    objective = replace(run.objective, num_anchors=min(run.objective.num_anchors, CHECK_ANCHORS))
     comparison = worst_over_ranks(compare_with_dense(
-        drafter, run.target, features, input_ids, loss_mask, run.objective, run.attention,
+        drafter, run.target, features, input_ids, loss_mask, objective, run.attention,
         ATTENTION_TOLERANCE[run.dtype], final_hidden))
     kernel, line = attention_verdict(run.cfg.objective.attention, comparison)
     log.print(line)

@@ -76,6 +76,7 @@ def check_in_a_run(rank: int, cfg_path: str, out: str, scale: float, setting: st
 
     torch.set_num_threads(1)
     layers.flex_attention = stand_in_flex(scale, backward_only=False)
+    train.CHECK_TOKENS = 40  # the rows are 24-99 tokens: most are cut to their last 40
     cfg, rank, world_size, device = config_and_world(cfg_path, ["train.engine=fsdp"])
     data, model_config, ds_config = prepare_data(cfg, rank, world_size, device)
     run = replace(build_run(cfg, rank, world_size, device, data, model_config, ds_config), attention="flex")
