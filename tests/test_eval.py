@@ -97,6 +97,12 @@ def test_report_from_a_run_checkpoint(checkpoint, capsys):
     assert methods["ddtree@8"]["speedup_over_hf"] == pytest.approx(hf_time / methods["ddtree@8"]["time_per_output_token"])
     speculative = {m: s["speedup"] for m, s in methods.items() if m not in ("ar", "hf")}
     assert bench["best_method"] == max(speculative, key=speculative.get)
+    spread = methods["ddtree@8"]["speedup_per_response"]  # each response against ar's on its prompt
+    per_response = sorted(ar["decode_seconds"] * len(ours["output_ids"]) / (ours["decode_seconds"] * len(ar["output_ids"]))
+                          for ours, ar in zip(methods["ddtree@8"]["samples"], reference))
+    assert spread["responses"] == 4 and (spread["min"], spread["max"]) == pytest.approx((per_response[0], per_response[-1]))
+    assert spread["min"] <= spread["q1"] <= spread["median"] <= spread["q3"] <= spread["max"]
+    assert methods["ar"]["speedup_per_response"]["median"] == pytest.approx(1)
     config = results["config"]
     assert (config["threads"], config["world_size"], config["regime"]) == (1, 1, "one stream, 1 thread")
     assert config["dtype"] == "torch.float32" and config["cpu_capability"] and config["hf_baseline"] is True

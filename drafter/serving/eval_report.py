@@ -3,6 +3,7 @@ acceptance by depth, time per token and per stage, the lossless verdict against 
 first divergence, classed by `lossless.py`), speedups over `ar` and over `hf` (transformers' own greedy
 generate), the best method, the public loop's comparison; in words as a markdown table and drawn as two
 plots. Definitions: docs/design.md, "tau"."""
+import statistics
 from dataclasses import asdict
 from pathlib import Path
 
@@ -76,10 +77,26 @@ def summarize(records: list[dict], reference: list[dict], greedy: bool, save_sam
         "output_tokens": output_tokens,
         "steps": len(steps),
     }
+    if not replayed:
+        summary["speedup_per_response"] = per_response_speedup(records, reference)
     if save_samples:
         summary["samples"] = [{key: r[key] for key in ("source", "turn", "prompt_ids", "output_ids",
-                                                       "acceptance_lengths", "margins")} for r in records]
+                                                       "acceptance_lengths", "margins", "decode_seconds")}
+                              for r in records]
     return summary
+
+
+def per_response_speedup(records: list[dict], reference: list[dict]) -> dict | None:
+    """The spread behind the pooled speedup: each response's time per token against `ar`'s on the same
+    prompt (median, quartiles, min and max over the responses); None where `ar` was not timed."""
+    ratios = sorted((ref["decode_seconds"] / len(ref["output_ids"])) / (r["decode_seconds"] / len(r["output_ids"]))
+                    for r, ref in zip(records, reference)
+                    if r["output_ids"] and ref["output_ids"] and r["decode_seconds"] and ref["decode_seconds"])
+    if not ratios:
+        return None
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    return {"median": statistics.median(ratios), "q1": quartiles[0], "q3": quartiles[2],
+            "min": ratios[0], "max": ratios[-1], "responses": len(ratios)}
 
 
 def summarize_public(checked: list[tuple[str, PublicAgreement]]) -> dict:
@@ -140,6 +157,9 @@ def speed_line(bench: str, entry: dict) -> str:
     """The best method against `ar`, and `ar` against transformers' own generate, in words."""
     methods, best = entry["methods"], entry.get("best_method")
     line = f"\n{bench}: best method " + (f"{best}, {methods[best]['speedup']:.2f}x ar" if best else "none timed")
+    if best and (spread := methods[best].get("speedup_per_response")):
+        line += (f" (per response: median {spread['median']:.2f}x, quartiles {spread['q1']:.2f}-{spread['q3']:.2f}, "
+                 f"range {spread['min']:.2f}-{spread['max']:.2f})")
     if best and methods[best]["speedup"] < 1:
         line += " (plain decoding is faster)"
     if entry.get("ar_over_hf") is not None:
