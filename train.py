@@ -311,7 +311,10 @@ def checked_attention(run: RunParts, state: TrainerState, log) -> str:
     """The kernel to train with: run.attention where its loss and gradients match dense on one row of
     this rank's next batch, else dense or a stop (drafter/training/attention_check.py)."""
     planned = next(run.data.sampler.batches_for_rank(state.epoch, state.micro_step_in_epoch), None)
+    if planned is None:  # resumed at the end of an epoch: the next one's first batch
+        planned = next(run.data.sampler.batches_for_rank(state.epoch + 1, 0), None)
     if planned is None:
+        log.print(f"attention check: no batch to check {run.attention} on; training with it unchecked")
         return run.attention
     batch = collate([run.data.train_set[int(planned.indices[0])]], planned.bucket, run.cfg.data.max_length)
     input_ids, loss_mask = batch["input_ids"].to(run.device), batch["loss_mask"].to(run.device)
@@ -330,6 +333,9 @@ def checked_attention(run: RunParts, state: TrainerState, log) -> str:
     comparison = worst_over_ranks(compare_with_dense(
         drafter, run.target, features, input_ids, loss_mask, objective, run.attention,
         ATTENTION_TOLERANCE[run.dtype], final_hidden))
+    del drafter, features, final_hidden
+    if run.device.type == "cuda":  # the copy and its gradients: give the run its memory back
+        torch.cuda.empty_cache()
     kernel, line = attention_verdict(run.cfg.objective.attention, comparison)
     log.print(line)
     log.log({"step": state.step, **asdict(comparison), "trains_with": kernel}, prefix="attention_check")

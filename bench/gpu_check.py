@@ -100,7 +100,7 @@ LOSSLESS_LOGIT_STD = 2.5  # the lossless check's target logits: spread enough th
 # subprocess checks, whose budgets kill the process group (preflight_runs.SUB_RUN_BUDGETS_S).
 BUDGETS_S = {"flex_vs_dense": (900, 240), "compile_bound": (1200, 180), "train_step": (900, 120),
              "train_step_syncs": (600, 60), "ddtree_step_syncs": (600, 60), "lossless": (900, 120),
-             "ds_engines": (900, 180), "launches": (3600, 900)}
+             "ds_engines": (900, 180), "launches": (4200, 900)}
 
 
 def sync_time(device: torch.device) -> float:

@@ -59,6 +59,33 @@ def test_a_kernel_that_differs_stops_the_run_or_falls_back_to_dense_under_auto(t
     assert kernel == "dense" and line.startswith("warning: attention check failed") and "trains on dense" in line
 
 
+def test_a_kernel_that_raises_or_gives_nan_gradients_fails_the_check(target, monkeypatch):
+    """The first flex backward on a GPU is as likely to raise (a compile error, too little shared memory)
+    as to differ; and a NaN gradient must not pass because max() skips NaN."""
+    def broken(q, k, v, block_mask, enable_gqa):
+        raise RuntimeError("No valid triton configs\nmore detail")
+    monkeypatch.setattr(layers, "flex_attention", broken)
+    drafter = make_drafter(target, block_size=8).train()
+    input_ids = torch.randint(0, 250, (1, 64), generator=torch.Generator().manual_seed(0))
+    loss_mask = torch.ones_like(input_ids)
+    features = context_features(target, input_ids, drafter.target_layer_ids)
+    result = compare_with_dense(drafter, target, features, input_ids, loss_mask, ObjectiveConfig(num_anchors=6),
+                                "flex", ATTENTION_TOLERANCE[torch.float32])
+    assert not result.passed and result.error == "RuntimeError: No valid triton configs"
+    assert attention_verdict("auto", result)[0] == "dense"
+    with pytest.raises(AttentionMismatch, match="flex failed on the first batch: RuntimeError: No valid triton"):
+        attention_verdict("flex_compiled", result)
+
+    def nan_backward(q, k, v, block_mask, enable_gqa):
+        out = stand_in_flex(1.0, backward_only=False)(q, k, v, block_mask, enable_gqa)
+        out.register_hook(lambda grad: grad * float("nan"))  # the forward exact, its gradient NaN
+        return out
+    monkeypatch.setattr(layers, "flex_attention", nan_backward)
+    result = compare_with_dense(drafter, target, features, input_ids, loss_mask, ObjectiveConfig(num_anchors=6),
+                                "flex", ATTENTION_TOLERANCE[torch.float32])
+    assert result.loss_rel_error < 1e-6 and not result.passed and result.badness == float("inf")
+
+
 def check_in_a_run(rank: int, cfg_path: str, out: str, scale: float, setting: str):
     """One process, as train.py sets a run up: train.checked_attention on the run's first batch with
     the stand-in as its kernel; what it returned (or raised) and logged goes to `out`."""

@@ -144,9 +144,9 @@ def test_a_distilled_variant_trains_under_zero1_and_offload_resumes_exactly_and_
     zero1, offload = tmp_path / "zero1", tmp_path / "offload"
     out = run_to_end(cfg, f"run.out_dir={zero1}", f"train.ds_config={ds_config(tmp_path, 'zero2.json', stage=1)}",
                      *common)
-    assert "deepspeed ZeRO-1" in out and "run tiny-g4-b95-target-kl-dpace" in out
+    assert "deepspeed ZeRO-1, torch AdamW" in out and "run tiny-g4-b95-target-kl-dpace" in out
     offload_args = [f"run.out_dir={offload}", f"train.ds_config={REPO / 'ds_configs' / 'zero2_offload.json'}", *common]
-    assert "deepspeed ZeRO-2, optimizer offload to cpu" in run_to_end(cfg, *offload_args)
+    assert "deepspeed ZeRO-2, optimizer offload to cpu, DeepSpeed AdamW from the JSON" in run_to_end(cfg, *offload_args)
     uninterrupted, final_weights = train_losses(offload), exported(offload, 12)
     assert list(uninterrupted) == list(range(1, 13)) and "selector_loss" in records(offload)[-1]
     assert uninterrupted[1] != pytest.approx(train_losses(ref_dir / "run")[1], rel=1e-3)  # KL, not data CE

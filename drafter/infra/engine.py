@@ -231,8 +231,9 @@ class DeepSpeedEngine:
         self.num_parameters = sum(p.numel() for p in drafter.parameters())  # before ZeRO-3 partitions them
         self.stage = ds_config["zero_optimization"]["stage"]
         offload = ds_config["zero_optimization"].get("offload_optimizer", {}).get("device", "none")
-        self.description = (f"deepspeed ZeRO-{self.stage}, {deepspeed_optimizer(ds_config, device)}"
-                            + (f", optimizer offload to {offload}" if offload not in ("none", None) else ""))
+        self.description = (f"deepspeed ZeRO-{self.stage}"
+                            + (f", optimizer offload to {offload}" if offload not in ("none", None) else "")
+                            + f", {deepspeed_optimizer(ds_config, device)}")
         deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
         params = _trainable(drafter)
         client = None if "optimizer" in ds_config else build_optimizers(params, optim, device)[0]

@@ -103,7 +103,9 @@ def local_device() -> torch.device:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if not torch.cuda.is_available():
         return torch.device("cpu")
-    if local_rank >= torch.cuda.device_count():
+    if torch.cuda.device_count() == 1:  # one GPU bound to this task (srun --gpus-per-task=1): it is cuda:0
+        local_rank = 0
+    elif local_rank >= torch.cuda.device_count():
         raise LaunchError(f"local rank {local_rank} but only {torch.cuda.device_count()} GPUs on this node: "
                           "start one task per GPU")
     torch.cuda.set_device(local_rank)
@@ -125,7 +127,12 @@ def local_world_size(world_size: int) -> int:
 
 def set_cpu_threads(threads_per_rank: int | None, world_size: int) -> None:
     """Torch's CPU threads for this rank: `threads_per_rank`, or the cores shared by the node's ranks."""
-    torch.set_num_threads(threads_per_rank or max(1, (os.cpu_count() or 1) // local_world_size(world_size)))
+    torch.set_num_threads(threads_per_rank or max(1, usable_cores() // local_world_size(world_size)))
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (a SLURM or container CPU set), not the node's count."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def init_distributed(timeout_minutes: float = 30.0, backend: str | None = None) -> tuple[int, int, torch.device]:

@@ -10,6 +10,8 @@ Training stops that forward after the last needed layer (an exception raised by 
 layers after it and the LM head never run; distillation (objective.labels=target) runs every layer
 (`features_and_final_hidden`) and computes the target's logits chunk by chunk inside the loss.
 """
+import datetime
+import functools
 import os
 import weakref
 from collections import Counter
@@ -118,11 +120,22 @@ def _attempt(fetch, *args, **kwargs) -> tuple[str | None, str | None]:
         return None, f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
+# How long a node's other ranks wait for its first rank's download: hours for a large target, where the
+# default group's timeout (train.dist_timeout_minutes) would have NCCL's watchdog end the job
+FETCH_WAIT = datetime.timedelta(hours=12)
+
+
+@functools.cache
+def _fetch_group():
+    """A gloo group over every rank for the fetch's agreement: CPU objects, FETCH_WAIT's timeout."""
+    return dist.new_group(backend="gloo", timeout=FETCH_WAIT)
+
+
 def _stop_on_failure(path: str, failure: str | None) -> None:
     """Raise TargetFetchError on every rank when a rank's fetch failed (the first rank's reason)."""
     if dist.is_initialized():
         failures = [None] * dist.get_world_size()
-        dist.all_gather_object(failures, failure)
+        dist.all_gather_object(failures, failure, group=_fetch_group())
         failure = next((f for f in failures if f), None)
     if failure:
         raise TargetFetchError(f"target {path}: could not fetch its files from the hub ({failure})")

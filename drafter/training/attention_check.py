@@ -8,6 +8,7 @@ rank compares; the worst rank decides for all. A mismatch stops the run in one l
 largest difference, or, with objective.attention=auto, trains on dense and says so in the log and
 in W&B.
 """
+import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -29,15 +30,27 @@ class KernelComparison:
     kernel: str
     loss_rel_error: float
     grads_rel_error: float          # over all of the drafter's gradients at once
-    worst_parameter: str            # the parameter whose gradient differs most
+    worst_parameter: str            # the parameter whose gradient differs most (a diagnostic)
     worst_parameter_rel_error: float
     tolerance: float
+    error: str | None = None        # the kernel raised this instead of giving a loss and gradients
 
     @property
     def passed(self) -> bool:
-        return max(self.loss_rel_error, self.grads_rel_error, self.worst_parameter_rel_error) <= self.tolerance
+        """Loss and gradients within the tolerance (a NaN is not); a single parameter's error is reported,
+        not judged: a norm's tiny gradient can differ more in relative terms with no harm."""
+        return self.error is None and all(math.isfinite(e) and e <= self.tolerance
+                                          for e in (self.loss_rel_error, self.grads_rel_error))
+
+    @property
+    def badness(self) -> float:
+        """How far from passing, for choosing the worst rank (non-finite and errors: inf)."""
+        errors = (self.loss_rel_error, self.grads_rel_error)
+        return math.inf if self.error or not all(map(math.isfinite, errors)) else max(errors)
 
     def line(self) -> str:
+        if self.error:
+            return f"{self.kernel} failed on the first batch: {self.error}"
         return (f"{self.kernel} against dense on the first batch: loss rel {self.loss_rel_error:.2g}, gradients "
                 f"rel {self.grads_rel_error:.2g}, largest {self.worst_parameter} rel "
                 f"{self.worst_parameter_rel_error:.2g} (tolerance {self.tolerance:g})")
@@ -51,16 +64,23 @@ def compare_with_dense(drafter, target, features, input_ids, loss_mask, objectiv
                        tolerance: float, final_hidden=None) -> KernelComparison:  # training_step's inputs
     """Loss and gradients of one training step under `kernel` and under dense, with the same anchors."""
     names, params = zip(*[(n, p) for n, p in drafter.named_parameters() if p.requires_grad])
-    results = {}
-    for attention in (kernel, "dense"):
+
+    def loss_and_grads(attention):
         with torch.enable_grad():
             loss, _ = training_step(drafter, target, features, input_ids, loss_mask, objective,
                                     torch.Generator().manual_seed(0), attention, final_hidden)
             grads = torch.autograd.grad(loss, params, allow_unused=True)
-        results[attention] = (loss.detach(), [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)])
-    (loss, grads), (dense_loss, dense_grads) = results[kernel], results["dense"]
+        return loss.detach(), [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+
+    try:  # a kernel that cannot compile or run on this GPU fails the check as one that differs does
+        loss, grads = loss_and_grads(kernel)
+    except Exception as error:  # noqa: BLE001 (torch.compile, Triton and CUDA raise many kinds)
+        first = next((line for line in str(error).splitlines() if line.strip()), "")
+        return KernelComparison(kernel, math.inf, math.inf, "-", math.inf, tolerance,
+                                f"{type(error).__name__}: {first.strip()}")
+    dense_loss, dense_grads = loss_and_grads("dense")
     per_parameter = [relative_error(g, d) for g, d in zip(grads, dense_grads)]
-    worst = max(range(len(names)), key=per_parameter.__getitem__)
+    worst = max(range(len(names)), key=lambda i: per_parameter[i] if math.isfinite(per_parameter[i]) else math.inf)
     flat = lambda tensors: torch.cat([t.float().reshape(-1) for t in tensors])  # noqa: E731
     return KernelComparison(kernel, relative_error(loss, dense_loss), relative_error(flat(grads), flat(dense_grads)),
                             names[worst], per_parameter[worst], tolerance)
@@ -72,8 +92,7 @@ def worst_over_ranks(comparison: KernelComparison) -> KernelComparison:
         return comparison
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, asdict(comparison))
-    return max((KernelComparison(**c) for c in gathered),
-               key=lambda c: max(c.loss_rel_error, c.grads_rel_error, c.worst_parameter_rel_error))
+    return max((KernelComparison(**c) for c in gathered), key=lambda c: c.badness)
 
 
 def attention_verdict(setting: str, comparison: KernelComparison) -> tuple[str, str]:
@@ -83,6 +102,7 @@ def attention_verdict(setting: str, comparison: KernelComparison) -> tuple[str, 
         return comparison.kernel, f"attention check: {comparison.line()}: ok"
     if setting == "auto":
         return "dense", (f"warning: attention check failed: {comparison.line()}; objective.attention=auto "
-                         "trains on dense instead (slower, exact)")
+                         "trains on dense instead (slower, exact; it materialises the attention scores, which "
+                         "long rows may not fit)")
     raise AttentionMismatch(f"objective.attention={setting}: {comparison.line()}; set objective.attention=dense, "
                             "or auto to fall back to it")
