@@ -129,24 +129,25 @@ def subprocess_env() -> dict:
             "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")}
 
 
-def process_tree(pid: int) -> list[int]:
-    """`pid` and every process below it (torchrun's workers run in sessions of their own, which a
-    signal to the launcher's process group does not reach)."""
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (torchrun's workers run in sessions of their own, which a signal to
+    the launcher's process group does not reach). The tests' launches use it too."""
     found, todo = [], [pid]
     while todo:
         parent = todo.pop()
-        found.append(parent)
         for task in Path(f"/proc/{parent}/task").glob("*"):
             try:
-                todo += [int(c) for c in (task / "children").read_text().split()]
+                children = [int(c) for c in (task / "children").read_text().split()]
             except OSError:  # the task ended
-                pass
+                continue
+            found += children
+            todo += children
     return found
 
 
 def kill_job(proc: subprocess.Popen) -> None:
     """SIGKILL to the job's process group and to every process below its launcher."""
-    pids = process_tree(proc.pid)
+    pids = [proc.pid, *descendants(proc.pid)]
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:

@@ -54,7 +54,6 @@ stream's, each slowed by the other.
 import argparse
 import importlib.util
 import json
-import os
 import time
 from pathlib import Path
 
@@ -68,7 +67,7 @@ from drafter.data.feature_store import FeatureStore
 from drafter.data.feature_store_format import FeatureStoreError, identity_mismatch, row_key, target_file_identity
 from drafter.errors import ConfigError, model_path_problem
 from drafter.infra.launch import (LaunchError, init_distributed, launched_world_size, local_device, local_world_size,
-                                  set_cpu_threads, usable_cores)
+                                  cores_per_rank, set_cpu_threads, usable_cores)
 from drafter.infra.progress import progress_bar
 from drafter.models import load_drafter
 from drafter.serving.decode import (SAMPLING, Generation, Method, generate, speculative_methods, stop_token_ids,
@@ -222,10 +221,10 @@ def tensor_parallel_group(args, target_path: str, world_size: int, device: torch
 def cpu_threads(requested: int | None, world_size: int) -> int:
     """Sets torch's threads for this rank (launch.set_cpu_threads: `requested`, default the node's cores
     shared by its local ranks) and returns them; more than that share stops the eval in one line."""
-    cores, local_ranks = usable_cores(), local_world_size(world_size)
-    share = max(1, cores // local_ranks)
+    share = cores_per_rank(world_size)
     if requested is not None and not 1 <= requested <= share:
-        raise SystemExit(f"error: --threads {requested}: this node has {cores} cores for {local_ranks} local "
+        raise SystemExit(f"error: --threads {requested}: this node has {usable_cores()} cores for "
+                         f"{local_world_size(world_size)} local "
                          f"rank(s), so at most {share} threads per rank")
     set_cpu_threads(requested, world_size)
     return torch.get_num_threads()

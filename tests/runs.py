@@ -5,7 +5,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,7 +13,7 @@ from pathlib import Path
 import datasets
 import yaml
 
-from bench.preflight_runs import arithmetic_rows
+from bench.preflight_runs import arithmetic_rows, descendants, free_port  # noqa: F401 (the tests' names)
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -52,12 +51,6 @@ def write_run(tmp_path: Path, **train) -> Path:
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env(extra: dict | None = None) -> dict:
@@ -127,22 +120,6 @@ def run_to_end(cfg: Path, *overrides: str, expect: int | None = 0, **kwargs) -> 
         remove_shm_buffers(proc)
     assert proc.returncode == expect if expect is not None else proc.returncode != 0, out[-4000:]
     return out
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid` (torchrun starts its workers in sessions of their own, so signalling
-    the launcher's process group does not reach them)."""
-    found, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        for task in Path(f"/proc/{parent}/task").glob("*"):
-            try:
-                children = [int(c) for c in (task / "children").read_text().split()]
-            except OSError:  # the task ended
-                continue
-            found += children
-            todo += children
-    return found
 
 
 def kill_job(proc: subprocess.Popen, signum: int, launcher: bool = True) -> None:

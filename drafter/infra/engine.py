@@ -164,9 +164,9 @@ def deepspeed_config(json_path: str, cfg, world_size: int, bf16: bool, hidden_si
 def deepspeed_optimizer(ds_config: dict, device: torch.device) -> str:
     """What steps the drafter under this JSON: torch's AdamW (no `optimizer` block), or the
     DeepSpeed optimizer its block names, with the compiled op it builds (None: a torch optimizer)."""
-    op = deepspeed_op(ds_config, device)
     if "optimizer" not in ds_config:
         return "torch AdamW" + (" (fused)" if device.type == "cuda" else "")
+    op = deepspeed_op(ds_config, device)
     return f"DeepSpeed {ds_config['optimizer'].get('type')} from the JSON" + (f" (op {op})" if op else "")
 
 

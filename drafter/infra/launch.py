@@ -127,7 +127,12 @@ def local_world_size(world_size: int) -> int:
 
 def set_cpu_threads(threads_per_rank: int | None, world_size: int) -> None:
     """Torch's CPU threads for this rank: `threads_per_rank`, or the cores shared by the node's ranks."""
-    torch.set_num_threads(threads_per_rank or max(1, usable_cores() // local_world_size(world_size)))
+    torch.set_num_threads(threads_per_rank or cores_per_rank(world_size))
+
+
+def cores_per_rank(world_size: int) -> int:
+    """This rank's share of the cores it may run on, among the node's ranks (at least one)."""
+    return max(1, usable_cores() // local_world_size(world_size))
 
 
 def usable_cores() -> int:
