@@ -55,6 +55,7 @@ from drafter.models import DFlashDraftModel, DraftCache  # noqa: E402
 from drafter.models.configure import drafter_config  # noqa: E402
 from drafter.models.draft_vocab import DraftVocab  # noqa: E402
 from drafter.target.cache import TargetCache  # noqa: E402
+from drafter.infra.cpu_layout import serve_column_major_, serving_layout  # noqa: E402
 from drafter.target.model import compute_dtype, load_target  # noqa: E402
 
 DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -270,11 +271,13 @@ def hf_forward(target, ids: torch.Tensor, context: int, threads: int, min_run_ti
 
 
 def drafter_step(target, layers: int, slots: int, vocab_rows: int | None, context: int, threads: int,
-                 min_run_time: float) -> dict:
+                 min_run_time: float, column_major: bool) -> dict:
     """A random DFlash drafter's `draft_states` after `context` cached positions, cropped back."""
     text = target.config.get_text_config()
     with torch.inference_mode(False):  # its buffers' versions are read by `head_weight`
         drafter = build_drafter(target.config, layers, slots, vocab_rows).to(target.dtype).eval()
+        if column_major:
+            serve_column_major_(drafter)
         if vocab_rows:
             drafter.set_draft_vocab(DraftVocab.of(torch.arange(vocab_rows), text.vocab_size))
     gen = torch.Generator().manual_seed(2)
@@ -335,7 +338,7 @@ def measure_rows(rows: list[dict], target, args) -> list[dict]:
         else:
             rows_k = None if "V=" in r["what"] else int(r["what"].split("K=")[1])
             ours = drafter_step(target, args.drafter_layers, args.slots, rows_k, args.context, args.threads,
-                                args.min_run_time)
+                                args.min_run_time, args.weight_layout == "column")
             out.append(row(r["what"], r["threads"], r["dtype"], cost, floor, ours))
     return out
 
@@ -384,6 +387,8 @@ def parse_args(argv=None):
     p.add_argument("--mm-rows", type=int, nargs="+", default=[1, 9, 33])
     p.add_argument("--square", type=int, default=1024)
     p.add_argument("--min-run-time", type=float, default=1.0, help="seconds per Timer.blocked_autorange")
+    p.add_argument("--weight-layout", default="auto", choices=["auto", "row", "column"],
+                   help="the served weights' layout (drafter/infra/cpu_layout.py); auto: the probe's")
     p.add_argument("--no-measure", action="store_true", help="machine and floors only, no forwards")
     p.add_argument("--out", default="runs/cpu_limits.json")
     return p.parse_args(argv)
@@ -410,6 +415,12 @@ def run(args) -> dict:
     rows = floor_rows(target_config, args, dtype_name, bandwidth, gflops)
     if not args.no_measure:
         target = load_target(args.target, "cpu", DTYPE_NAMES[dtype_name])
+        if args.weight_layout == "auto":
+            layout = serving_layout(target, target.dtype)
+            print(f"serving {layout.reason}", flush=True)
+            args.weight_layout = "column" if layout.column else "row"
+        if args.weight_layout == "column":
+            serve_column_major_(target)
         with torch.inference_mode():
             rows = measure_rows(rows, target, args)
     return {"cpu_model": cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),

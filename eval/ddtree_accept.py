@@ -66,6 +66,8 @@ from drafter.data.chat_template import prompt_token_ids
 from drafter.data.feature_store import FeatureStore
 from drafter.data.feature_store_format import FeatureStoreError, identity_mismatch, row_key, target_file_identity
 from drafter.errors import ConfigError, model_path_problem
+from drafter.infra.cpu_dtype import say_once
+from drafter.infra.cpu_layout import serve_column_major_, serving_layout
 from drafter.infra.launch import (LaunchError, init_distributed, launched_world_size, local_device, local_world_size,
                                   cores_per_rank, set_cpu_threads, usable_cores)
 from drafter.infra.progress import progress_bar
@@ -300,6 +302,7 @@ class Evaluator:
         recorded = self.drafter.config.dflash_config
         self.target_path = target_path
         self.target = load_tp_target(self.target_path, tp_group, device, dtype)
+        self.layout = self.serve_in_fastest_layout(device, dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(self.target_path)
         thinking = recorded.get("chat_template_kwargs", {}).get("enable_thinking", False)
         self.enable_thinking = thinking if args.enable_thinking is None else args.enable_thinking == "true"
@@ -323,6 +326,18 @@ class Evaluator:
                               "public dflash 0.1.0 loop does not read")
         self.public = load_public(directory, dtype, device) if args.check_public else None
         self.store = replay_store(args.features, target_path, self.drafter.target_layer_ids) if args.features else None
+
+    def serve_in_fastest_layout(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        """On the CPU, the target's and drafter's weights in the layout this CPU multiplies fastest
+        (drafter/infra/cpu_layout.py); both plain decoders (ar, hf) run in it too."""
+        if device.type != "cpu":
+            return None
+        layout = serving_layout(self.target, dtype)
+        say_once(f"serving {layout.reason}")
+        if layout.column:
+            serve_column_major_(self.target)
+            serve_column_major_(self.drafter)
+        return "column" if layout.column else "row"
 
     def replays(self, method: Method) -> bool:
         """Whether `method` is replayed on `ar`'s text instead of generated (module docstring)."""
@@ -482,6 +497,7 @@ def report(records_by_bench: dict, args, evaluator: Evaluator, world_size: int, 
               "temperature": args.temperature, "sampling": args.sampling,
               "tie_tolerance": args.tie_tolerance, "max_new_tokens": args.max_new_tokens,
               "enable_thinking": evaluator.enable_thinking, "dtype": str(evaluator.dtype),
+              "weight_layout": evaluator.layout,
               "device": str(evaluator.target.device), "world_size": world_size, "tp_size": args.tp,
               "threads": threads, "regime": speed_regime(threads, world_size, args.tp),
               "cpu_capability": torch.backends.cpu.get_cpu_capability()

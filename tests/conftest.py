@@ -10,6 +10,9 @@ torch.set_num_threads(int(os.environ.get("TEST_TORCH_THREADS", "1")))
 # online runs assume it. Set before anything runs, so the launched ranks and scripts inherit it too;
 # tests/test_cpu_dtype.py sets its own.
 os.environ["DRAFTER_CPU_BF16"] = "slow"
+# and the served weights row-major as loaded (drafter/infra/cpu_layout.py's probe would otherwise decide);
+# tests/test_cpu_layout.py sets its own.
+os.environ["DRAFTER_CPU_WEIGHT_LAYOUT"] = "row"
 
 from drafter.config import DrafterVariant
 from drafter.models import DFlashDraftModel, drafter_class  # noqa: E402
