@@ -27,7 +27,6 @@ from dataclasses import asdict, replace
 import torch
 import torch.distributed as dist
 
-from drafter.config import lr_factor, noise_std
 from drafter.data.feature_store import StoreFeatures
 from drafter.data.loader import collate, make_loader
 from drafter.errors import UserError
@@ -45,6 +44,7 @@ from drafter.training.checkpoint import TrainerState, load_checkpoint, save_chec
 from drafter.training.objective import training_step
 from drafter.training.run_config import config_and_world
 from drafter.training.run_setup import RunParts, build_run, decide_resume, prepare_data
+from drafter.training.schedules import lr_factor, noise_std
 from drafter.training.tracking import RunLogger, Window, bucket_summary, console_line, eval_line
 
 # step_generator's streams of (seed, step, rank): each draw of a step has its own, so that resume

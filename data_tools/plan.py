@@ -148,7 +148,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     try:
         cfg_path = find_in_repo(args.cfg, "configs", f"--cfg {args.cfg}")
-        cfg = OmegaConf.merge(OmegaConf.load(cfg_path), OmegaConf.from_dotlist(args.overrides))
+        cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(cfg_path),
+                              OmegaConf.from_dotlist(args.overrides))
     except ConfigError as error:
         parser.error(str(error))
     except OSError as error:

@@ -18,8 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from drafter.errors import ConfigError
 
-__all__ = ["Config", "ConfigError", "DrafterVariant", "ObjectiveConfig", "load_yaml_config", "lr_factor",
-           "noise_std"]
+__all__ = ["Config", "ConfigError", "DrafterVariant", "ObjectiveConfig", "load_yaml_config"]
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -249,18 +248,30 @@ def config_error_reason(error: Exception) -> str:
     return lines[0] if lines and lines[0].strip() else type(error).__name__
 
 
+def merged_config(path: str, overrides: list[str]) -> DictConfig:
+    """The schema's defaults, then the YAML at `path`, then each `key.sub=value` override, resolved. A key
+    the schema does not have, or a value it refuses, is one ConfigError line naming the file (and the
+    override that wrote it) and the key, or what is not valid YAML."""
+    source = path
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path))
+        for override in overrides:
+            source = f"{path}: override {override}"
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([override]))
+        source = path
+        OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # ${...} that cannot resolve too
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{source}: {config_error_reason(error)}") from None
+    except OmegaConfBaseException as error:
+        key = getattr(error, "full_key", None) or "?"
+        raise ConfigError(f"{source}: bad config key '{key}': {config_error_reason(error)}") from None
+    return cfg
+
+
 def load_yaml_config(path: str, overrides: list[str], choices: dict[str, tuple]) -> DictConfig:
     """YAML at `path` + `key.sub=value` overrides, validated against `Config` and `choices` (each
     key's allowed values); names the run."""
-    schema = OmegaConf.structured(Config)
-    try:
-        cfg = OmegaConf.merge(schema, OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides)))
-        OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # ${...} that cannot resolve too
-    except yaml.YAMLError as error:
-        raise ConfigError(f"{path}: {config_error_reason(error)}") from None
-    except OmegaConfBaseException as error:
-        key = getattr(error, "full_key", None) or "?"
-        raise ConfigError(f"{path}: bad config key '{key}': {config_error_reason(error)}") from None
+    cfg = merged_config(path, overrides)
     problems = validate(cfg, choices)
     if problems:
         raise ConfigError(f"{path}: " + "; ".join(problems))
@@ -383,20 +394,3 @@ def default_run_name(stem: str, cfg) -> str:
                                                          (objective.truncate, "none"),
                                                          (cfg.optim.name, "adamw")) if value != default)
     return f"{stem}-g{gamma:g}-b{round(cfg.optim.betas[1] * 100)}{variant}"
-
-
-def noise_std(noise: NoiseConfig, step: int) -> float:
-    """Feature-noise std at optimizer step `step` (0-based): linear start -> end over warmup_steps."""
-    if noise.warmup_steps <= 0:
-        return float(noise.end)
-    frac = min(step / noise.warmup_steps, 1.0)
-    return float(noise.start + (noise.end - noise.start) * frac)
-
-
-def lr_factor(optim: OptimConfig, step: int, total_steps: int) -> float:
-    """Multiplier of the base lr at `step`: linear warmup over warmup_ratio, then cosine to min_lr_ratio."""
-    warmup = max(1, math.ceil(optim.warmup_ratio * total_steps))
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-    return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))

@@ -15,11 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from drafter.config import ConfigError, lr_factor, noise_std
+from drafter.config import ConfigError
 from drafter.infra.engine import EngineConfigError, deepspeed_config
 from drafter.infra.launch import LaunchError, expand_hostlist, launcher_environment, slurm_environment
 from drafter.infra.run_lock import RunDirectoryBusy, acquire
 from drafter.training.run_config import load_config
+from drafter.training.schedules import lr_factor, noise_std
 from runs import (REPO, UNIFORM_LOSS, descendants, kill_job, launch, records, run_to_end, shm_buffers, train_losses,
                   wait_for_step, write_run)
 

@@ -11,7 +11,7 @@ and torch FSDP2 (`fully_shard`, `torch.distributed.checkpoint`). The training lo
                                   is then a collective: every rank must call it the same number of times)
     engine.num_parameters, engine.description
 
-The learning rate is set by the caller at every step (drafter.config.lr_factor of the trainer's
+The learning rate is set by the caller at every step (drafter.training.schedules.lr_factor of the trainer's
 step), so both engines follow the same schedule whatever steps were skipped. With optim.name=muon
 the 2-D weight matrices step with torch.optim.Muon at optim.muon_lr (the same schedule: the caller's
 lr times muon_lr / lr) and everything else with AdamW. FSDP2 runs it (Newton-Schulz on the full
