@@ -27,6 +27,9 @@ def canned_answer(messages: list[dict]) -> str:
     return f"[{digest}] re: {messages[-1]['content']}"
 
 
+PACED_SECONDS = 0.5
+
+
 class StubServer:
     """/v1/chat/completions on 127.0.0.1 with failures chosen by markers in the last user turn:
     FLAKY fails twice (500, then 429) and then answers; FAIL always answers 500; REJECT answers
@@ -35,11 +38,12 @@ class StubServer:
     reasoning_content), NOTJSON (an HTML body), HANG (no reply until released), CUT200 (a reply
     whose body stops short), STUCK500 (a 500 whose body stops until released), TRICKLE (a reply
     sent a byte at a time, slower in all than --timeout); NULLONCE sends `message: null` once, then
-    answers; SURR answers with a lone surrogate; SLOW answers only once released. With
+    answers; SURR answers with a lone surrogate; SLOW answers only once released; PACED answers
+    429 with a Retry-After of PACED_SECONDS once, then answers. With
     enable_thinking it returns the reasoning separately, as vLLM's reasoning parser does."""
 
     def __init__(self, delay: float = 0.02):
-        self.requests, self.attempts = [], {}
+        self.requests, self.arrivals, self.attempts = [], [], {}
         self.in_flight = self.max_in_flight = 0
         self.lock = threading.Lock()
         self.released = threading.Event()
@@ -54,6 +58,8 @@ class StubServer:
                 try:
                     self.send_response(status)
                     self.send_header("Content-Type", "application/json")
+                    if status == 429 and "PACED" in last:
+                        self.send_header("Retry-After", str(PACED_SECONDS))
                     missing = 1000 if "CUT" in last or "STUCK500" in last else 0  # bytes that never come
                     self.send_header("Content-Length", str(len(payload) + missing))
                     self.end_headers()
@@ -83,6 +89,7 @@ class StubServer:
         key = json.dumps(body["messages"])
         with self.lock:
             self.requests.append(body)
+            self.arrivals.append(time.monotonic())
             attempt = self.attempts[key] = self.attempts.get(key, 0) + 1
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
@@ -90,7 +97,7 @@ class StubServer:
             time.sleep(self.delay)
             if "FAIL" in last or "STUCK500" in last or ("FLAKY" in last and attempt == 1):
                 return 500, {"error": "internal"}
-            if "FLAKY" in last and attempt == 2:
+            if ("FLAKY" in last and attempt == 2) or ("PACED" in last and attempt == 1):
                 return 429, {"error": "slow down"}
             if "REJECT" in last:
                 return 400, {"error": "bad request"}
@@ -285,6 +292,44 @@ def test_an_out_that_is_not_an_output_is_refused_before_anything_is_written(stub
     ("Wed, 21 Oct 2015 07:28:00 GMT", 0.0), (None, 0.0)])
 def test_retry_after_is_a_bounded_wait(header, seconds):  # 0: the exponential backoff alone decides
     assert answer_server.retry_after_seconds(header) == seconds
+
+
+def test_a_retry_waits_as_long_as_the_servers_retry_after(stub, tmp_path):
+    input_path = write_rows(tmp_path / "in.jsonl", [{"messages": [user("PACED question")]}])
+    summary = run(stub, input_path, tmp_path / "regen.jsonl")  # --backoff 0.001: the header decides
+    assert summary["ok"] == 1 and stub.attempts_for("PACED") == 2
+    first, second = stub.arrivals
+    assert second - first >= PACED_SECONDS
+
+
+def server_backend(stub, stop=None, **settings) -> answer_server.ServerBackend:
+    settings = regeneration.RegenerateSettings(input=[], out="", base_url=stub.url, model="m", **settings)
+    return answer_server.ServerBackend(settings, stop or threading.Event())
+
+
+@pytest.mark.parametrize("marker", ["HANG", "TRICKLE"])
+def test_a_reply_slower_than_the_timeout_is_cut_off_in_time(stub, marker):
+    backend = server_backend(stub, timeout=0.2, max_retries=1, backoff=0.001)
+    release = threading.Timer(5, stub.released.set)  # with no timeout, the test fails here, not hangs
+    release.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(regeneration.RowFailed) as failure:
+            backend.answer([user(f"{marker} question")])
+    finally:
+        release.cancel()
+    assert failure.value.reason == "connection" and stub.attempts_for(marker) == 2
+    assert time.monotonic() - started < 2  # two tries of 0.2 s
+
+
+def test_a_stop_ends_the_wait_between_retries(stub):
+    stop = threading.Event()
+    backend = server_backend(stub, stop, max_retries=1, backoff=30.0)
+    threading.Timer(0.3, stop.set).start()
+    started = time.monotonic()
+    with pytest.raises(regeneration.Stopped):
+        backend.answer([user("FAIL always")])
+    assert time.monotonic() - started < 2 and stub.attempts_for("FAIL") == 1
 
 
 def test_thinking_answers_keep_the_reasoning_inline(stub, tmp_path):

@@ -1,67 +1,70 @@
 """The server backend of a regeneration: chat completions from any OpenAI-compatible server (vLLM,
-SGLang) serving the target, over HTTP with the standard library alone, `concurrency` requests in flight.
+SGLang) serving the target, `concurrency` requests in flight, over httpx2 with tenacity's retries.
 
-Requests are retried with exponential backoff and jitter on 429, 5xx (its body cut short or not),
-connection errors, timeouts (the timeout bounds the whole reply, so a server that trickles bytes times
-out too) and replies that are not a well-formed chat completion; other 4xx fail the row at once.
+Requests are retried with exponential backoff and jitter (longer where a Retry-After asks for it) on
+429, 5xx (its body cut short or not), connection errors, timeouts (the timeout bounds the whole reply,
+so a server that trickles bytes times out too) and replies that are not a well-formed chat
+completion; other 4xx fail the row at once. A stop ends the waits between retries.
 """
-import http.client
-import itertools
 import json
 import queue
-import random
 import threading
 import time
 import traceback
-import urllib.error
-import urllib.request
+
+import httpx2
+import tenacity
 
 from drafter.data import chat, chat_files
 from drafter.data.regeneration import Job, Recorder, RegenerateSettings, Rewrite, RowFailed, Stopped
 
-MAX_BACKOFF = 60.0  # seconds, before jitter
+MAX_BACKOFF = 60.0  # seconds
 
 
 class ServerBackend:
-    """One chat completion at a time per call, over an OpenAI-compatible HTTP API (stdlib only)."""
+    """Chat completions over an OpenAI-compatible HTTP API, one client shared by the worker threads."""
 
     def __init__(self, settings: RegenerateSettings, stop: threading.Event):
         self.url = settings.base_url.rstrip("/") + "/chat/completions"
         self.body = {"model": settings.model, "temperature": settings.temperature,
                      "max_tokens": settings.max_tokens,
                      "chat_template_kwargs": {"enable_thinking": settings.thinking}}
-        self.max_retries, self.backoff, self.timeout = settings.max_retries, settings.backoff, settings.timeout
-        self.stop = stop
+        self.timeout, self.stop = settings.timeout, stop
+        self.client = httpx2.Client(timeout=settings.timeout,
+                                    limits=httpx2.Limits(max_connections=settings.concurrency))
+        self.backoff = tenacity.wait_exponential_jitter(multiplier=settings.backoff, max=MAX_BACKOFF,
+                                                        jitter=settings.backoff)
+        self.retrying = tenacity.Retrying(retry=tenacity.retry_if_exception_type(RetryableError),
+                                          stop=tenacity.stop_after_attempt(settings.max_retries + 1),
+                                          wait=self._wait, sleep=self._sleep, reraise=True)
 
     def answer(self, history: list[dict]) -> tuple[str, bool]:
         """(answer, truncated) for `history`; raises RowFailed once retries are exhausted, Stopped
         when the run stops."""
-        request = json.dumps(self.body | {"messages": history}).encode()
-        for attempt in itertools.count():
-            if self.stop.is_set():
-                raise Stopped
-            try:
-                return parse_completion(self._post(request))
-            except RetryableError as error:
-                if attempt >= self.max_retries:
-                    raise RowFailed(error.reason, error.detail) from error
-                delay = min(MAX_BACKOFF, self.backoff * 2 ** attempt) * random.uniform(0.5, 1.5)
-                self.stop.wait(max(error.retry_after, delay))
+        if self.stop.is_set():
+            raise Stopped
+        request = json.dumps(self.body | {"messages": history}).encode()  # a lone surrogate escaped
+        try:
+            return self.retrying(lambda: parse_completion(self._post(request)))
+        except RetryableError as error:
+            raise RowFailed(error.reason, error.detail) from error
 
-    def _post(self, body: bytes):
-        request = urllib.request.Request(self.url, data=body,
-                                         headers={"Content-Type": "application/json"})
+    def _wait(self, state: tenacity.RetryCallState) -> float:
+        """The backoff, or the server's Retry-After where that is longer."""
+        return max(state.outcome.exception().retry_after, self.backoff(state))
+
+    def _sleep(self, seconds: float) -> None:
+        if self.stop.wait(seconds):
+            raise Stopped
+
+    def _post(self, request: bytes):
         deadline = time.monotonic() + self.timeout
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                payload = read_until(response, deadline)
-        except urllib.error.HTTPError as error:
-            detail = error_detail(error)
-            if error.code == 429 or error.code >= 500:
-                raise RetryableError(f"http_{error.code}", detail,
-                                     retry_after_seconds(error.headers.get("Retry-After"))) from error
-            raise RowFailed(f"http_{error.code}", detail) from error
-        except (urllib.error.URLError, OSError, http.client.HTTPException) as error:  # refused, cut, timeout
+            with self.client.stream("POST", self.url, content=request,
+                                    headers={"Content-Type": "application/json"}) as response:
+                check_status(response, deadline)
+                payload = read_within(response, deadline)
+        except httpx2.RequestError as error:  # refused, cut short, timed out
             raise RetryableError("connection", str(error)) from error
         try:
             return chat_files.parse_json(payload.decode("utf-8"))[0]
@@ -69,26 +72,30 @@ class ServerBackend:
             raise RetryableError("bad_response", payload[:200].decode("utf-8", "replace")) from error
 
 
-def read_until(response, deadline: float) -> bytes:
-    """The whole body, or TimeoutError once `deadline` (time.monotonic) passes: the socket timeout
-    bounds each wait, so a server that trickles bytes would otherwise hold a worker for ever."""
+def read_within(response: httpx2.Response, deadline: float) -> bytes:
+    """The whole body, or httpx2.ReadTimeout once `deadline` (time.monotonic) passes: httpx2's
+    timeout bounds each read alone, so a server that trickles bytes would hold a worker for ever."""
     chunks = []
-    while chunk := response.read1(1 << 16):
+    for chunk in response.iter_bytes():
         chunks.append(chunk)
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the reply took longer than --timeout ({sum(map(len, chunks))} bytes so far)")
-    if response.length:  # the connection closed before Content-Length bytes came
-        raise http.client.IncompleteRead(b"".join(chunks), response.length)
+            raise httpx2.ReadTimeout(f"the reply took longer than --timeout ({sum(map(len, chunks))} bytes so far)")
     return b"".join(chunks)
 
 
-def error_detail(error: urllib.error.HTTPError) -> str:
-    """The start of an error reply's body; a body cut short or never sent says so instead (it
-    must not turn a retryable 500 into a failed row)."""
+def check_status(response: httpx2.Response, deadline: float) -> None:
+    """RetryableError for a 429 or 5xx, RowFailed for any other status that is not a success. The
+    detail is the start of the body, or says it could not be read (a 500 stays retryable)."""
+    if response.is_success:
+        return
     try:
-        return error.read(200).decode("utf-8", "replace")
-    except (OSError, http.client.HTTPException) as unreadable:
-        return f"(body unreadable: {unreadable!r})"
+        detail = read_within(response, deadline)[:200].decode("utf-8", "replace")
+    except httpx2.RequestError as unreadable:
+        detail = f"(body unreadable: {unreadable!r})"
+    reason = f"http_{response.status_code}"
+    if response.status_code == 429 or response.status_code >= 500:
+        raise RetryableError(reason, detail, retry_after_seconds(response.headers.get("Retry-After")))
+    raise RowFailed(reason, detail)
 
 
 class RetryableError(Exception):
@@ -132,7 +139,6 @@ def rewrite_with_server(backend: ServerBackend, job: Job) -> Rewrite:
     while not rewrite.done:
         rewrite.accept(*backend.answer(rewrite.history))
     return rewrite
-
 
 
 def run_server(backend: ServerBackend, todo: list[Job], recorder: Recorder, concurrency: int,
