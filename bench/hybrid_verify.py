@@ -1,14 +1,15 @@
 """What verifying a DDTree costs on hybrid targets, against a DFlash chain verify of the same block.
 
-    python bench/hybrid_verify.py [--context 256] [--block 16] [--threads 1] [--repeats 5]
+    python bench/hybrid_verify.py [--context 256] [--block 16] [--threads 1] [--min-run-time 0.3]
 
 Two random hybrids of realistic shape on the CPU (width 512, 8 layers, a 32k vocabulary; ~60M
 parameters each), each with a prefix cache of --context positions:
   qwen3_5_text  Gated DeltaNet x3 then full attention, twice (a recurrent state: no tree form but paths)
   lfm2          short conv and full attention alternating (its convs also run along the tree itself)
 Trees of 8/16/32/64 nodes are built from draft logits whose top-1 carries most of the mass at every
-depth, as a trained drafter's does (deep along the best path, bushy near the root). Timed, best of
---repeats, each from the same prefix cache:
+depth, as a trained drafter's does (deep along the best path, bushy near the root). Timed, the best
+call over about --min-run-time seconds after a warm-up (drafter/infra/timing.py), each from the same
+prefix cache:
   chain       one forward of the block's 16 tokens (DFlash's verify; the baseline)
   paths       the tree as a batch of its root-to-leaf paths: the per-row cache copy and the batch
               forward of leaves x (depth + 1) tokens (drafter/serving/path_verify.py)
@@ -24,7 +25,6 @@ Printed: each form's time over the chain's. Every timed forward runs on a copy o
 """
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -32,6 +32,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from drafter.infra.timing import best_time  # noqa: E402
 from drafter.serving.path_verify import PathBatch, fork  # noqa: E402
 from drafter.target.cache import TargetCache  # noqa: E402
 from drafter.target.model import freeze  # noqa: E402
@@ -65,15 +66,6 @@ def peaked_logits(depth: int, vocab: int, seed: int) -> torch.Tensor:
     return logits
 
 
-def best_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return min(times)
-
-
 def bench(family: str, args) -> None:
     target = hybrid_target(family)
     vocab = target.config.vocab_size
@@ -92,7 +84,7 @@ def bench(family: str, args) -> None:
         with tree_convolution(target, torch.cat([torch.tensor([-1]), tree.parents + 1])):
             verify(ids, positions, attention_mask=mask)
 
-    chain = best_time(lambda: verify(torch.zeros((1, args.block), dtype=torch.long)), args.repeats)
+    chain = best_time(lambda: verify(torch.zeros((1, args.block), dtype=torch.long)), args.min_run_time)
     print(f"\n{family}-shaped hybrid, {sum(p.numel() for p in target.parameters()) / 1e6:.0f}M parameters: chain "
           f"verify of {args.block} tokens {chain * 1e3:.1f} ms")
     other = "refeed paths+refeed   flat" if family == "qwen3_5_text" else "tree conv"
@@ -101,14 +93,15 @@ def bench(family: str, args) -> None:
         tree = build_tree(peaked_logits(args.block - 1, vocab, budget), budget)
         batch = PathBatch.of(tree, torch.tensor(0), start)
         depth = batch.input_ids.shape[1] - 1
-        paths = best_time(lambda: verify(batch.input_ids), args.repeats)
+        paths = best_time(lambda: verify(batch.input_ids), args.min_run_time)
         row = f"{budget:>6} {batch.rows:>6} {depth:>5} {batch.input_ids.numel():>6} {paths / chain:>7.2f}"
         if family == "qwen3_5_text":
-            refeed = best_time(lambda: verify(batch.input_ids[:1, :depth // 2 + 1]), args.repeats)
-            flat = best_time(lambda: verify(torch.zeros((1, tree.size + 1), dtype=torch.long)), args.repeats)
+            refeed = best_time(lambda: verify(batch.input_ids[:1, :depth // 2 + 1]), args.min_run_time)
+            flat = best_time(lambda: verify(torch.zeros((1, tree.size + 1), dtype=torch.long)),
+                             args.min_run_time)
             row += f" {refeed / chain:>6.2f} {(paths + refeed) / chain:>12.2f} {flat / chain:>6.2f}"
         else:
-            row += f" {best_time(lambda: tree_conv(tree), args.repeats) / chain:>9.2f}"
+            row += f" {best_time(lambda: tree_conv(tree), args.min_run_time) / chain:>9.2f}"
         print(row)
 
 
@@ -117,7 +110,7 @@ def main(argv=None):
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--block", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--min-run-time", type=float, default=0.3, help="seconds of timed calls per measure")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(f"{args.context} cached positions, block {args.block}, {args.threads} thread(s)")

@@ -4,13 +4,14 @@
 
 A target and a drafter of the config's shapes (the toy target's architecture from data_tools/toy.py,
 random weights) on one rank, one batch of the config's token budget (rows of --row-length tokens,
-the first --prompt-length unsupervised). Timed, best of --repeats:
+the first --prompt-length unsupervised). Timed by drafter/infra/timing.py, best of about --min-run-time
+seconds of calls after a warm-up:
   train step   target features + training forward + backward + AdamW step (the baseline)
   replay       drafter/serving/served.py's replayed_tau on the same batch (features included), at the
                config's train.tau_budgets: what each eval batch now adds
   generation   generation_tau on --prompt-length-token prompts, at the config's generate settings:
                a random drafter accepts nothing, so every step commits one token (the most steps a
-               prompt can take: an upper bound)
+               prompt can take: an upper bound); one timed call
 and the share of the run's time they would take at the config's step counts:
   replay:     evals x eval_batches x replay / (max_steps x train step)
   generation: generations x min(per-rank prompts x per-prompt time, generate_max_seconds + one prompt)
@@ -19,7 +20,6 @@ and the share of the run's time they would take at the config's step counts:
 import argparse
 import math
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -28,21 +28,13 @@ from omegaconf import OmegaConf
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # data_tools/toy.py's shapes, run from anywhere
 
 from data_tools.toy import TARGET_CONFIG, VOCAB_SIZE  # noqa: E402
+from drafter.infra.timing import best_time  # noqa: E402
 from drafter.models import DFlashDraftModel  # noqa: E402
 from drafter.models.configure import drafter_config  # noqa: E402
 from drafter.serving.served import generation_tau, replayed_tau  # noqa: E402
 from drafter.target.model import context_features, random_qwen3  # noqa: E402
 from drafter.training.objective import training_step  # noqa: E402
 from drafter.training.run_config import load_config  # noqa: E402
-
-
-def best_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def main():
@@ -52,7 +44,7 @@ def main():
     parser.add_argument("--ranks", type=int, default=2, help="ranks the run's prompts are split over")
     parser.add_argument("--row-length", type=int, default=256)
     parser.add_argument("--prompt-length", type=int, default=100)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--min-run-time", type=float, default=1.0, help="seconds of timed calls per measure")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     cfg = load_config(args.cfg)
@@ -91,9 +83,9 @@ def main():
                              max_new_tokens=train.generate_max_new_tokens, max_seconds=math.inf)
         assert out["gen_tau_dflash"][1] == len(prompts)
 
-    train_s = best_time(train_step, args.repeats)
-    replay_s = best_time(replay, args.repeats)
-    per_prompt_s = best_time(generation, 1) / len(prompts)
+    train_s = best_time(train_step, args.min_run_time)
+    replay_s = best_time(replay, args.min_run_time)
+    per_prompt_s = best_time(generation, 0) / len(prompts)
 
     steps = train.max_steps
     evals = steps // train.eval_every + (steps % train.eval_every != 0)

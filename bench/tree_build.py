@@ -1,19 +1,22 @@
 """DDTree tree build: our builder against a straightforward heapq version on the same logits.
 
     python bench/tree_build.py [--depth 15] [--budgets 16,...,1024] [--vocabs 4096,32768] [--device cpu]
+                               [--min-run-time 0.1]
 
 Both start from the same draft logits [L, V]. `topk` is the shared first step (top-k and
 log-softmax normaliser, the same call in both); `heapq` is the reference's best-first search in
 Python on the CPU; `ours` is `build_tree` after that step (compiled heap on the CPU, tensor ops with
 --backend tensor or on CUDA). The ratio is heapq / ours for the search; `end-to-end` includes topk
-on both sides. Each row also checks that the two trees are equal.
+on both sides. Each time is the best block of calls over about --min-run-time seconds after a warm-up
+(drafter/infra/timing.py; CUDA synchronised around each block). Each row also checks that the two
+trees are equal.
 """
 import argparse
 import heapq
-import time
 
 import torch
 
+from drafter.infra.timing import best_time
 from drafter.tree.ddtree import DraftTree, build_tree_from_logprobs, fixed_point
 
 
@@ -56,17 +59,8 @@ def trees_equal(a: DraftTree, b: DraftTree) -> bool:
                ((a.tokens, b.tokens), (a.parents, b.parents), (a.depths, b.depths)))
 
 
-def best_time(fn, repeats: int, synchronize) -> float:
-    """Best wall time of `repeats` calls after one warm-up, in ms."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        synchronize()
-        start = time.perf_counter()
-        fn()
-        synchronize()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
+def best_ms(fn, min_run_time: float) -> float:
+    return best_time(fn, min_run_time) * 1e3
 
 
 def main():
@@ -76,15 +70,14 @@ def main():
     parser.add_argument("--vocabs", default="4096,32768")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--backend", default="auto", choices=["auto", "compiled", "tensor"])
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--min-run-time", type=float, default=0.1, help="seconds of timed calls per measure")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     generator = torch.Generator().manual_seed(0)
 
-    print(f"L={args.depth}, device={device}, backend={args.backend}, best of {args.repeats}, ms")
+    print(f"L={args.depth}, device={device}, backend={args.backend}, best of {args.min_run_time} s of calls, ms")
     print("| budget | vocab | topk | heapq | ours | ratio | end-to-end | equal |")
     print("|---:|---:|---:|---:|---:|---:|---:|:---:|")
     for vocab in map(int, args.vocabs.split(",")):
@@ -94,12 +87,11 @@ def main():
             cpu_logprobs, cpu_ids = logprobs.cpu(), ids.cpu()
             ours = build_tree_from_logprobs(logprobs, ids, budget, args.backend)
             equal = trees_equal(ours, heapq_tree(cpu_logprobs, cpu_ids, budget))
-            topk_ms = best_time(lambda: topk_logprobs(logits, budget), args.repeats, synchronize)
+            topk_ms = best_ms(lambda: topk_logprobs(logits, budget), args.min_run_time)
             # the reference copies the top-k to the host and walks the heap there
-            heapq_ms = best_time(lambda: heapq_tree(logprobs.cpu(), ids.cpu(), budget),
-                                 args.repeats, synchronize)
-            ours_ms = best_time(lambda: build_tree_from_logprobs(logprobs, ids, budget, args.backend),
-                                args.repeats, synchronize)
+            heapq_ms = best_ms(lambda: heapq_tree(logprobs.cpu(), ids.cpu(), budget), args.min_run_time)
+            ours_ms = best_ms(lambda: build_tree_from_logprobs(logprobs, ids, budget, args.backend),
+                              args.min_run_time)
             print(f"| {budget} | {vocab} | {topk_ms:.3f} | {heapq_ms:.3f} | {ours_ms:.3f} "
                   f"| {heapq_ms / ours_ms:.1f}x | {(topk_ms + heapq_ms) / (topk_ms + ours_ms):.1f}x "
                   f"| {'yes' if equal else 'NO'} |", flush=True)

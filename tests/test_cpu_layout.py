@@ -52,7 +52,7 @@ class FakeTimer:
     """torch.utils.benchmark.Timer whose median is read from TIMES by (layout, rows)."""
     TIMES: dict = {}
 
-    def __init__(self, stmt, globals):
+    def __init__(self, stmt, globals, num_threads):
         weight, x = globals["w"], globals["x"]
         self.key = ("row" if weight.is_contiguous() else "column", x.shape[0])
 

@@ -4,8 +4,8 @@ CPUs with AVX-512 BF16 or AMX run a bf16 matmul faster than an fp32 one; the res
 EPYC before Zen 4) emulate bf16 and run it tens of times slower. The instruction set torch reports
 (`torch.backends.cpu.get_cpu_capability()`) does not say which on its own ("AVX512" covers both), so a
 short probe decides: one 512x512 @ 512x512 matmul in fp32 and in bf16 at the current thread count, each
-timed as the best of a few calls, once per process (well under a second; an emulated bf16 matmul is
-timed once). The capability is reported with the verdict.
+timed by torch.utils.benchmark for about BUDGET_S, once per process (well under a second; an emulated
+bf16 matmul is called twice, a warm-up and a timed call). The capability is reported with the verdict.
 
 DRAFTER_CPU_BF16=fast|slow skips the probe: the tests set it, so that `auto` is the same on every CPU.
 In a process group of several ranks, rank 0 probes and every rank takes its verdict (a collective on
@@ -13,7 +13,6 @@ the first call), so that no two ranks pick different dtypes.
 """
 import os
 import sys
-import time
 from dataclasses import dataclass
 from functools import cache
 
@@ -22,11 +21,11 @@ import torch.distributed as dist
 
 from drafter.errors import ConfigError
 from drafter.infra.collectives import comm_device
+from drafter.infra.timing import best_time
 
 OVERRIDE = "DRAFTER_CPU_BF16"  # fast | slow: the verdict without the probe
 SIZE = 512  # the probe's square matmul: large enough for the kernels' steady state, small enough to be quick
-REPEATS = 5  # timed calls per dtype at most; the best counts
-BUDGET_S = 0.15  # time per dtype after which no further call starts (an emulated bf16 matmul: one call)
+BUDGET_S = 0.15  # seconds of timed calls per dtype after the warm-up; the fastest block counts
 # bf16 is picked only when its matmul runs at least this much faster than fp32's: a smaller gain lies
 # within the probe's timing noise on a shared machine, and shrinks end to end (the norms, softmax and
 # casts around the matmuls gain less), so it would not pay for bf16's rounding of the features.
@@ -94,25 +93,10 @@ def measure_ratio() -> float:
     a = torch.randn(SIZE, SIZE, generator=generator)
     b = torch.randn(SIZE, SIZE, generator=generator)
     with torch.no_grad():
-        fp32 = best_time(a, b)
-        bf16 = best_time(a.bfloat16(), b.bfloat16())
+        fp32 = best_time(lambda: a @ b, BUDGET_S)
+        a16, b16 = a.bfloat16(), b.bfloat16()
+        bf16 = best_time(lambda: a16 @ b16, BUDGET_S)
     return max(bf16, 1e-9) / max(fp32, 1e-9)
-
-
-def best_time(a: torch.Tensor, b: torch.Tensor) -> float:
-    """The shortest of up to REPEATS timed `a @ b`, after an untimed call where that is cheap."""
-    start = time.perf_counter()
-    torch.matmul(a, b)  # the kernel's first call (its set-up); an emulated bf16 one is timed from it
-    best = time.perf_counter() - start
-    spent = best
-    for _ in range(REPEATS):
-        if spent > BUDGET_S:
-            break
-        start = time.perf_counter()
-        torch.matmul(a, b)
-        elapsed = time.perf_counter() - start
-        best, spent = min(best, elapsed), spent + elapsed
-    return best
 
 
 _said: set[str] = set()

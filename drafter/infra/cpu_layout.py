@@ -70,7 +70,8 @@ def probed(shape: tuple[int, int], dtype: torch.dtype) -> Layout:
         for rows in (1, VERIFY_ROWS):
             x = torch.randn(rows, shape[1], generator=generator).to(dtype)
             for name, weight in (("row", row), ("column", column)):
-                timer = benchmark.Timer("F.linear(x, w)", globals={"F": F, "x": x, "w": weight})
+                timer = benchmark.Timer("F.linear(x, w)", globals={"F": F, "x": x, "w": weight},
+                                        num_threads=torch.get_num_threads())  # Timer's default is one
                 times[name, rows] = timer.blocked_autorange(min_run_time=PROBE_S).median
     gain = times["row", VERIFY_ROWS] / times["column", VERIFY_ROWS]
     one_row = times["column", 1] / times["row", 1]
