@@ -28,7 +28,7 @@ clean:
 
 # The toy world end to end on this machine's CPUs: build, train on 2 ranks, evaluate, plot.
 demo: $(STAMP)
-	$(PY) data_tools/toy.py
+	$(PY) data/toy.py
 	.venv/bin/deepspeed --num_gpus 2 train.py --cfg configs/toy.yaml
 	$(PY) eval/ddtree_accept.py --ckpt runs/toy/checkpoints/latest --bench artifacts/toy/bench.jsonl \
 		--budgets 8,32,128 --max-new-tokens 64 --save-samples --out runs/toy/eval.json
@@ -36,9 +36,9 @@ demo: $(STAMP)
 	$(PY) bench/learning_curve.py runs/toy
 
 # A real world end to end: build (cached, resumable) into $(1), train on 2 ranks into $(2) with the
-# train.py overrides $(3) (and data_tools/smollm2.py flags $(4)), evaluate on both benches, plot, draw the learning curve.
+# train.py overrides $(3) (and data/smollm2.py flags $(4)), evaluate on both benches, plot, draw the learning curve.
 define real_world
-	$(PY) data_tools/smollm2.py --out $(1) $(4)
+	$(PY) data/smollm2.py --out $(1) $(4)
 	.venv/bin/deepspeed --num_gpus 2 train.py --cfg configs/smollm2.yaml $(3)
 	$(PY) eval/ddtree_accept.py --ckpt $(2)/checkpoints/latest \
 		--bench $(1)/bench_chat.jsonl,$(1)/bench_code.jsonl --max-samples 8 \
@@ -70,10 +70,10 @@ RECIPE := runs/smollm2_recipe
 RECIPE_STORE := artifacts/features/smollm2
 CPU_DTYPE = $(PY) -c "from drafter.infra.cpu_dtype import bf16_speed; print('bf16' if bf16_speed().fast else 'fp32')"
 demo-real-recipe: $(STAMP)
-	$(PY) data_tools/smollm2.py --out artifacts/smollm2
+	$(PY) data/smollm2.py --out artifacts/smollm2
 	dtype=$$($(CPU_DTYPE)) && echo "recipe dtype: $$dtype" && \
 	for set in train_data bench_chat_data; do \
-		$(PY) data_tools/features.py --cfg configs/smollm2.yaml --data artifacts/smollm2/$$set \
+		$(PY) data/features.py --cfg configs/smollm2.yaml --data artifacts/smollm2/$$set \
 			--out $(RECIPE_STORE)_$${dtype}_$$set --dtype $$dtype target.dtype=$$dtype || exit 1; done && \
 	.venv/bin/torchrun --nproc_per_node 2 train.py --cfg configs/smollm2.yaml run.out_dir=$(RECIPE) \
 		train.engine=fsdp target.dtype=$$dtype data.features=$(RECIPE_STORE)_$${dtype}_train_data \

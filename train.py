@@ -10,9 +10,9 @@ main: config -> distributed world -> the run directory's lock -> train: data, wi
 needs no weights -> resume decision -> memory plan -> target -> drafter -> engine (the setup:
 drafter/training/run_setup.py) -> the resumed state -> loop (evaluation, generation, checkpoints) ->
 the last checkpoint. Every rank holds a frozen copy of the target (or, at target.tp_size G, its share
-of a copy that G consecutive ranks hold together: drafter/target/tensor_parallel.py) and gets its own
+of a copy that G consecutive ranks hold together: drafter/target_model/tensor_parallel.py) and gets its own
 batch's features; only the drafter is trained, through the engine interface of drafter/infra/engine.py.
-With data.features (a store written by data_tools/features.py) the features are read from the store
+With data.features (a store written by data/features.py) the features are read from the store
 instead, and of the target only its embedding and LM head load (docs/features.md).
 """
 import argparse
@@ -27,8 +27,8 @@ from dataclasses import asdict, replace
 import torch
 import torch.distributed as dist
 
-from drafter.data.feature_store import StoreFeatures
-from drafter.data.loader import collate, make_loader
+from drafter.pipeline.feature_store import StoreFeatures
+from drafter.pipeline.loader import collate, make_loader
 from drafter.errors import UserError
 from drafter.infra.collectives import all_reduce_sum, any_rank
 from drafter.infra.launch import remove_cpu_allreduce_buffer, set_cpu_threads
@@ -38,12 +38,12 @@ from drafter.metric_sums import finalize_metrics
 from drafter.models import drafter_from_state_dict
 from drafter.models.blocks import blocks_drawn
 from drafter.serving.served import PromptShare, generation_tau, replayed_tau
-from drafter.target.calibration import calibrated_features
+from drafter.target_model.calibration import calibrated_features
 from drafter.training.attention_check import ATTENTION_TOLERANCE, attention_verdict, compare_with_dense, worst_over_ranks
 from drafter.training.checkpoint import TrainerState, load_checkpoint, save_checkpoint
 from drafter.training.objective import training_step
 from drafter.training.run_config import config_and_world
-from drafter.training.run_setup import RunParts, build_run, decide_resume, prepare_data
+from drafter.training.run_setup import RunParts, build_run, decide_resume, load_run_data
 from drafter.training.schedules import lr_factor, noise_std
 from drafter.training.tracking import RunLogger, Window, bucket_summary, console_line, eval_line
 
@@ -82,7 +82,7 @@ def train(cfg, rank, world_size, device) -> int:
     if device.type == "cpu":
         set_cpu_threads(cfg.train.threads_per_rank, world_size)
     stop = StopRequest()
-    data, model_config, ds_config = prepare_data(cfg, rank, world_size, device)
+    data, model_config, ds_config = load_run_data(cfg, rank, world_size, device)
     resume_from, saved, notes = decide_resume(cfg, rank, data.identity, data.position)  # before any model loads
     run = build_run(cfg, rank, world_size, device, data, model_config, ds_config)
     state = TrainerState(schedule_steps=cfg.train.schedule_steps or data.total_steps, identity=data.identity,

@@ -54,9 +54,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from drafter.models import DFlashDraftModel, DraftCache  # noqa: E402
 from drafter.models.configure import drafter_config  # noqa: E402
 from drafter.models.draft_vocab import DraftVocab  # noqa: E402
-from drafter.target.cache import TargetCache  # noqa: E402
+from drafter.target_model.cache import TargetCache  # noqa: E402
 from drafter.infra.cpu_layout import serve_column_major_, serving_layout  # noqa: E402
-from drafter.target.model import compute_dtype, load_target  # noqa: E402
+from drafter.target_model.model import compute_dtype, load_target  # noqa: E402
 
 DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

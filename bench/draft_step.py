@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from drafter.models import DFlashDraftModel, DraftCache  # noqa: E402
 from drafter.models.configure import drafter_config  # noqa: E402
-from drafter.target.model import random_qwen3  # noqa: E402
+from drafter.target_model.model import random_qwen3  # noqa: E402
 
 
 def draft_ms(drafter, target, context, block, depths: list, repeats: int) -> list[float]:

@@ -23,7 +23,7 @@ from drafter.config import ObjectiveConfig  # noqa: E402
 from drafter.models import DFlashDraftModel, DraftCache  # noqa: E402
 from drafter.models.configure import drafter_config  # noqa: E402
 from drafter.models.draft_vocab import DraftVocab  # noqa: E402
-from drafter.target.model import context_features, random_qwen3  # noqa: E402
+from drafter.target_model.model import context_features, random_qwen3  # noqa: E402
 from drafter.training.objective import training_step  # noqa: E402
 
 

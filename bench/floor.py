@@ -81,7 +81,7 @@ def last_eval_accuracy(run: Path) -> tuple[int, list[float]] | None:
 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--train", required=True, help="prepared training set (data_tools/prepare.py output)")
+    parser.add_argument("--train", required=True, help="prepared training set (data/prepare.py output)")
     parser.add_argument("--eval", required=True, help="prepared held-out set")
     parser.add_argument("--run", type=Path, help="a training run directory: its last eval's slot accuracy")
     parser.add_argument("--block-size", type=int, default=16)

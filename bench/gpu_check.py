@@ -60,8 +60,8 @@ from bench import check_harness  # noqa: E402
 from bench.check_harness import build_on, log, make_batch, require, run_checks  # noqa: E402
 from bench.preflight_runs import check_ds_engines, check_launches  # noqa: E402
 from drafter.config import ObjectiveConfig, resolve_gamma  # noqa: E402
-from drafter.data.loader import collate  # noqa: E402
-from drafter.data.sampler import BucketSampler, make_buckets  # noqa: E402
+from drafter.pipeline.loader import collate  # noqa: E402
+from drafter.pipeline.sampler import BucketSampler, make_buckets  # noqa: E402
 from drafter.infra.host_sync import host_syncs  # noqa: E402
 from drafter.infra.memory import peak_memory_bytes  # noqa: E402
 from drafter.models import DFlashDraftModel, DraftCache, compiled_graph_count  # noqa: E402
@@ -70,8 +70,8 @@ from drafter.models.configure import drafter_config  # noqa: E402
 from drafter.serving.decode import generate, pick  # noqa: E402
 from drafter.serving.lossless import first_divergence, lossless_verdict, near_tie_share  # noqa: E402
 from drafter.serving.testing import ReplayDrafter  # noqa: E402
-from drafter.target.cache import TargetCache  # noqa: E402
-from drafter.target.model import compute_dtype, context_features, feature_tap, random_qwen3  # noqa: E402
+from drafter.target_model.cache import TargetCache  # noqa: E402
+from drafter.target_model.model import compute_dtype, context_features, feature_tap, random_qwen3  # noqa: E402
 from drafter.training.attention_check import ATTENTION_TOLERANCE, relative_error  # noqa: E402
 from drafter.training.objective import training_step  # noqa: E402
 from drafter.training.step_flops import drawn_blocks, formula_problem, step_flops  # noqa: E402

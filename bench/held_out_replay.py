@@ -13,12 +13,12 @@ import sys
 
 import torch
 
-from drafter.data.datasets import load_prepared
+from drafter.pipeline.datasets import load_prepared
 from drafter.errors import ConfigError, UserError
 from drafter.metric_sums import finalize_metrics
 from drafter.models import load_drafter
 from drafter.serving.served import replayed_tau
-from drafter.target.model import DTYPES, context_features, load_target
+from drafter.target_model.model import DTYPES, context_features, load_target
 from drafter.training.checkpoint import drafter_dir
 
 
@@ -44,7 +44,7 @@ def replay_checkpoint(ckpt: str, data_path: str, budgets: list[int], dtype: torc
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ckpt", action="append", required=True, help="a train.py checkpoint (repeatable)")
-    parser.add_argument("--data", required=True, help="a prepared held-out set (data_tools/prepare.py output)")
+    parser.add_argument("--data", required=True, help="a prepared held-out set (data/prepare.py output)")
     parser.add_argument("--budgets", default="8,32", help="DDTree budgets, comma-separated")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--out", help="write the table as JSON here")

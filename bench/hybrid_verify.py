@@ -19,7 +19,7 @@ prefix cache:
               on an attention-only target of this shape, and the floor a tree-structured state fork
               would approach. Wrong on this target: timing only.
   tree conv   (lfm2) the tree in one flat forward, the convs along each node's ancestors and the
-              attention under the tree mask (drafter/target/tree_conv.py): exact, nodes + 1 tokens
+              attention under the tree mask (drafter/target_model/tree_conv.py): exact, nodes + 1 tokens
 Printed: each form's time over the chain's. Every timed forward runs on a copy of the prefix cache
 (one row for the chain, the refeed and the flat forms), so that each repeat starts from the same state.
 """
@@ -34,9 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from drafter.infra.timing import best_time  # noqa: E402
 from drafter.serving.path_verify import PathBatch, fork  # noqa: E402
-from drafter.target.cache import TargetCache  # noqa: E402
-from drafter.target.model import freeze  # noqa: E402
-from drafter.target.tree_conv import tree_convolution  # noqa: E402
+from drafter.target_model.cache import TargetCache  # noqa: E402
+from drafter.target_model.model import freeze  # noqa: E402
+from drafter.target_model.tree_conv import tree_convolution  # noqa: E402
 from drafter.tree.ddtree import build_tree, tree_verify_inputs  # noqa: E402
 
 BUDGETS = (8, 16, 32, 64)

@@ -220,7 +220,7 @@ def parse_break_even(text: str | None) -> dict[str, float]:
 def floors_for(cfg) -> list[dict] | None:
     """bench/floor.py's per-slot predictors on the run's own training and held-out rows (None when the
     data cannot be read here, e.g. a run made on another machine)."""
-    from drafter.data.datasets import DataError, load_datasets
+    from drafter.pipeline.datasets import DataError, load_datasets
     from drafter.training.memory_plan import target_model_config
 
     try:

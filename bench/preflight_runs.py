@@ -37,7 +37,7 @@ from drafter.infra.engine import build_engine, deepspeed_config, deepspeed_op_pr
 from drafter.models import DFlashDraftModel
 from drafter.models.blocks import attention_kernel
 from drafter.models.configure import drafter_config
-from drafter.target.model import context_features, random_qwen3
+from drafter.target_model.model import context_features, random_qwen3
 from drafter.training.objective import training_step
 from drafter.training.run_config import load_config
 

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from drafter.data.sampler import BucketSampler, make_buckets
+from drafter.pipeline.sampler import BucketSampler, make_buckets
 
 MAX_LENGTH = 8192
 GOAL_PAD_EFFICIENCY = 0.95

@@ -29,10 +29,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from drafter.data.loader import collate  # noqa: E402
+from drafter.pipeline.loader import collate  # noqa: E402
 from drafter.models import load_drafter  # noqa: E402
 from drafter.serving.served import mean_tau, scored_blocks, walks_of  # noqa: E402
-from drafter.target.model import context_features, load_target  # noqa: E402
+from drafter.target_model.model import context_features, load_target  # noqa: E402
 from drafter.training.checkpoint import drafter_dir  # noqa: E402
 from drafter.tree.ddtree import build_tree, teacher_forced_accept  # noqa: E402
 

@@ -2,7 +2,7 @@
 
     python bench/served_cost.py [--cfg configs/toy.yaml] [--threads 1]
 
-A target and a drafter of the config's shapes (the toy target's architecture from data_tools/toy.py,
+A target and a drafter of the config's shapes (the toy target's architecture from data/toy.py,
 random weights) on one rank, one batch of the config's token budget (rows of --row-length tokens,
 the first --prompt-length unsupervised). Timed by drafter/infra/timing.py, best of about --min-run-time
 seconds of calls after a warm-up:
@@ -25,14 +25,14 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # data_tools/toy.py's shapes, run from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # data/toy.py's shapes, run from anywhere
 
-from data_tools.toy import TARGET_CONFIG, VOCAB_SIZE  # noqa: E402
+from data.toy import TARGET_CONFIG, VOCAB_SIZE  # noqa: E402
 from drafter.infra.timing import best_time  # noqa: E402
 from drafter.models import DFlashDraftModel  # noqa: E402
 from drafter.models.configure import drafter_config  # noqa: E402
 from drafter.serving.served import generation_tau, replayed_tau  # noqa: E402
-from drafter.target.model import context_features, random_qwen3  # noqa: E402
+from drafter.target_model.model import context_features, random_qwen3  # noqa: E402
 from drafter.training.objective import training_step  # noqa: E402
 from drafter.training.run_config import load_config  # noqa: E402
 

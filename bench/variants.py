@@ -1,12 +1,12 @@
 """Training variants compared by replayed tau: the same steps under each variant and seed.
 
-    python data_tools/toy.py                                  # once: the toy world (heldout_data included)
+    python data/toy.py                                  # once: the toy world (heldout_data included)
     python bench/variants.py                            # objectives: 6 variants x 3 seeds, 200 steps
     python bench/variants.py --variants drafters --seeds 0,1
     python bench/variants.py --steps 60 --eval-every 20 --variants default,tree [key.sub=value ...]
     python bench/variants.py --world micro --jobs 2     # no toy world: a random target's own greedy text
     python bench/variants.py --world smollm2 --steps 60 --seeds 0,1 --variants default,dpace
-                                                        # the real world (python data_tools/smollm2.py first)
+                                                        # the real world (python data/smollm2.py first)
 
 Variants are named overrides of configs/toy.yaml: distillation, position weights and the optimiser
 (`default`, `target-kl`, `target-ce`, `dpace`, `tree`, `muon`), the drafter variants (`dflash2`,
@@ -33,7 +33,7 @@ OUT/tau_vs_steps.png (mean +- standard error against steps).
 of the training eval is on the held-out chat bench, and each run's final drafter is replayed on the
 HumanEval code bench too (`--also-eval`, columns `bench_code_data:tau_*`).
 
-`--features DIR` (a store of the config's data.path, data_tools/features.py) trains every run from that one
+`--features DIR` (a store of the config's data.path, data/features.py) trains every run from that one
 store (data.features), without the target's forward, so that the variants are compared on the same
 features; `--eval-features DIR` is the store of its data.eval_path (data.eval_features) and
 `--also-eval-features DIR` that of --also-eval, which the final replays then read. The distillation
@@ -115,7 +115,7 @@ def build_micro_target(directory: Path, steps: int = 150) -> None:
     import torch
 
     from drafter.synthesis.toy_tokenizer import build_tokenizer
-    from drafter.target.model import random_qwen3
+    from drafter.target_model.model import random_qwen3
 
     target = random_qwen3(**MICRO_TARGET).train().requires_grad_(True)
     optimizer = torch.optim.AdamW(target.parameters(), lr=3e-3)
@@ -139,7 +139,7 @@ def build_micro_world(directory: Path, train_rows: int = 192, eval_rows: int = 6
     import torch
     import yaml
 
-    from drafter.target.model import load_target
+    from drafter.target_model.model import load_target
 
     if not (directory / "target" / "config.json").exists():
         build_micro_target(directory / "target")
@@ -219,14 +219,14 @@ def replay(run: Path, data_path: str, threads: int, store: str | None) -> dict[s
     import torch
     from omegaconf import OmegaConf
 
-    from drafter.data.feature_store import FeatureStore, load_stored_head
-    from drafter.data.feature_store_format import store_refusal
-    from drafter.data.loader import collate
+    from drafter.pipeline.feature_store import FeatureStore, load_stored_head
+    from drafter.pipeline.feature_store_format import store_refusal
+    from drafter.pipeline.loader import collate
     from drafter.metric_sums import finalize_metrics
     from drafter.models import load_drafter
     from drafter.serving.served import replayed_tau
-    from drafter.target.model import compute_dtype, context_features, load_target
-    from drafter.target.tensor_parallel import feature_code_version
+    from drafter.target_model.model import compute_dtype, context_features, load_target
+    from drafter.target_model.tensor_parallel import feature_code_version
 
     torch.set_num_threads(threads)
     config = OmegaConf.load(run / "checkpoints" / "latest" / "config.yaml")
@@ -350,13 +350,13 @@ def main():
     elif args.world == "smollm2":
         cfg = REPO / "configs" / "smollm2.yaml"
         if not (REPO / "artifacts" / "smollm2" / "bench_chat_data").exists():
-            sys.exit("no SmolLM2 world: run `python data_tools/smollm2.py` first")
+            sys.exit("no SmolLM2 world: run `python data/smollm2.py` first")
         args.also_eval = args.also_eval or str(REPO / "artifacts" / "smollm2" / "bench_code_data")
         overrides = ["train.eval_batches=1000"] + overrides  # the whole chat bench, not the demo's 4 batches
     else:
         cfg = REPO / "configs" / "toy.yaml"
         if not (REPO / "artifacts" / "toy" / "heldout_data").exists():
-            sys.exit("no toy world with its held-out set: run `python data_tools/toy.py` first (or pass --world micro)")
+            sys.exit("no toy world with its held-out set: run `python data/toy.py` first (or pass --world micro)")
         overrides = TOY_EVAL + overrides
 
     overrides += [f"data.{key}={Path(value).resolve()}" for key, value in

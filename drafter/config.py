@@ -32,7 +32,7 @@ class RunConfig:
 @dataclass
 class TargetConfig:
     path: Optional[str] = None     # HF hub id or local dir; null -> a random Qwen3 of `random` shape
-    random: Optional[dict] = None  # drafter.target.model.random_qwen3 kwargs (tests, GPU check)
+    random: Optional[dict] = None  # drafter.target_model.model.random_qwen3 kwargs (tests, GPU check)
     dtype: str = "auto"            # auto: bf16 on GPU; on a CPU bf16 only where a probe measures it faster
     tp_size: int = 1               # ranks sharing one tensor-parallel copy (consecutive, within a node)
     chat_template_kwargs: dict = field(default_factory=lambda: {"enable_thinking": False})
@@ -133,7 +133,7 @@ class ObjectiveConfig:
     anchor_candidates: str = "pair"  # pair: p and p+1 supervised | supervised: any supervised p (speculators)
     selector_alpha: float = 1.0    # the drafter's auxiliary loss weight (dflash2: the selector's K-way CE)
     chunk_bytes: int = 256 * 2**20  # fp32 logits alive at once in the chunked LM-head loss (memory only)
-    feature_calibration: str = "none"  # none | zeros | oracle: diagnostics (drafter/target/calibration.py)
+    feature_calibration: str = "none"  # none | zeros | oracle: diagnostics (drafter/target_model/calibration.py)
 
 
 @dataclass
@@ -173,7 +173,7 @@ class DataConfig:
     num_workers: int = 2
     prefetch_factor: int = 4
     seed: int = 0
-    features: Optional[str] = None   # a feature store of data.path (data_tools/features.py): no target forward, no target weights
+    features: Optional[str] = None   # a feature store of data.path (data/features.py): no target forward, no target weights
     eval_features: Optional[str] = None  # with data.features: the store of data.eval_path
     features_missing: str = "error"  # a row no store holds: error (named) | generate (the target, loaded too, computes it)
     features_cache: bool = False     # with features_missing=generate: the rows computed are appended to data.features

@@ -26,7 +26,7 @@ cannot copy its state per row) is refused by name; there, at temperature 0, each
 the exact DDTree tau of `ar`'s own greedy text, replayed under teacher forcing (`drafter.serving.served`: the
 tree of N nodes built from the drafter's block at each step's anchor, walked along the text) and
 labelled `replayed`, with no timing; above temperature 0 those rows are left out. A target whose cached
-multi-token forward does not continue its state (Jamba; `drafter.target.cache.probe_decoding`) gets
+multi-token forward does not continue its state (Jamba; `drafter.target_model.cache.probe_decoding`) gets
 its `dflash` row replayed the same way.
 
 --check-public N runs the public `dflash` 0.1.0 loop (`dflash_generate`, with the package's own
@@ -38,7 +38,7 @@ prompt's first difference, classified as a tie (both loops rank the same two tok
 It runs on the first rank only, at temperature 0 and --tp 1.
 
 With --tp G, consecutive groups of G ranks each hold one copy of the target sharded by tensor
-parallelism (drafter/target/tensor_parallel.py); a group's members decode the same prompts in lockstep (the
+parallelism (drafter/target_model/tensor_parallel.py); a group's members decode the same prompts in lockstep (the
 sharded forwards are collectives, and their outputs are the same on every member), the groups split
 the prompts, and each group's first rank reports. The figures, the table and the plots are
 `drafter/serving/eval_report.py`'s.
@@ -61,10 +61,10 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
-from drafter.data.benchmarks import load_prompts
-from drafter.data.chat_template import prompt_token_ids
-from drafter.data.feature_store import FeatureStore
-from drafter.data.feature_store_format import FeatureStoreError, identity_mismatch, row_key, target_file_identity
+from drafter.pipeline.benchmarks import load_prompts
+from drafter.pipeline.chat_template import prompt_token_ids
+from drafter.pipeline.feature_store import FeatureStore
+from drafter.pipeline.feature_store_format import FeatureStoreError, identity_mismatch, row_key, target_file_identity
 from drafter.errors import ConfigError, model_path_problem
 from drafter.infra.cpu_dtype import say_once
 from drafter.infra.cpu_layout import serve_column_major_, serving_layout
@@ -78,10 +78,10 @@ from drafter.serving.eval_report import HF, best_method, markdown_table, save_pl
 from drafter.serving.lossless import BF16_TIE_TOLERANCE, near_tie_share
 from drafter.serving.public_loop import PublicAgreement, check_public, load_public
 from drafter.serving.served import PromptShare, replay_steps
-from drafter.target.cache import probe_decoding
-from drafter.target.model import TargetError, compute_dtype, context_features
-from drafter.target.tensor_parallel import (TensorParallelError, check_tensor_parallel, feature_code_version, form_tp_group,
-                                           load_tp_target)
+from drafter.target_model.cache import probe_decoding
+from drafter.target_model.model import TargetError, compute_dtype, context_features
+from drafter.target_model.tensor_parallel import (TensorParallelError, check_tensor_parallel, feature_code_version,
+                                                  form_tp_group, load_tp_target)
 from drafter.training.checkpoint import drafter_dir, read_config_json
 
 
@@ -150,7 +150,7 @@ def parse_args(argv=None):
                         help="synchronise CUDA around every stage so that stage times are exact")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--features", default=None,
-                        help="a feature store (data_tools/features.py) of this target: replayed rows it holds read "
+                        help="a feature store (data/features.py) of this target: replayed rows it holds read "
                              "their features from it, so that drafters are replayed on the same features")
     parser.add_argument("--tp", type=int, help="ranks that share one tensor-parallel copy of the target "
                         "(torchrun; it must divide the ranks of a node; default 1); alias: target.tp_size=G")

@@ -17,7 +17,7 @@ os.environ["DRAFTER_CPU_WEIGHT_LAYOUT"] = "row"
 from drafter.config import DrafterVariant
 from drafter.models import DFlashDraftModel, drafter_class  # noqa: E402
 from drafter.models.configure import drafter_config  # noqa: E402
-from drafter.target.model import input_embedding_scale, random_qwen3  # noqa: E402
+from drafter.target_model.model import input_embedding_scale, random_qwen3  # noqa: E402
 
 MASK_ID = 255
 
@@ -57,7 +57,7 @@ def fit_drafter(drafter, target, input_ids, loss_mask, cfg, steps: int, lr: floa
     """`steps` AdamW steps of the project's own training step (`training_step` on `context_features`,
     anchors seeded by the step): the losses. The drafter is left in eval mode."""
     from drafter.training.objective import training_step
-    from drafter.target.model import context_features
+    from drafter.target_model.model import context_features
 
     features = context_features(target, input_ids, drafter.target_layer_ids)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=lr)

@@ -4,7 +4,7 @@ wide enough that greedy decoding has no near-ties to hide a bug behind."""
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from drafter.target.model import freeze
+from drafter.target_model.model import freeze
 
 VOCAB, LAYERS, WINDOW = 256, 6, 8
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,

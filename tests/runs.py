@@ -28,7 +28,7 @@ def write_run(tmp_path: Path, **train) -> Path:
     """A tiny prepared dataset (arithmetic sequences over 32 tokens) and a config for a random target."""
     if not (tmp_path / "data").exists():
         datasets.Dataset.from_dict(arithmetic_rows()).save_to_disk(str(tmp_path / "data"))
-        settings = {"chat_template_kwargs": {"enable_thinking": False}}  # as data_tools/prepare.py records it
+        settings = {"chat_template_kwargs": {"enable_thinking": False}}  # as data/prepare.py records it
         (tmp_path / "data" / "stats.json").write_text(json.dumps({"settings": settings}))
     cfg = {
         "run": {"out_dir": str(tmp_path / "run"), "seed": 0},

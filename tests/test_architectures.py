@@ -14,7 +14,7 @@ from drafter.config import ObjectiveConfig
 from drafter.models import ARCHITECTURES, DFlashDraftModel, drafter_class, load_drafter
 from drafter.models.configure import drafter_config
 from drafter.serving.decode import Method, speculative_methods
-from drafter.target.model import context_features
+from drafter.target_model.model import context_features
 from drafter.training.objective import training_step
 
 REPO = Path(__file__).resolve().parents[1]

@@ -11,7 +11,7 @@ from torch.nn.attention.flex_attention import create_mask
 from conftest import make_drafter
 from drafter.config import ObjectiveConfig
 from drafter.models import layers
-from drafter.target.model import context_features
+from drafter.target_model.model import context_features
 from drafter.training.attention_check import (ATTENTION_TOLERANCE, AttentionMismatch, attention_verdict,
                                               compare_with_dense)
 
@@ -98,16 +98,16 @@ def check_in_a_run(rank: int, cfg_path: str, out: str, scale: float, setting: st
     from drafter.errors import UserError
     from drafter.training.checkpoint import TrainerState
     from drafter.training.run_config import config_and_world
-    from drafter.training.run_setup import build_run, prepare_data
+    from drafter.training.run_setup import build_run, load_run_data
     from drafter.training.tracking import RunLogger
 
     torch.set_num_threads(1)
     layers.flex_attention = stand_in_flex(scale, backward_only=False)
     train.CHECK_TOKENS = 40  # the rows are 24-99 tokens: most are cut to their last 40
     cfg, rank, world_size, device = config_and_world(cfg_path, ["train.engine=fsdp"])
-    data, model_config, ds_config = prepare_data(cfg, rank, world_size, device)
+    data, model_config, ds_config = load_run_data(cfg, rank, world_size, device)
     run = replace(build_run(cfg, rank, world_size, device, data, model_config, ds_config), attention="flex")
-    cfg.objective.attention = setting  # the CPU refuses flex at prepare_data; the verdict reads the setting
+    cfg.objective.attention = setting  # the CPU refuses flex at load_run_data; the verdict reads the setting
     log = RunLogger(cfg, is_main=True)
     try:
         result = {"kernel": train.checked_attention(run, TrainerState(), log)}

@@ -1,4 +1,4 @@
-"""Calibrations that tell a broken recipe from a slow one (drafter/target/calibration.py), in a cheap
+"""Calibrations that tell a broken recipe from a slow one (drafter/target_model/calibration.py), in a cheap
 form: a drafter built as train.py builds it (transformers' init and this repo's final-norm rule), the
 project's own training step, fresh batches each step (nothing to memorise), a tiny random target.
 
@@ -16,8 +16,8 @@ from drafter.config import DrafterVariant, ObjectiveConfig
 from drafter.metric_sums import finalize_metrics
 from drafter.models import drafter_class, new_drafter
 from drafter.models.configure import drafter_config
-from drafter.target.calibration import ORACLE_LEAD, calibrated_features
-from drafter.target.model import context_features, input_embedding_scale, random_qwen3
+from drafter.target_model.calibration import ORACLE_LEAD, calibrated_features
+from drafter.target_model.model import context_features, input_embedding_scale, random_qwen3
 from drafter.training.objective import training_step
 
 VOCAB_USED = 64  # the batches' tokens: 0..63 of the target's 256

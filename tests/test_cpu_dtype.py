@@ -11,7 +11,7 @@ import torch
 
 from drafter.errors import ConfigError
 from drafter.infra import cpu_dtype
-from drafter.target.model import compute_dtype
+from drafter.target_model.model import compute_dtype
 from runs import REPO, _env, free_port
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a cuda device object needs no GPU

@@ -8,7 +8,7 @@ from conftest import make_drafter
 from drafter.errors import ConfigError
 from drafter.infra import cpu_layout
 from drafter.infra.cpu_layout import serve_column_major_, serving_layout
-from drafter.target.model import random_qwen3
+from drafter.target_model.model import random_qwen3
 from eval import ddtree_accept
 from tiny_tokenizer import save_tiny_tokenizer
 

@@ -10,7 +10,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import cpu_limits  # noqa: E402
-from drafter.target.model import random_qwen3  # noqa: E402
+from drafter.target_model.model import random_qwen3  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,13 @@
-"""drafter/data/datasets.py: the thinking check against the training config and the group-wise held-out split,
-on datasets data_tools/prepare.py writes from small files."""
+"""drafter/pipeline/datasets.py: the thinking check against the training config and the group-wise held-out split,
+on datasets data/prepare.py writes from small files."""
 import json
 
 import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from data_tools import prepare
-from drafter.data.datasets import load_datasets
+from data import prepare
+from drafter.pipeline.datasets import load_datasets
 from tests.tiny_tokenizer import save_tiny_tokenizer
 
 VOCAB = 320
@@ -94,7 +94,7 @@ def test_a_dataset_without_groups_holds_out_rows_with_a_warning(tmp_path):
 
 
 def test_a_missing_or_unprepared_data_directory_is_a_data_error_naming_the_key(target, tmp_path, monkeypatch):
-    from drafter.data.datasets import DataError
+    from drafter.pipeline.datasets import DataError
     good = prepared(target, tmp_path, "good", [conversation(i, "g") for i in range(4)], "--no-thinking")
     (tmp_path / "empty").mkdir()
     for cfg, message in [(data_cfg(str(tmp_path / "a" / "b")), f"data.path={tmp_path}/a/b: no such directory"),

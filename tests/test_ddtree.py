@@ -9,8 +9,8 @@ from bench.tree_build import heapq_tree, topk_logprobs, trees_equal
 from conftest import make_drafter
 from drafter.serving.decode import generate, speculative_sample
 from drafter.serving.testing import ReplayDrafter
-from drafter.target.cache import TargetCache
-from drafter.target.model import feature_tap
+from drafter.target_model.cache import TargetCache
+from drafter.target_model.model import feature_tap
 from drafter.tree import ddtree
 from drafter.tree.ddtree import (build_tree, build_tree_from_logprobs, committed_tokens,
                                  compiled_backend_available, fixed_point, follow_tree, teacher_forced_accept,

@@ -17,7 +17,7 @@ from drafter.losses.divergences import teacher_rows
 from drafter.losses.lm_head import ChunkedLMHeadLoss, RowLossSpec, dense_row_loss, logit_softcap
 from drafter.losses.weights import dpace_weights, tree_accepted_depth, tree_weights, up_to_first_failure
 from drafter.models.blocks import build_blocks, drafter_hidden, sample_anchors
-from drafter.target.model import context_features, features_and_final_hidden, random_qwen3
+from drafter.target_model.model import context_features, features_and_final_hidden, random_qwen3
 from drafter.training.objective import training_step
 from drafter.training.run_config import load_config
 from runs import REPO

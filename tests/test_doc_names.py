@@ -16,7 +16,7 @@ from drafter.config import Config
 from test_docs import checkout_files
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCE_FOLDERS = ("drafter/", "tests/", "bench/", "eval/", "data_tools/", "configs/", "ds_configs/", "docs/")
+SOURCE_FOLDERS = ("drafter/", "tests/", "bench/", "eval/", "data/", "configs/", "ds_configs/", "docs/")
 FILE_SUFFIXES = (".py", ".md", ".yaml", ".json", ".c", ".toml")
 FILE_TYPES = ("py", "md", "txt", "yaml", "json", "jsonl", "gz", "parquet", "png", "c", "toml", "gguf", "pt",
               "safetensors")  # a bare name ending so is a file a tool writes (stats.json) or a file type
@@ -180,7 +180,7 @@ def test_every_name_the_docs_write_in_backticks_exists_in_the_code():
     ("rank_metrics_v2()", "rank_metrics_v2: rank_metrics_v2 not in the code"),
     ("drafter/training/run_config.py", None),
     ("drafter/infra/checkpoint.py", "drafter/infra/checkpoint.py is not in the checkout"),
-    ("tests/test_layers.py::test_target_and_data_are_side_by_side", None),
+    ("tests/test_layers.py::test_target_model_and_pipeline_are_side_by_side", None),
     ("HF_HUB_OFFLINE=1", None),
     ("auto", None),
     ("--cfg configs/toy.yaml", None),

@@ -13,14 +13,14 @@ from safetensors.torch import load_file, save_file
 
 from conftest import MASK_ID, VARIANTS, make_drafter, randomize_
 from drafter.config import ObjectiveConfig, resolve_gamma
-from drafter.data.datasets import supervised_token_counts
+from drafter.pipeline.datasets import supervised_token_counts
 from drafter.errors import ConfigError
 from drafter.models import DFlashDraftModel, drafter_class, initial_norm_scale, load_drafter, new_drafter
 from drafter.models.blocks import build_blocks, drafter_hidden, sample_anchors
 from drafter.models.configure import drafter_config
 from drafter.models.draft_vocab import DraftVocab, answer_vocab, commonest_tokens
 from drafter.serving.decode import generate
-from drafter.target.model import context_features, features_and_final_hidden, random_qwen3
+from drafter.target_model.model import context_features, features_and_final_hidden, random_qwen3
 from drafter.training.metrics import rank_metrics
 from drafter.training.objective import training_step
 from drafter.tree.ddtree import build_tree

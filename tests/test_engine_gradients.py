@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from conftest import make_drafter
 from drafter.config import Config
 from drafter.infra.engine import DeepSpeedEngine, FSDPEngine, deepspeed_config
-from drafter.target.model import context_features, random_qwen3
+from drafter.target_model.model import context_features, random_qwen3
 from drafter.training.objective import training_step
 from runs import REPO, free_port
 

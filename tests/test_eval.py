@@ -11,11 +11,11 @@ import pytest
 from torch.distributed import distributed_c10d as dist_c10d
 
 from conftest import make_drafter
-from drafter.data.benchmarks import REASON_BOXED, load_jsonl, load_prompts
+from drafter.pipeline.benchmarks import REASON_BOXED, load_jsonl, load_prompts
 from drafter.serving import eval_report
-from drafter.target.model import random_qwen3
+from drafter.target_model.model import random_qwen3
 from drafter.training.checkpoint import drafter_dir
-from drafter.target.tensor_parallel import form_tp_group
+from drafter.target_model.tensor_parallel import form_tp_group
 from eval import ddtree_accept
 from tiny_tokenizer import save_tiny_tokenizer
 
@@ -397,8 +397,8 @@ def test_flags_that_cannot_work_stop_eval_with_one_line_before_any_model_loads(c
 
 def test_a_missing_local_target_directory_is_named_as_one_by_every_tool(tmp_path, capsys):
     """transformers calls a missing path of three parts a malformed hub id; each tool says it is missing."""
-    from data_tools import prepare, regenerate
-    from drafter.target.model import TargetError, load_target, target_config
+    from data import prepare, regenerate
+    from drafter.target_model.model import TargetError, load_target, target_config
     missing = str(tmp_path / "world" / "target")
     for load in (lambda: load_target(missing, "cpu", ddtree_accept.torch.float32), lambda: target_config(missing, None)):
         with pytest.raises(TargetError, match=f"target {re.escape(missing)}: no such directory$"):

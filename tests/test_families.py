@@ -12,7 +12,7 @@ from conftest import MASK_ID, make_drafter
 from drafter.models import DraftCache
 from drafter.serving.decode import generate
 from drafter.serving.testing import ReplayDrafter
-from drafter.target.model import TargetError, context_features, decoder_layers, looped_layers, select_features
+from drafter.target_model.model import TargetError, context_features, decoder_layers, looped_layers, select_features
 from families import FAMILIES, family_config, random_target
 
 SLIDING = ("mistral", "gpt_oss", "gemma3_text", "gemma4_text", "olmo3")
@@ -154,7 +154,7 @@ def test_a_hybrid_family_end_to_end(tmp_path):
     prints the memory of a path-batch verify at start-up, trains, evaluates (replayed tau_dflash and
     tau_ddtree@16) and generates (gen_tau_dflash and gen_tau_ddtree@16, the tree as a batch of its
     paths), the export is evaluated by
-    eval/ddtree_accept.py (dflash and ddtree generated, lossless, timed), and data_tools/regenerate.py
+    eval/ddtree_accept.py (dflash and ddtree generated, lossless, timed), and data/regenerate.py
     --backend local writes the target's answers."""
     import json
     import subprocess
@@ -194,7 +194,7 @@ def test_a_hybrid_family_end_to_end(tmp_path):
     chats = tmp_path / "chats.jsonl"
     chats.write_text(json.dumps({"messages": [{"role": "user", "content": "Hello world"}]}) + "\n")
     out = tmp_path / "regen.jsonl"
-    done = subprocess.run([sys.executable, str(REPO / "data_tools" / "regenerate.py"), "--input", str(chats),
+    done = subprocess.run([sys.executable, str(REPO / "data" / "regenerate.py"), "--input", str(chats),
                            "--out", str(out), "--backend", "local", "--target", str(target_dir),
                            "--max-tokens", "8"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -207,7 +207,7 @@ def test_a_multimodal_checkpoint_loads_through_its_wrapper(tmp_path):
     image-text-to-text only) loads as that wrapper; its decoder layers, embedding and head are found."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from drafter.target.model import load_target
+    from drafter.target_model.model import load_target
     config = AutoConfig.for_model("kimi_k25", text_config=family_config("deepseek_v3").to_dict(),
                                   vision_config=dict(num_hidden_layers=1, hidden_size=32, intermediate_size=32,
                                                      num_attention_heads=2))

@@ -1,4 +1,4 @@
-"""The offline feature store (data_tools/features.py, drafter/data/feature_store.py): the features it holds are
+"""The offline feature store (data/features.py, drafter/pipeline/feature_store.py): the features it holds are
 training's own, bit for bit, on any batch, and so are the target's labels it holds (its argmax, its
 final hidden states); fp8's rounding; the plan, resume and the refusals of a dump; the refusals of a
 store that does not match the run, cannot serve its objective or is not whole; rows a hybrid run
@@ -26,18 +26,18 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from conftest import make_drafter
-from data_tools import features as features_cli
+from data import features as features_cli
 from drafter.config import ObjectiveConfig
-from drafter.data import feature_store_format
-from drafter.data.feature_store import FeatureStore, StoreCache, StoreFeatures
-from drafter.data.feature_store_format import FeatureStoreError, labels_refusal, row_key, store_refusal
-from drafter.data.loader import collate
+from drafter.pipeline import feature_store_format
+from drafter.pipeline.feature_store import FeatureStore, StoreCache, StoreFeatures
+from drafter.pipeline.feature_store_format import FeatureStoreError, labels_refusal, row_key, store_refusal
+from drafter.pipeline.loader import collate
 from drafter.errors import ConfigError
 from drafter.infra.run_lock import acquire
 from drafter.losses.divergences import labels_needed
 from drafter.losses.lm_head import target_next_tokens
-from drafter.target.model import random_qwen3
-from drafter.target.tensor_parallel import TargetFeatures, feature_code_version, form_tp_group
+from drafter.target_model.model import random_qwen3
+from drafter.target_model.tensor_parallel import TargetFeatures, feature_code_version, form_tp_group
 from drafter.training.objective import training_step
 from drafter.training.run_config import load_config
 from eval import ddtree_accept
@@ -185,9 +185,9 @@ def test_another_dataset_is_refused(store, tmp_path):
 # ----------------------------------------------------------------------------- through the launchers
 
 def dump_on_two_ranks(cfg: Path, out: Path, *extra: str) -> str:
-    """data_tools/features.py on two CPU ranks through torchrun."""
+    """data/features.py on two CPU ranks through torchrun."""
     cmd = [str(VENV_BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
-           str(REPO / "data_tools" / "features.py"), "--cfg", str(cfg), "--data", str(cfg.parent / "data"),
+           str(REPO / "data" / "features.py"), "--cfg", str(cfg), "--data", str(cfg.parent / "data"),
            "--out", str(out), *extra]
     done = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -421,7 +421,7 @@ def test_stored_target_labels_give_the_online_objective_bit_for_bit(labelled_sto
 
 @pytest.mark.parametrize("overrides, which, message", [
     (["objective.labels=target"], "none", "target_labels: the store holds 'none', objective.labels=target with "
-                                          "objective.loss=ce reads 'argmax' (dump the store with data_tools/features.py "
+                                          "objective.loss=ce reads 'argmax' (dump the store with data/features.py "
                                           "--target-labels argmax)"),
     (["objective.labels=target", "objective.loss=kl"], "argmax", "the store holds 'argmax', objective.labels=target "
                                                                  "with objective.loss=kl reads 'full'"),
@@ -516,8 +516,8 @@ def test_rows_a_hybrid_run_computes_are_appended_by_each_writer_and_read_back_bi
 KILLED_APPEND = """
 import os, signal, sys
 import datasets, torch
-from drafter.data import feature_store_format
-from drafter.data.loader import collate
+from drafter.pipeline import feature_store_format
+from drafter.pipeline.loader import collate
 from drafter.errors import ConfigError
 sys.path.insert(0, {tests!r})
 from test_features import hybrid
@@ -638,7 +638,7 @@ def finished_run(settings, tmp_path: Path, monkeypatch):
     latest = tmp_path / "run" / "checkpoints" / "latest"
     make_drafter(target, num_layers=1, block_size=8, target_layer_ids=[2]).save_pretrained(latest / "drafter")
     OmegaConf.save(settings, latest / "config.yaml")
-    monkeypatch.setattr("drafter.target.model.load_target",
+    monkeypatch.setattr("drafter.target_model.model.load_target",
                         lambda path, device, dtype: copy.deepcopy(target).to(dtype))
     return variants, latest
 

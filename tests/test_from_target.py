@@ -11,8 +11,8 @@ from drafter.errors import ConfigError
 from drafter.models import new_drafter
 from drafter.models.configure import drafter_config
 from drafter.models.from_target import start_layers_from_target, suggested_layers
-from drafter.target.model import decoder_layers, input_embedding_scale, random_qwen3
-from drafter.target.tensor_parallel import TPGroup, shard_target
+from drafter.target_model.model import decoder_layers, input_embedding_scale, random_qwen3
+from drafter.target_model.tensor_parallel import TPGroup, shard_target
 
 
 def target_and_drafter(layer_ids=(1, 4)):

@@ -13,7 +13,7 @@ import torch
 from drafter.metric_sums import finalize_metrics
 from drafter.models import load_drafter
 from drafter.serving.served import replayed_tau
-from drafter.target.model import context_features
+from drafter.target_model.model import context_features
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import held_out_replay  # noqa: E402

@@ -10,14 +10,14 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 LIBRARY = REPO / "drafter"
 
-# Bottom to top. A module's layer is the first entry its dotted name starts with. target and data share
-# a level and may not import each other: they are two layers of the same height (as are tree and
-# synthesis).
+# Bottom to top. A module's layer is the first entry its dotted name starts with. target_model and
+# pipeline share a level and may not import each other: they are two layers of the same height (as are
+# tree and synthesis).
 LAYERS = [
     ("base", 0, ("drafter.errors", "drafter.nested", "drafter.config", "drafter.metric_sums")),
     ("infra", 1, ("drafter.infra",)),
-    ("target", 2, ("drafter.target",)),
-    ("data", 2, ("drafter.data",)),
+    ("target_model", 2, ("drafter.target_model",)),
+    ("pipeline", 2, ("drafter.pipeline",)),
     ("tree", 3, ("drafter.tree",)),
     ("synthesis", 3, ("drafter.synthesis",)),
     ("losses", 4, ("drafter.losses",)),
@@ -25,7 +25,7 @@ LAYERS = [
     ("serving", 6, ("drafter.serving",)),
     ("training", 7, ("drafter.training",)),
 ]
-ENTRY_POINTS = ("train", "data_tools", "eval", "bench", "tests")  # train.py, the command lines, the tests
+ENTRY_POINTS = ("train", "data", "eval", "bench", "tests")  # train.py, the command lines, the tests
 
 
 def module_name(path: Path) -> str:
@@ -113,8 +113,11 @@ def test_an_import_against_the_order_is_named_with_its_file_line_and_layers(sour
     assert problems == ([f"drafter/models/probe.py:{problem}"] if problem else [])
 
 
-def test_target_and_data_are_side_by_side():
-    assert layering_problems(LIBRARY / "target" / "probe.py", "from drafter.data.datasets import token_occurs\n") == \
-        ["drafter/target/probe.py:1: layer target imports drafter.data.datasets of layer data, which is beside it"]
-    assert layering_problems(LIBRARY / "data" / "probe.py", "import drafter.target.model\n") == \
-        ["drafter/data/probe.py:1: layer data imports drafter.target.model of layer target, which is beside it"]
+def test_target_model_and_pipeline_are_side_by_side():
+    assert layering_problems(LIBRARY / "target_model" / "probe.py",
+                             "from drafter.pipeline.datasets import token_occurs\n") == \
+        ["drafter/target_model/probe.py:1: layer target_model imports drafter.pipeline.datasets of layer pipeline, "
+         "which is beside it"]
+    assert layering_problems(LIBRARY / "pipeline" / "probe.py", "import drafter.target_model.model\n") == \
+        ["drafter/pipeline/probe.py:1: layer pipeline imports drafter.target_model.model of layer target_model, "
+         "which is beside it"]

@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerFast
 
 from drafter.config import ConfigError
 from drafter.models.mask_token import ADDED_MASK, choose_mask_token
-from drafter.target.model import random_qwen3
+from drafter.target_model.model import random_qwen3
 from runs import REPO, write_run
 from tiny_tokenizer import build_tiny_tokenizer
 

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from drafter.models import DFlashDraftModel, drafter_class
 from drafter.models.configure import drafter_config
-from drafter.target.model import random_qwen3
+from drafter.target_model.model import random_qwen3
 from drafter.infra.memory import GiB, MemoryPlanError, size_text
 from drafter.training.memory_plan import check_fits, plan_inputs, plan_memory, target_model_config
 from drafter.training.run_config import load_config
@@ -204,7 +204,7 @@ def test_host_memory_per_node_while_the_target_loads(monkeypatch):
                                  ["objective.labels=target", "optim.name=muon", "train.engine=fsdp"]])
 def test_data_plan_prints_the_start_up_plan_for_a_given_gpu(capsys, run):
     """The start-up plan, with the lines that name distillation's tensors and Muon's share."""
-    from data_tools.plan import main
+    from data.plan import main
     overrides = ["target.path=null", *[f"target.random.{k}={v}" for k, v in RANDOM.items()],
                  "drafter.num_layers=2", "drafter.target_layer_ids=[1,3]", *run]
     result = main(["--cfg", str(REPO / "configs" / "v3.yaml"), "--world-size", "8", "--gpu-memory", "80GB",
@@ -218,7 +218,7 @@ def test_data_plan_prints_the_start_up_plan_for_a_given_gpu(capsys, run):
 
 
 def test_data_plan_refuses_what_train_py_refuses_by_name(capsys):
-    from data_tools.plan import main
+    from data.plan import main
     with pytest.raises(SystemExit):
         main(["--cfg", str(REPO / "configs" / "v3.yaml"), "--gpu-memory", "80GB", "--memory-only", "target.path=null",
               "optim.name=muon"])
@@ -233,7 +233,7 @@ def test_a_missing_local_target_directory_is_named_as_one_not_as_a_malformed_hub
 
 
 def test_data_plan_names_a_config_or_dataset_it_cannot_read_in_one_line(capsys, tmp_path):
-    from data_tools.plan import main
+    from data.plan import main
     (tmp_path / "lengths.txt").write_text("12\nabc\n")
     (tmp_path / "broken.yaml").write_text("data: [1\n")
     cfg = str(REPO / "configs" / "smollm2.yaml")

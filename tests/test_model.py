@@ -10,7 +10,7 @@ from drafter.config import DrafterVariant
 from drafter.models import (DFlash2DraftModel, DFlashDraftModel, DraftCache, LayerAttention, layer_attention,
                             load_drafter)
 from drafter.models.configure import drafter_config
-from drafter.target.model import context_features, default_target_layer_ids, select_features
+from drafter.target_model.model import context_features, default_target_layer_ids, select_features
 
 
 def test_default_layer_ids_match_reference_rule():

@@ -7,8 +7,8 @@ import torch
 from conftest import MASK_ID, VARIANTS, fit_drafter, make_drafter
 from drafter.config import ConfigError
 from drafter.config import ObjectiveConfig, resolve_gamma
-from drafter.data.loader import collate
-from drafter.data.sampler import BucketSampler, make_buckets
+from drafter.pipeline.loader import collate
+from drafter.pipeline.sampler import BucketSampler, make_buckets
 from drafter.infra.host_sync import HostSyncCounter
 from drafter.losses.lm_head import dense_lm_head_loss, top_logprobs, weighted_data_ce
 from drafter.losses.weights import position_weights
@@ -20,7 +20,7 @@ from drafter.models.blocks import (ATTENTION_KERNELS, attention_kernel, build_bl
                                    sample_anchors)
 from drafter.models.configure import drafter_config
 from drafter.models.dflash2 import SelectorRows, selector_loss, selector_metrics
-from drafter.target.model import context_features, random_qwen3_config
+from drafter.target_model.model import context_features, random_qwen3_config
 from drafter.training.metrics import ddtree_accept_metric, rank_metrics, sample_complete_blocks
 from drafter.training.objective import training_step
 from drafter.tree import ddtree

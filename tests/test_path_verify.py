@@ -9,7 +9,7 @@ from conftest import make_drafter
 from drafter.serving.decode import TreeVerifyUnsupported, generate
 from drafter.serving.path_verify import PathBatch, fork
 from drafter.serving.testing import ReplayDrafter
-from drafter.target.cache import TargetCache
+from drafter.target_model.cache import TargetCache
 from drafter.tree.ddtree import build_tree
 from families import random_target
 
@@ -221,11 +221,11 @@ def test_a_budget_whose_path_batch_cannot_fit_is_refused_by_name():
 
 
 def test_lfm2s_short_conv_runs_a_tree_in_one_flat_forward():
-    """LFM2 verifies a tree as one flat forward (its convs along each row's ancestors, drafter/target/
+    """LFM2 verifies a tree as one flat forward (its convs along each row's ancestors, drafter/target_model/
     tree_conv.py; the attention under the tree mask): every node's logits are those of a plain forward
     over its path; the compacted cache (attention keys and conv history) serves the next token exactly."""
     from drafter.tree.ddtree import tree_verify_inputs
-    from drafter.target.tree_conv import tree_convolution
+    from drafter.target_model.tree_conv import tree_convolution
     target = random_target("lfm2")
     cache = TargetCache(target)
     assert cache.tree_form() == "mask"

@@ -1,4 +1,4 @@
-"""data_tools/prepare.py and the chat helpers it shares: shapes, bad rows, the loss mask, lengths, caching."""
+"""data/prepare.py and the chat helpers it shares: shapes, bad rows, the loss mask, lengths, caching."""
 import datetime
 import json
 import os
@@ -14,9 +14,9 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
-from data_tools import prepare
-from drafter.data import prepared
-from drafter.data import chat, chat_files, chat_template
+from data import prepare
+from drafter.pipeline import prepared
+from drafter.pipeline import chat, chat_files, chat_template
 from tests.tiny_tokenizer import save_tiny_tokenizer
 
 END = "<|im_end|>"
@@ -416,7 +416,7 @@ def test_a_directory_input_reads_only_data_files(target, tmp_path):
     write_jsonl(data / "chat.jsonl", [{"messages": [user("Hi"), assistant("Hello world!")]}])
     write_jsonl(data / "regen.jsonl", [{"id": "x", "source": "s", "truncated": False,
                                         "messages": [user("Bye"), assistant("Bye bye!")]}])
-    # data_tools/regenerate.py's side files, a hidden folder and an earlier prepare output
+    # data/regenerate.py's side files, a hidden folder and an earlier prepare output
     write_jsonl(data / "regen.errors.jsonl", [{"id": "y", "source": "s", "reason": "http_500", "detail": ""}])
     (data / "regen.summary.json").write_text(json.dumps({"total": 2, "ok": 1}))
     (data / "regen.settings.json").write_text(json.dumps({"backend": "server"}))
@@ -442,15 +442,15 @@ def test_out_that_prepare_did_not_write_is_refused_and_left_alone(target, tmp_pa
     (mine / "notes.txt").write_text("keep me")
     (tmp_path / "out.tmp").mkdir()  # the old code's scratch name, here a user's folder
     (tmp_path / "out.tmp" / "notes.txt").write_text("keep me too")
-    with pytest.raises(SystemExit, match="mine exists and is not an output of data_tools/prepare.py"):
+    with pytest.raises(SystemExit, match="mine exists and is not an output of data/prepare.py"):
         run(target, tmp_path, [path], "mine")
-    with pytest.raises(SystemExit, match="not an output of data_tools/prepare.py"):
+    with pytest.raises(SystemExit, match="not an output of data/prepare.py"):
         run(target, tmp_path, [path], "rows.jsonl")
     assert (mine / "notes.txt").read_text() == "keep me"
 
     first, _ = run(target, tmp_path, [path], "out")
     second, stats = run(target, tmp_path, [path], "out", "--system-prompt", "Be brief.")  # replaced
-    assert second[0]["input_ids"] != first[0]["input_ids"] and stats["written_by"] == "data_tools/prepare.py"
+    assert second[0]["input_ids"] != first[0]["input_ids"] and stats["written_by"] == "data/prepare.py"
     assert (tmp_path / "out.tmp" / "notes.txt").read_text() == "keep me too"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "mine", "out", "out.tmp", "rows.jsonl"]
 
@@ -459,11 +459,11 @@ def test_an_output_marked_by_the_tool_before_its_folder_was_renamed_is_replaced(
     """An earlier dataset's stats.json names the script at its old path; it is still this tool's output."""
     path = write_jsonl(tmp_path / "rows.jsonl", [{"messages": [user("Hi"), assistant("Hello world!")]}])
     first, stats = run(target, tmp_path, [path], "out")
-    (tmp_path / "out" / "stats.json").write_text(json.dumps({**stats, "written_by": "data/prepare.py"}))
+    (tmp_path / "out" / "stats.json").write_text(json.dumps({**stats, "written_by": "data_tools/prepare.py"}))
     second, _ = run(target, tmp_path, [path], "out", "--system-prompt", "Be brief.")
     assert second[0]["input_ids"] != first[0]["input_ids"]
     (tmp_path / "out" / "stats.json").write_text(json.dumps({**stats, "written_by": "someone/else.py"}))
-    with pytest.raises(SystemExit, match="not an output of data_tools/prepare.py"):
+    with pytest.raises(SystemExit, match="not an output of data/prepare.py"):
         run(target, tmp_path, [path], "out")
 
 
@@ -503,7 +503,7 @@ def test_sigterm_while_writing_leaves_the_earlier_output_and_no_temporary(target
     wrapper.write_text(SLOW_SAVE)
     repo = Path(__file__).resolve().parents[1]
     proc = subprocess.Popen(
-        [sys.executable, str(wrapper), str(repo / "data_tools" / "prepare.py"), "--input", path, "--target", target,
+        [sys.executable, str(wrapper), str(repo / "data" / "prepare.py"), "--input", path, "--target", target,
          "--out", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache"), "--num-proc", "1",
          "--system-prompt", "Be brief."],
         env={**os.environ, "PYTHONPATH": str(repo)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

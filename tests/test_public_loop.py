@@ -9,7 +9,7 @@ from drafter.config import DrafterVariant
 from drafter.models import DFlash2DraftModel, drafter_class
 from drafter.models.configure import drafter_config
 from drafter.serving.public_loop import LoopSteps, compare, load_public, our_steps, public_steps
-from drafter.target.model import random_qwen3
+from drafter.target_model.model import random_qwen3
 
 pytest.importorskip("dflash.model")
 

@@ -1,4 +1,4 @@
-"""data_tools/regenerate.py against a flaky local OpenAI-compatible stub server, and the local backend."""
+"""data/regenerate.py against a flaky local OpenAI-compatible stub server, and the local backend."""
 import hashlib
 import json
 import os
@@ -14,10 +14,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from data_tools import regenerate
-from drafter.data import answer_server, chat, chat_template, regeneration
+from data import regenerate
+from drafter.pipeline import answer_server, chat, chat_template, regeneration
 from drafter.synthesis.answers import LocalBackend
-from drafter.target.model import random_qwen3
+from drafter.target_model.model import random_qwen3
 from tests.tiny_tokenizer import save_tiny_tokenizer
 
 
@@ -591,7 +591,7 @@ def test_a_signal_writes_what_arrived_cancels_the_queue_and_exits_in_seconds(stu
     input_path = write_rows(tmp_path / "in.jsonl", [{"messages": [user(f"Question {i}?")]} for i in range(fast)]
                             + [{"messages": [user(f"SLOW question {i}")]} for i in range(slow)])
     out = tmp_path / "regen.jsonl"
-    command = [sys.executable, os.path.join(REPO, "data_tools", "regenerate.py"), "--input", input_path,
+    command = [sys.executable, os.path.join(REPO, "data", "regenerate.py"), "--input", input_path,
                "--out", str(out), "--base-url", stub.url, "--model", "stub-model", "--concurrency", "2",
                "--max-tokens", "64"]
     proc = subprocess.Popen(command, env={**os.environ, "PYTHONPATH": REPO}, stdout=subprocess.PIPE,

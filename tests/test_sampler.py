@@ -1,5 +1,5 @@
 """Length-bucket sampler: buckets, packing, interleaving, distributed split, resume, stats,
-collate, the DataLoader path and data_tools/plan.py."""
+collate, the DataLoader path and data/plan.py."""
 
 import functools
 import itertools
@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from data_tools import plan as plan_cli
-from drafter.data.loader import collate, make_loader
-from drafter.data.sampler import (BucketSampler, _run_cap_holds, held_out_share, interleave_buckets, longest_run,
-                                  make_buckets, min_feasible_run, padded_length, plan_notes)
-from drafter.data.splits import split_holdout
+from data import plan as plan_cli
+from drafter.pipeline.loader import collate, make_loader
+from drafter.pipeline.sampler import (BucketSampler, _run_cap_holds, held_out_share, interleave_buckets, longest_run,
+                                      make_buckets, min_feasible_run, padded_length, plan_notes)
+from drafter.pipeline.splits import split_holdout
 
 MAX_LENGTH = 2048
 TOKENS_PER_BATCH = 2048
@@ -355,7 +355,7 @@ def test_loader_reports_bad_rows_and_stops_early():
     assert list(loader) == []
 
 
-# ---- data_tools/plan.py --------------------------------------------------------------------------
+# ---- data/plan.py --------------------------------------------------------------------------
 
 def check_plan_json(path, world_size: int) -> dict:
     plan = json.loads(path.read_text())

@@ -12,13 +12,13 @@ import torch
 from conftest import fit_drafter, make_drafter
 from drafter.config import DrafterVariant
 from drafter.config import ObjectiveConfig
-from drafter.data.benchmarks import load_prompts
+from drafter.pipeline.benchmarks import load_prompts
 from drafter.metric_sums import finalize_metrics
 from drafter.serving.decode import generate
 from drafter.serving.served import (PromptShare, acceptance_and_slot_hits, anchor_acceptance, bench_prompts, every_anchor, generation_tau,
                                     held_out_prompts, mean_tau, replay_steps, replayed_tau, response_spans,
                                     serve_walk)
-from drafter.target.model import context_features
+from drafter.target_model.model import context_features
 from eval.ddtree_accept import summarize
 from tiny_tokenizer import build_tiny_tokenizer
 

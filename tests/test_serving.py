@@ -17,7 +17,7 @@ from drafter.serving import decode
 from drafter.serving.decode import generate
 from drafter.serving.lossless import BF16_TIE_TOLERANCE, first_divergence, lossless_verdict, near_tie_share
 from drafter.serving.public_loop import check_public, load_public
-from drafter.target.model import context_features, random_qwen3
+from drafter.target_model.model import context_features, random_qwen3
 from drafter.tree.ddtree import build_tree, teacher_forced_accept
 
 SPECULATIVE = [("dflash", None), ("ddtree", 4), ("ddtree", 32)]

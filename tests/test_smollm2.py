@@ -1,10 +1,10 @@
-"""data_tools/smollm2.py: the real world from registry wheels (the cut ShareGPT file, the split, the GGUF target)."""
+"""data/smollm2.py: the real world from registry wheels (the cut ShareGPT file, the split, the GGUF target)."""
 import json
 
 import pytest
 import torch
 
-from data_tools import smollm2
+from data import smollm2
 
 
 def records(n: int) -> list[dict]:

@@ -1,4 +1,4 @@
-"""A hub target fetched once per node (drafter/target/model.py `fetch_target`) and loaded on the rank's
+"""A hub target fetched once per node (drafter/target_model/model.py `fetch_target`) and loaded on the rank's
 device (`load_target`): on two CPU ranks over gloo, with a local directory standing in for the hub,
 only local rank 0 downloads, the other waits for it and both load the same weights; a download that
 fails on rank 0 stops both ranks with the same one line, neither left waiting; on the CPU the target
@@ -19,8 +19,8 @@ import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from drafter.errors import UserError
-from drafter.target import model
-from drafter.target.model import TargetFetchError, fetch_target, load_target, random_qwen3
+from drafter.target_model import model
+from drafter.target_model.model import TargetFetchError, fetch_target, load_target, random_qwen3
 from runs import free_port
 from tiny_tokenizer import save_tiny_tokenizer
 

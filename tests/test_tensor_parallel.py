@@ -1,4 +1,4 @@
-"""target.tp_size (drafter/target/tensor_parallel.py) on two CPU ranks over gloo through the real launchers.
+"""target.tp_size (drafter/target_model/tensor_parallel.py) on two CPU ranks over gloo through the real launchers.
 
 Tolerances: a sharded target sums its row-parallel products over the group, in another order than one
 matmul: the features agree to rel 2e-6 of their scale in fp32 (measured: 8e-7 dense, 3e-7 MoE), the
@@ -16,7 +16,7 @@ import signal
 import pytest
 from transformers import GPT2Config, Qwen3Config
 
-from drafter.target.tensor_parallel import TensorParallelError, check_tensor_parallel
+from drafter.target_model.tensor_parallel import TensorParallelError, check_tensor_parallel
 from drafter.training.run_config import load_config
 from runs import REPO, VENV_BIN, _env, free_port, kill_job, launch, records, run_to_end, train_losses, wait_for_step
 

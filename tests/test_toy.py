@@ -1,13 +1,13 @@
-"""data_tools/toy.py pieces at tiny sizes: tokenizer, chat template, corpus split, examples, training."""
+"""data/toy.py pieces at tiny sizes: tokenizer, chat template, corpus split, examples, training."""
 import json
 
 import pytest
 import torch
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-from data_tools import toy
-from drafter.data import chat, chat_template
-from drafter.data.benchmarks import load_jsonl
+from data import toy
+from drafter.pipeline import chat, chat_template
+from drafter.pipeline.benchmarks import load_jsonl
 from drafter.synthesis import stdlib_corpus, toy_tokenizer, world
 
 STDLIB_SAMPLE = ["textwrap.py", "shlex.py", "bisect.py", "colorsys.py"]

@@ -333,7 +333,7 @@ def test_a_setting_the_target_cannot_take_stops_train_py_in_one_line(tmp_path, o
 
 
 def test_the_start_up_table_names_every_sample_left_out():
-    from drafter.data.sampler import BucketSampler, plan_notes
+    from drafter.pipeline.sampler import BucketSampler, plan_notes
     from train import bucket_summary
 
     lengths = np.concatenate([np.full(300, 100), [1500, 1800, 1800], [5000]])  # 3 over the budget, 1 too long
@@ -442,7 +442,7 @@ def test_too_many_nonfinite_steps_in_a_row_stop_at_the_last_good_checkpoint(tmp_
 
 
 def test_bad_prepared_data_is_rejected_up_front_naming_the_row(tmp_path):
-    from drafter.data.datasets import load_prepared
+    from drafter.pipeline.datasets import load_prepared
     rows = {"input_ids": [[1, 2, 3], [4, 5], [6, 7]], "loss_mask": [[0, 1, 1], [1, 1], [1, 1]], "length": [3, 2, 2]}
     cases = {
         "length column": {**rows, "length": [3, 3, 2]},

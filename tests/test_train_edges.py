@@ -5,13 +5,13 @@ import dataclasses
 import pytest
 
 from drafter.config import ConfigError
-from drafter.data.datasets import DataError
+from drafter.pipeline.datasets import DataError
 from drafter.errors import UserError
 from drafter.infra.engine import EngineConfigError
 from drafter.infra.launch import LaunchError
 from drafter.infra.run_lock import RunDirectoryBusy
-from drafter.target.model import TargetError
-from drafter.target.tensor_parallel import TensorParallelError
+from drafter.target_model.model import TargetError
+from drafter.target_model.tensor_parallel import TensorParallelError
 from drafter.training.checkpoint import ResumeError, TrainerState
 from drafter.infra.memory import MemoryPlanError
 from drafter.training.run_config import load_config

@@ -46,7 +46,7 @@ def test_the_ds_config_resolves_against_the_repo_and_the_run_records_it(tmp_path
     bare = load_config("v3.yaml", ["data.path=/x", "train.ds_config=zero3.json"])
     assert bare.train.ds_config == str(REPO / "ds_configs" / "zero3.json")
     ds = deepspeed_config("ds_configs/zero2.json", cfg, world_size=8, bf16=True, hidden_size=4096, on_cpu=False)
-    assert ds["zero_optimization"]["stage"] == 2  # read from the repo by any caller (data_tools/plan.py)
+    assert ds["zero_optimization"]["stage"] == 2  # read from the repo by any caller (data/plan.py)
 
 
 def test_a_missing_config_names_every_path_tried_and_the_working_directory(tmp_path, monkeypatch):
@@ -56,7 +56,7 @@ def test_a_missing_config_names_every_path_tried_and_the_working_directory(tmp_p
     with pytest.raises(ConfigError) as error:
         load_config("v4.yaml")
     assert str(error.value) == expected
-    with pytest.raises(SystemExit) as exited:  # what train.py and data_tools/features.py print: one line
+    with pytest.raises(SystemExit) as exited:  # what train.py and data/features.py print: one line
         config_and_world("v4.yaml")
     assert exited.value.code == f"config error: {expected}"
 

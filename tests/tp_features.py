@@ -17,8 +17,8 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from conftest import train_on_greedy_text
 from drafter.metric_sums import finalize_metrics
 from drafter.serving.served import PromptShare, generation_tau
-from drafter.target.model import context_features, features_and_final_hidden, freeze, random_qwen3
-from drafter.target.tensor_parallel import TargetFeatures, form_tp_group, shard_target
+from drafter.target_model.model import context_features, features_and_final_hidden, freeze, random_qwen3
+from drafter.target_model.tensor_parallel import TargetFeatures, form_tp_group, shard_target
 
 WIDTHS = dict(vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
               head_dim=16, intermediate_size=128)

@@ -1,4 +1,4 @@
-"""Whether this CPU runs bf16 matmuls fast: what `dtype: auto` picks on a CPU (drafter/target/model.py).
+"""Whether this CPU runs bf16 matmuls fast: what `dtype: auto` picks on a CPU (drafter/target_model/model.py).
 
 CPUs with AVX-512 BF16 or AMX run a bf16 matmul faster than an fp32 one; the rest (AVX2 only, e.g. AMD
 EPYC before Zen 4) emulate bf16 and run it tens of times slower. The instruction set torch reports

@@ -1,6 +1,6 @@
 """Progress and timing of the long jobs.
 
-The progress bar (data_tools/regenerate.py, eval/ddtree_accept.py): tqdm on stderr with the count, rate and
+The progress bar (data/regenerate.py, eval/ddtree_accept.py): tqdm on stderr with the count, rate and
 ETA. It is redrawn at most once a second on a terminal and once every 30 s into a log file, so that
 logs stay short; `enabled=False` (the ranks that do not report) draws nothing.
 
@@ -49,5 +49,5 @@ class StageTimer:
 
 
 def _cuda_synchronize():
-    import torch  # only where a GPU is timed: the server-only jobs of data_tools/regenerate.py never load torch
+    import torch  # only where a GPU is timed: the server-only jobs of data/regenerate.py never load torch
     torch.cuda.synchronize()

@@ -81,7 +81,7 @@ def teacher_rows(final_hidden: torch.Tensor, positions: torch.Tensor) -> torch.T
 
 
 def labels_needed(objective, draft_vocab: bool) -> str:
-    """What of the target's labels a feature store must hold for `objective` (drafter.data.feature_store_format's
+    """What of the target's labels a feature store must hold for `objective` (drafter.pipeline.feature_store_format's
     TARGET_LABELS): none with data labels; its whole distribution for a divergence to it (kl, tv) or
     over a draft vocabulary (whose argmax is over the K words, not the stored one over all); else its argmax."""
     if objective.labels != "target":

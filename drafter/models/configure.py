@@ -11,7 +11,7 @@ from drafter.config import DrafterVariant
 from drafter.errors import ConfigError
 from drafter.models import ARCHITECTURES
 from drafter.models.checks import ROPE_TYPES, check_drafter_config
-from drafter.target.model import default_target_layer_ids, feature_layer_problem
+from drafter.target_model.model import default_target_layer_ids, feature_layer_problem
 
 
 

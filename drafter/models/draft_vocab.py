@@ -39,7 +39,7 @@ def commonest_tokens(counts: np.ndarray, k: int) -> torch.Tensor:
 
 def answer_vocab(counts: np.ndarray, k: int) -> tuple["DraftVocab", str]:
     """The draft vocabulary of the K commonest supervised tokens of the training answers, whose
-    `counts` [V] per token id the data layer reads (`data.datasets.supervised_token_counts`), and a
+    `counts` [V] per token id the pipeline layer reads (`drafter.pipeline.datasets.supervised_token_counts`), and a
     line saying how much of them it covers."""
     vocab_size = len(counts)
     target_ids = commonest_tokens(counts, k)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from drafter.errors import ConfigError
-from drafter.target.model import decoder_layers
+from drafter.target_model.model import decoder_layers
 
 
 def suggested_layers(target_layer_ids: list[int], num_layers: int) -> list[int]:

@@ -21,7 +21,7 @@ The candidates of 3 and 4 must be absent from the data that is given; 4 is only 
 import re
 from dataclasses import dataclass
 
-from drafter.data.datasets import token_ids_in, token_occurs
+from drafter.pipeline.datasets import token_ids_in, token_occurs
 from drafter.errors import ConfigError
 
 ADDED_MASK = "<|MASK|>"

@@ -27,9 +27,9 @@ from drafter.infra.progress import StageTimer
 from drafter.models import DraftCache
 from drafter.serving.path_memory import check_path_batch_fits
 from drafter.serving.path_verify import PathVerifier
-from drafter.target.cache import TargetCache, probe_decoding
-from drafter.target.model import TargetError, feature_tap, model_type
-from drafter.target.tree_conv import tree_convolution
+from drafter.target_model.cache import TargetCache, probe_decoding
+from drafter.target_model.model import TargetError, feature_tap, model_type
+from drafter.target_model.tree_conv import tree_convolution
 from drafter.tree.ddtree import DraftTree, committed_tokens, follow_tree, tree_verify_inputs
 
 METHODS = ("ar", "dflash", "ddtree")
@@ -252,7 +252,7 @@ class DecodeSettings:
 
 
 class TreeVerifyUnsupported(TargetError):
-    """DDTree cannot verify a tree exactly on this target (see drafter.target.cache.TargetCache.tree_refusal)."""
+    """DDTree cannot verify a tree exactly on this target (see drafter.target_model.cache.TargetCache.tree_refusal)."""
 
 
 def tree_verify_refusal(target) -> str | None:

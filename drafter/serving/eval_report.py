@@ -23,7 +23,7 @@ def best_method(methods: dict[str, dict]) -> str | None:
 
 
 def divergences_from(records: list[dict], reference: list[dict], tolerance: float):
-    """(record, Divergence) for the first divergence from `ar` of each prompt that has one. A prompt
+    """(record, FirstDivergence) for the first divergence from `ar` of each prompt that has one. A prompt
     diverges once: its later turns follow the method's own earlier answers, so they are not compared
     after that."""
     found, diverged = [], set()

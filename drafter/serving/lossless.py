@@ -27,7 +27,7 @@ VERDICTS = ("yes", "ties-only", "no")
 
 
 @dataclass
-class Divergence:
+class FirstDivergence:
     """The first output position where a method's tokens leave the reference's."""
     position: int                 # index into the output tokens (0 = the prefill's token)
     reference_token: int | None   # None where the reference's output ended first
@@ -37,7 +37,7 @@ class Divergence:
 
 
 def first_divergence(output_ids: list[int], reference_ids: list[int], reference_margins: list[float],
-                     tolerance: float = BF16_TIE_TOLERANCE) -> Divergence | None:
+                     tolerance: float = BF16_TIE_TOLERANCE) -> FirstDivergence | None:
     """None when `output_ids` equal `reference_ids`; else where and how they first differ.
 
     `reference_margins` are the reference generation's per-token top-1 minus top-2 logits
@@ -51,10 +51,10 @@ def first_divergence(output_ids: list[int], reference_ids: list[int], reference_
     reference_token = reference_ids[position] if position < len(reference_ids) else None
     margin = reference_margins[position] if position < len(reference_margins) else None
     tie = token is not None and reference_token is not None and margin < tolerance
-    return Divergence(position, reference_token, token, margin, tie)
+    return FirstDivergence(position, reference_token, token, margin, tie)
 
 
-def lossless_verdict(divergences: list[Divergence | None]) -> str:
+def lossless_verdict(divergences: list[FirstDivergence | None]) -> str:
     """"yes" when there is no divergence, "ties-only" when every one is a tie, else "no"."""
     found = [d for d in divergences if d is not None]
     if not found:

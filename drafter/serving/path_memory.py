@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from drafter.infra.memory import MemoryPlanError, size_text
-from drafter.target.cache import TargetCache, is_own_layer
-from drafter.target.model import model_type
+from drafter.target_model.cache import TargetCache, is_own_layer
+from drafter.target_model.model import model_type
 
 
 @dataclass(frozen=True)

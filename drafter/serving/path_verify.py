@@ -1,7 +1,7 @@
 """DDTree verified as a batch of its root-to-leaf paths, by the target's own forward: the form for
 targets a flat tree cannot pass through (conv, recurrent and compressor layers, whose every branch must
 continue its parent's state; chunked attention, which has no tree mask here). LFM2's short convs are
-the exception: they read along the tree itself (drafter/target/tree_conv.py), in the flat form.
+the exception: they read along the tree itself (drafter/target_model/tree_conv.py), in the flat form.
 
 Rows. One row per leaf: the root (the bonus token) and the nodes from depth 1 down to the leaf, at
 positions start.., right-padded to the deepest leaf. Each row continues the prefix's cache, copied per
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from drafter.target.cache import TargetCache, forks_by_row, is_own_layer, is_state_layer
+from drafter.target_model.cache import TargetCache, forks_by_row, is_own_layer, is_state_layer
 from drafter.tree.ddtree import DraftTree, committed_tokens, follow_tree, tree_visibility
 
 

@@ -41,12 +41,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from drafter.data.benchmarks import load_prompts
-from drafter.data.chat_template import prompt_token_ids
+from drafter.pipeline.benchmarks import load_prompts
+from drafter.pipeline.chat_template import prompt_token_ids
 from drafter.losses.lm_head import chunk_rows_for
 from drafter.models.blocks import anchor_candidates, build_blocks, drafter_hidden
 from drafter.serving.decode import generate, speculative_methods, tree_verify_refusal
-from drafter.target.tensor_parallel import TPGroup
+from drafter.target_model.tensor_parallel import TPGroup
 from drafter.tree.ddtree import teacher_forced_accept
 
 
@@ -236,7 +236,7 @@ def held_out_prompts(dataset, max_prompts: int, seed: int) -> list[list[int]]:
 
 def bench_prompts(spec: str, tokenizer, enable_thinking: bool, max_prompts: int) -> list[list[int]]:
     """Token ids of the first user turn (after any history) of up to `max_prompts` prompts of a
-    benchmark (`drafter.data.benchmarks.load_prompts`: a hub name or a JSONL file), rendered as
+    benchmark (`drafter.pipeline.benchmarks.load_prompts`: a hub name or a JSONL file), rendered as
     eval/ddtree_accept.py renders them. Later turns of multi-turn prompts are not used."""
     _, prompts = load_prompts(spec, max_prompts)
     return [prompt_token_ids(tokenizer, list(p.history) + [{"role": "user", "content": p.turns[0]}],

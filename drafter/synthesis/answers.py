@@ -1,17 +1,17 @@
 """The target's answers to chat data: a whole regeneration run (`regenerate`), over a server or a local
 target (`LocalBackend`: batched `model.generate`). The local backend loads the target and renders the
 data's conversations, so this sits above both the target and the data layers; the rest of a
-regeneration is `drafter/data/regeneration.py` and `drafter/data/answer_server.py`.
+regeneration is `drafter/pipeline/regeneration.py` and `drafter/pipeline/answer_server.py`.
 """
 import json
 import threading
 from pathlib import Path
 
-from drafter.data import chat, chat_files, chat_template
-from drafter.data.answer_server import ServerBackend, run_server
-from drafter.data.datasets import DataError
-from drafter.data.regeneration import (Recorder, RegenerateSettings, RowFailed, StopOnSignal, check_settings,
-                                       completed_ids, load_jobs, report, run_local, side_file, summarize)
+from drafter.pipeline import chat, chat_files, chat_template
+from drafter.pipeline.answer_server import ServerBackend, run_server
+from drafter.pipeline.datasets import DataError
+from drafter.pipeline.regeneration import (Recorder, RegenerateSettings, RowFailed, StopOnSignal, check_settings,
+                                           completed_ids, load_jobs, report, run_local, side_file, summarize)
 
 
 class LocalBackend:
@@ -22,7 +22,7 @@ class LocalBackend:
         import torch
         from transformers import AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 
-        from drafter.target.model import load_target
+        from drafter.target_model.model import load_target
 
         class UntilStopped(StoppingCriteria):
             def __call__(self, input_ids, scores, **kwargs):

@@ -1,5 +1,5 @@
 """The toy world's tokenizer: byte-level BPE trained on the corpus, with Qwen3's special tokens and a
-Qwen3-style chat template (`build_tokenizer`). Built by `data_tools/toy.py`; the tests' tiny tokenizer and
+Qwen3-style chat template (`build_tokenizer`). Built by `data/toy.py`; the tests' tiny tokenizer and
 the benchmarks' small targets are built by it too."""
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast

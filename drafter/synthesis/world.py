@@ -4,10 +4,10 @@ A world build is a list of stages, each marked done by the output it writes last
 stages whose marker exists, so a build killed half-way resumes where it stopped. A regeneration is
 never a stage of its own (its summary is written even when it is interrupted): it runs inside the
 stage that prepares its answers, whose dataset is the marker. The data stages call the library
-functions behind `data_tools/regenerate.py` and `data_tools/prepare.py` (`answers.regenerate`,
+functions behind `data/regenerate.py` and `data/prepare.py` (`answers.regenerate`,
 `prepared.prepare`) in this process, with its thread count, so a world is made by the same code a
 user's data is. A stage that fails on its input stops the build with one line naming the stage. Used
-by `data_tools/toy.py` and `data_tools/smollm2.py`.
+by `data/toy.py` and `data/smollm2.py`.
 """
 import json
 import random
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from drafter.data.prepared import PrepareSettings, prepare as prepare_dataset
-from drafter.data.regeneration import RegenerateSettings
+from drafter.pipeline.prepared import PrepareSettings, prepare as prepare_dataset
+from drafter.pipeline.regeneration import RegenerateSettings
 from drafter.errors import UserError
 from drafter.synthesis.answers import regenerate as regenerate_answers
 
@@ -46,7 +46,7 @@ def run_stages(out: Path, stages: list[Stage]) -> dict[str, float]:
 
 
 def answer_outputs(answers: str) -> list[str]:
-    """The files a regeneration to out/<answers>.jsonl writes (data_tools/regenerate.py)."""
+    """The files a regeneration to out/<answers>.jsonl writes (data/regenerate.py)."""
     return [answers + suffix for suffix in (".jsonl", ".summary.json", ".errors.jsonl", ".settings.json")]
 
 
@@ -84,7 +84,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 
 @dataclass(frozen=True)
 class AnswerSettings:
-    """How a world's target writes its answers (data_tools/regenerate.py --backend local, greedy)."""
+    """How a world's target writes its answers (data/regenerate.py --backend local, greedy)."""
     max_tokens: int
     batch_size: int
 
@@ -98,7 +98,7 @@ def answered_dataset(out: Path, prompts: str, answers: str, dataset: str, genera
 
 
 def regenerate(out: Path, prompts: str, answers: str, generation: AnswerSettings) -> None:
-    """The target's greedy answers to out/prompts, written to out/answers (data_tools/regenerate.py). An
+    """The target's greedy answers to out/prompts, written to out/answers (data/regenerate.py). An
     interrupted or empty regeneration stops the build: the stage that called it has no output yet, so
     a rerun resumes the regeneration (regenerate skips the answers already written)."""
     summary = regenerate_answers(RegenerateSettings(

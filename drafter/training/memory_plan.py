@@ -203,7 +203,7 @@ def anchors_per_micro_batch(cfg) -> int:
 def target_model_config(path: str | None, random: dict | None):
     """The target's whole model config (a multimodal target's too: its weights all load)."""
     if path is None:
-        from drafter.target.model import target_config
+        from drafter.target_model.model import target_config
         return target_config(None, random)
     from transformers import AutoConfig
 
@@ -225,7 +225,7 @@ def plan_inputs(cfg, model_config, world_size: int, ds_config: dict | None, dtyp
     from drafter.infra.launch import local_world_size
     from drafter.models import drafter_class
     from drafter.losses import loss_chunk_peak_bytes
-    from drafter.target.tensor_parallel import planned_split
+    from drafter.target_model.tensor_parallel import planned_split
 
     text = model_config.get_text_config()
     draft = drafter_config(text, num_layers=cfg.drafter.num_layers, block_size=cfg.drafter.block_size,

@@ -16,7 +16,7 @@ from drafter.infra.repo_paths import find_in_repo
 from drafter.losses import BLOCK_LOSSES, DIVERGENCES, LABELS, NORMALIZATIONS, POSITION_WEIGHTS, TRUNCATIONS
 from drafter.models import ARCHITECTURES
 from drafter.models.blocks import ANCHOR_CANDIDATES, ATTENTION_KERNELS
-from drafter.target.calibration import FEATURE_CALIBRATIONS
+from drafter.target_model.calibration import FEATURE_CALIBRATIONS
 
 
 def choices() -> dict[str, tuple]:

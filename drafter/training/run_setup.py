@@ -1,5 +1,5 @@
 """A training run's setup, as train.py's `train` calls it: the data and every check that needs no
-weights (prepare_data), the resume decision (decide_resume), then the memory plan, the target, the
+weights (load_run_data), the resume decision (decide_resume), then the memory plan, the target, the
 drafter, its engine and what the steps read their features from (build_run), held for the whole run
 in RunParts."""
 import hashlib
@@ -14,10 +14,10 @@ from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
 from drafter.config import ObjectiveConfig
-from drafter.data.datasets import DataError, content_fingerprint, load_datasets, supervised_token_counts
-from drafter.data.feature_store import FeatureStore, StoreCache, StoreFeatures, load_stored_head, store_model_config
-from drafter.data.feature_store_format import labels_refusal, store_refusal
-from drafter.data.sampler import held_out_share, plan_notes, sampler_from_config
+from drafter.pipeline.datasets import DataError, content_fingerprint, load_datasets, supervised_token_counts
+from drafter.pipeline.feature_store import FeatureStore, StoreCache, StoreFeatures, load_stored_head, store_model_config
+from drafter.pipeline.feature_store_format import labels_refusal, store_refusal
+from drafter.pipeline.sampler import held_out_share, plan_notes, sampler_from_config
 from drafter.errors import ConfigError
 from drafter.infra.engine import build_engine, engine_settings
 from drafter.infra.launch import local_world_size
@@ -32,10 +32,10 @@ from drafter.models.mask_token import check_given_mask_token, choose_mask_token
 from drafter.serving.decode import stop_token_ids
 from drafter.serving.served import bench_prompts, held_out_prompts
 from drafter.serving.path_memory import check_path_batch_fits
-from drafter.target.cache import TargetCache, probe_decoding
-from drafter.target.model import compute_dtype, fetch_target, input_embedding_scale, random_qwen3
-from drafter.target.tensor_parallel import (TargetFeatures, check_tensor_parallel, feature_code_version, form_tp_group,
-                                            load_tp_target, shard_target)
+from drafter.target_model.cache import TargetCache, probe_decoding
+from drafter.target_model.model import compute_dtype, fetch_target, input_embedding_scale, random_qwen3
+from drafter.target_model.tensor_parallel import (TargetFeatures, check_tensor_parallel, feature_code_version,
+                                                  form_tp_group, load_tp_target, shard_target)
 from drafter.training.checkpoint import (agree_on_checkpoint, check_resumable, remove_partial_saves, run_identity,
                                          set_aside_previous_run)
 from drafter.training.memory_plan import check_fits, plan_inputs, plan_memory, target_model_config
@@ -79,7 +79,7 @@ class RunParts:
     trained_on: TrainedOn            # this rank's supervised tokens and blocks since they were last counted
 
 
-def prepare_data(cfg, rank, world_size, device):
+def load_run_data(cfg, rank, world_size, device):
     """(RunData, the target's model config, the engine's settings): everything checked before a model
     loads, so that a bad config, launch or dataset fails in seconds."""
     if device.type == "cpu" and attention_kernel(cfg.objective.attention, device) != "dense":
@@ -128,7 +128,7 @@ def check_store_settings(cfg):
                           "rows of data.path are in data.features")
     if cfg.data.eval_path and not cfg.data.eval_features and not generate:
         raise ConfigError(f"data.eval_path={cfg.data.eval_path} needs its own store: data.eval_features=DIR "
-                          "(data_tools/features.py --data <data.eval_path>)")
+                          "(data/features.py --data <data.eval_path>)")
     if generate and cfg.target.tp_size > 1:
         raise ConfigError("data.features_missing=generate computes a rank's missing rows alone: use target.tp_size=1")
     if cfg.drafter.layers_from_target is not None and not generate:

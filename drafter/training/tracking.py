@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from drafter.data.sampler import bucket_table, plan_notes
+from drafter.pipeline.sampler import bucket_table, plan_notes
 from drafter.infra.collectives import all_reduce_sum, comm_device
 from drafter.metric_sums import finalize_metrics
 from drafter.nested import flatten

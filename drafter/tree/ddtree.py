@@ -21,7 +21,7 @@ Verification. One target forward over [root (the bonus token) + N nodes] at posi
 each node seeing the whole past and its own ancestors. The walk starts at the root and moves to the
 child carrying the target's token at the current node (argmax, or a sample at temperature > 0: the
 sampled walk is lossless); the token that finds no child is the next bonus. The cache rows of the
-accepted path are then moved down and the rest cropped (`drafter.target.cache`); their features are
+accepted path are then moved down and the rest cropped (`drafter.target_model.cache`); their features are
 the drafter's next context features.
 """
 import ctypes
@@ -301,7 +301,7 @@ def tree_visibility(tree: DraftTree) -> torch.Tensor:
 def tree_verify_inputs(tree: DraftTree, root_token: torch.Tensor, start: int):
     """(input_ids [1, N+1], position_ids [1, N+1], visibility [N+1, N+1]) of a target forward over the
     tree on top of a cache holding positions 0..start-1; the attention mask over the keys of each
-    layer type comes from `drafter.target.cache.TargetCache.tree_attention_mask`."""
+    layer type comes from `drafter.target_model.cache.TargetCache.tree_attention_mask`."""
     device = tree.tokens.device
     input_ids = torch.cat([root_token.view(1), tree.tokens])[None]
     positions = start + torch.cat([torch.zeros(1, dtype=torch.long, device=device), tree.depths])[None]

@@ -1,5 +1,5 @@
 """A prepared dataset: chat data tokenised for drafter training, with input_ids, loss_mask (assistant
-tokens only), length and group; the work of `data_tools/prepare.py`, whose docstring gives the user's view.
+tokens only), length and group; the work of `data/prepare.py`, whose docstring gives the user's view.
 
 Thinking is one decision: with enable_thinking off reasoning (`<think>` blocks) is removed from every
 answer, so a conversation is rendered exactly as the serving template renders it with
@@ -33,8 +33,8 @@ from pathlib import Path
 import datasets
 import numpy as np
 
-from drafter.data import chat, chat_files, chat_template
-from drafter.data.datasets import DataError
+from drafter.pipeline import chat, chat_files, chat_template
+from drafter.pipeline.datasets import DataError
 
 RAW_FEATURES = datasets.Features({
     "messages": datasets.Value("string"),  # JSON: tool-call arguments have no fixed schema
@@ -55,8 +55,8 @@ TOKENIZED_FEATURES = datasets.Features({
     "reason": datasets.Value("string"),
 })
 OUTPUT_COLUMNS = ["input_ids", "loss_mask", "length", "group"]
-WRITTEN_BY = "data_tools/prepare.py"  # stats.json's mark: this directory is ours to replace
-EARLIER_MARKS = ("data/prepare.py",)  # the same tool's mark before its folder was renamed
+WRITTEN_BY = "data/prepare.py"  # stats.json's mark: this directory is ours to replace
+EARLIER_MARKS = ("data_tools/prepare.py",)  # the same tool's mark while its folder was data_tools/
 MIN_SUPERVISED_RUN = 2
 EXAMPLES_PER_REASON = 5
 LOOP_WINDOW, LOOP_NGRAM, LOOP_MAX_DISTINCT = 48, 4, 16
@@ -66,7 +66,7 @@ LOOP_RULE = (f"the answer's last {LOOP_WINDOW} tokens (closing token excluded) h
 
 @dataclass(frozen=True)
 class PrepareSettings:
-    """What to prepare, and how (data_tools/prepare.py's flags, named as its flags are)."""
+    """What to prepare, and how (data/prepare.py's flags, named as its flags are)."""
     input: list[str]          # files, directories of them, or hub dataset names
     target: str               # the model path or hub id whose tokenizer and chat template render the rows
     out: str                  # a new directory, or an earlier output of this code (replaced atomically)

@@ -1,7 +1,7 @@
 """Regeneration: the assistant turns of chat data rewritten by the target, resumably (the DFlash data
-recipe; `data_tools/regenerate.py` is its command line and its docstring the user's view).
+recipe; `data/regenerate.py` is its command line and its docstring the user's view).
 
-Conversations are read with the readers and shapes prepare uses (`drafter/data/chat.py`). Turn by turn,
+Conversations are read with the readers and shapes prepare uses (`drafter/pipeline/chat.py`). Turn by turn,
 every assistant turn is replaced by the target's answer to the history so far; a conversation that ends
 with a user turn gets an answer appended. What is here knows no backend: the conversations to rewrite
 (`load_jobs`, `Rewrite`), the resumable output and its side files (`Recorder`, `completed_ids`,
@@ -19,8 +19,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from drafter.data import chat, chat_files
-from drafter.data.datasets import DataError
+from drafter.pipeline import chat, chat_files
+from drafter.pipeline.datasets import DataError
 from drafter.infra.progress import progress_bar
 
 EXAMPLES_PER_REASON = 5
@@ -28,7 +28,7 @@ EXAMPLES_PER_REASON = 5
 
 @dataclass(frozen=True)
 class RegenerateSettings:
-    """What to regenerate, and how (data_tools/regenerate.py's flags, named as its flags are)."""
+    """What to regenerate, and how (data/regenerate.py's flags, named as its flags are)."""
     input: list[str]           # files, directories of them, or hub dataset names
     out: str                   # the output JSONL, appended to on resume
     backend: str = "server"    # "server" (an OpenAI-compatible API) or "local" (transformers generate)

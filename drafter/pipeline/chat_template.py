@@ -3,7 +3,7 @@
 Loss mask (which tokens the drafter learns to predict): for every assistant turn (or only the
 last one), the answer text, any whitespace after it and the special token that closes the turn
 (`<|im_end|>` for Qwen): at serving time the drafter must propose that token too. In a row that
-data_tools/regenerate.py marks `truncated` (an answer hit --max-tokens) no closing token is supervised:
+data/regenerate.py marks `truncated` (an answer hit --max-tokens) no closing token is supervised:
 the target never chose to end there. When the message carries reasoning
 that the template renders, the span starts at its `<think>` tag, which the target generates
 itself. A tool-call turn is supervised as the template renders it (its calls included). The
@@ -20,7 +20,7 @@ import functools
 import json
 import re
 
-from drafter.data.chat import BadRow, THINK_CLOSE, THINK_OPEN, split_reasoning, uses_tools, with_system_prompt
+from drafter.pipeline.chat import BadRow, THINK_CLOSE, THINK_OPEN, split_reasoning, uses_tools, with_system_prompt
 
 def render(tokenizer, messages: list[dict], enable_thinking: bool,
            add_generation_prompt: bool = False) -> str:

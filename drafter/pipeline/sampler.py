@@ -21,7 +21,7 @@ One epoch is planned up front, as a pure function of (seed, epoch):
 A sample longer than tokens_per_batch goes alone in its batch, over the budget; `stats` counts
 them and `plan_notes` warns about them. `plan_notes` lists every sample a plan leaves out, by cause.
 
-Resuming at (epoch, step) replays the same plan from that step; drafter/data/loader.py loads and
+Resuming at (epoch, step) replays the same plan from that step; drafter/pipeline/loader.py loads and
 collates the planned batches.
 """
 
@@ -366,7 +366,7 @@ class BucketSampler:
 
 def bucket_table(stats: dict) -> list[str]:
     """The bucket table of `BucketSampler.stats()`: range, samples, batches, % of batches, tokens and
-    padding efficiency per bucket (data_tools/plan.py and train.py print it)."""
+    padding efficiency per bucket (data/plan.py and train.py print it)."""
     lines = [f"{'bucket':>6} {'range':>13} {'samples':>11} {'batches':>9} {'% batches':>9} {'tokens':>15} {'pad eff':>7}"]
     for bucket, row in enumerate(stats["buckets"]):
         efficiency = row["tokens"] / row["computed_tokens"] if row["computed_tokens"] else 1.0
@@ -377,7 +377,7 @@ def bucket_table(stats: dict) -> list[str]:
 
 def plan_notes(stats: dict) -> list[str]:
     """Lines naming every sample a plan leaves out, by cause, and a warning for samples over the
-    token budget (data_tools/plan.py and train.py print them once, under the bucket table)."""
+    token budget (data/plan.py and train.py print them once, under the bucket table)."""
     lines = [
         f"skipped (too long)     {stats['skipped_too_long']:,} samples over max_length {stats['max_length']:,} tokens",
         f"dropped (ranks)        {stats['dropped_samples']:,} samples in {stats['dropped_batches']:,} batches "

@@ -1,12 +1,12 @@
 """Write the target's context features of a prepared dataset once, for training to read in place of the
-target's forward (`data.features=DIR`; the format: drafter/data/feature_store_format.py).
+target's forward (`data.features=DIR`; the format: drafter/pipeline/feature_store_format.py).
 
-    python data_tools/features.py --cfg configs/toy.yaml --data artifacts/toy/train_data --out artifacts/features/toy [--dtype fp32|bf16|fp8]
-    torchrun --nproc_per_node 8 data_tools/features.py --cfg configs/v3.yaml --data artifacts/qwen3-8b --out /fast/features
-    deepspeed --num_gpus 8 data_tools/features.py ...          # or srun: each rank writes its share of the shards
+    python data/features.py --cfg configs/toy.yaml --data artifacts/toy/train_data --out artifacts/features/toy [--dtype fp32|bf16|fp8]
+    torchrun --nproc_per_node 8 data/features.py --cfg configs/v3.yaml --data artifacts/qwen3-8b --out /fast/features
+    deepspeed --num_gpus 8 data/features.py ...          # or srun: each rank writes its share of the shards
 
 The features are those training reads: the drafter's target_layer_ids as the config resolves them (or
---layers), from training's own feature pass (drafter/target/tensor_parallel.py's TargetFeatures), for
+--layers), from training's own feature pass (drafter/target_model/tensor_parallel.py's TargetFeatures), for
 every row up to data.max_length, and the target's labels the config's objective reads (--target-labels:
 its argmax at each position, or its final hidden state, from which training computes its whole
 distribution through the stored LM head). Before writing, the plan (tokens x layers x hidden x dtype bytes) and
@@ -32,13 +32,13 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
-from drafter.data.datasets import check_prepared_thinking, load_prepared
-from drafter.data.feature_store_format import (DTYPE_NAMES, FORMAT, HEAD, INDEX, OWN_FILES, STORE_DTYPES,
-                                               TARGET_DIR, TARGET_LABELS, FeatureStoreError, identity_digest,
-                                               identity_mismatch, row_key, shard_name, shard_problem,
-                                               shard_tensors, store_identity, token_bytes, write_shard)
+from drafter.pipeline.datasets import check_prepared_thinking, load_prepared
+from drafter.pipeline.feature_store_format import (DTYPE_NAMES, FORMAT, HEAD, INDEX, OWN_FILES, STORE_DTYPES,
+                                                   TARGET_DIR, TARGET_LABELS, FeatureStoreError, identity_digest,
+                                                   identity_mismatch, row_key, shard_name, shard_problem,
+                                                   shard_tensors, store_identity, token_bytes, write_shard)
 from drafter.errors import UserError
-from drafter.data.loader import collate
+from drafter.pipeline.loader import collate
 from drafter.infra.launch import set_cpu_threads
 from drafter.infra.memory import size_text
 from drafter.infra.progress import progress_bar
@@ -46,15 +46,15 @@ from drafter.infra.run_lock import hold_run_directory
 from drafter.losses.divergences import labels_needed
 from drafter.losses.lm_head import chunk_rows_for, logit_softcap, target_next_tokens
 from drafter.models.configure import drafter_config
-from drafter.target.model import compute_dtype, input_embedding_scale, load_target, random_qwen3
-from drafter.target.tensor_parallel import TargetFeatures, feature_code_version, form_tp_group
+from drafter.target_model.model import compute_dtype, input_embedding_scale, load_target, random_qwen3
+from drafter.target_model.tensor_parallel import TargetFeatures, feature_code_version, form_tp_group
 from drafter.training.run_config import config_and_world
 
 SHARD_BYTES = 2 * 2**30  # about this much of features per shard
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cfg", required=True, help="the training config (target, drafter and data sections)")
-    parser.add_argument("--data", required=True, help="the prepared dataset (data_tools/prepare.py): data.path")
+    parser.add_argument("--data", required=True, help="the prepared dataset (data/prepare.py): data.path")
     parser.add_argument("--out", required=True, help="the store's directory (new, or a dump of the same store to resume)")
     parser.add_argument("--dtype", choices=sorted(STORE_DTYPES), default="fp32",
                         help="fp32: training from the store equals training online, bit for bit; fp8: "
@@ -103,7 +103,7 @@ def check_out_dir(out: Path):
 
 
 def is_own_file(name: str) -> bool:
-    """A dump's files, and the cache shards hybrid runs append (drafter/data/feature_store_format.py)."""
+    """A dump's files, and the cache shards hybrid runs append (drafter/pipeline/feature_store_format.py)."""
     return (name in OWN_FILES or re.fullmatch(r"shard-\d{5}-of-\d{5}\.safetensors", name) is not None
             or re.fullmatch(r"cache-[0-9a-f]+-\d{5}\.safetensors", name) is not None)
 

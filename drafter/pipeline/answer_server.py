@@ -15,8 +15,8 @@ import traceback
 import httpx2
 import tenacity
 
-from drafter.data import chat, chat_files
-from drafter.data.regeneration import Job, Recorder, RegenerateSettings, Rewrite, RowFailed, Stopped
+from drafter.pipeline import chat, chat_files
+from drafter.pipeline.regeneration import Job, Recorder, RegenerateSettings, Rewrite, RowFailed, Stopped
 
 MAX_BACKOFF = 60.0  # seconds
 

@@ -1,6 +1,6 @@
 """Build the toy world: a small real Qwen3 target and the data a drafter needs, offline, on a CPU.
 
-    python data_tools/toy.py [--out artifacts/toy] [--force] [--threads 2]
+    python data/toy.py [--out artifacts/toy] [--force] [--threads 2]
 
 The corpus is the Python standard library's own source. Each file is assigned by a hash of its path to
 one of three disjoint sets: the target trains on "train" files, the chat prompts whose responses the
@@ -17,8 +17,8 @@ the directory, and rebuilds them all):
                        target/training.json: size, tokens, speed, final training loss
   prompts.jsonl        {"messages": [user turn], "group": source file} chats from the prompt files
   bench.jsonl          the same kind of chats from the bench files: the held-out prompts
-  regenerated.jsonl    the target's own answers (data_tools/regenerate.py, local backend, greedy)
-  train_data/          data_tools/prepare.py's tokenised drafter training set, answers that loop dropped
+  regenerated.jsonl    the target's own answers (data/regenerate.py, local backend, greedy)
+  train_data/          data/prepare.py's tokenised drafter training set, answers that loop dropped
                        (--drop-loops); its group column is the source file, so a held-out split
                        (data.eval_fraction) holds out whole files
   bench_data/          the bench prompts with the target's greedy answers, prepared (loops kept): the
@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-from drafter.data.prepared import unwind_on_sigterm
+from drafter.pipeline.prepared import unwind_on_sigterm
 from drafter.synthesis import world
 from drafter.synthesis.stdlib_corpus import (completion_messages, function_examples, list_corpus_files,
                                              pack_documents, split_corpus, stdlib_root, training_documents)

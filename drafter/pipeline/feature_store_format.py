@@ -1,5 +1,5 @@
 """The offline feature store: the target's context features of every row of a prepared dataset, written
-once by data_tools/features.py and read by training (`data.features=DIR`) in place of the target's forward.
+once by data/features.py and read by training (`data.features=DIR`) in place of the target's forward.
 
     DIR/index.json                          identity, plan, shards (written first; "complete" at the end)
     DIR/shard-00000-of-00004.safetensors    rows [first, first + rows) of the dataset, in order:
@@ -32,7 +32,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
-from drafter.data.datasets import DataError
+from drafter.pipeline.datasets import DataError
 
 INDEX = "index.json"
 HEAD = "head.safetensors"
@@ -230,7 +230,7 @@ def read_index(directory: str) -> dict:
         index = json.loads(path.read_text())
     except (FileNotFoundError, NotADirectoryError):  # nothing there, or a file, not a store's directory
         raise FeatureStoreError(f"data.features={directory}: no {INDEX} there (write the store with "
-                                "data_tools/features.py)") from None
+                                "data/features.py)") from None
     except ValueError as error:
         raise FeatureStoreError(f"{path}: not JSON ({error})") from None
     stored_format = index.get("format") if isinstance(index, dict) else None
@@ -293,7 +293,7 @@ def labels_refusal(store: "FeatureStore", cfg, needed: str, setting: str = "data
            else f"drafter.draft_vocab_size={cfg.drafter.draft_vocab_size}")
     return (f"{setting}={store.directory} does not serve this objective: target_labels: the store holds "
             f"{store.target_labels!r}, objective.labels=target with {why} reads {needed!r} (dump the store "
-            f"with data_tools/features.py --target-labels {needed})")
+            f"with data/features.py --target-labels {needed})")
 
 
 def holds_every_row(store: "FeatureStore", dataset, cfg) -> bool:

@@ -1,4 +1,4 @@
-"""Prepared datasets for training: loading data_tools/prepare.py outputs, checked up front, and the
+"""Prepared datasets for training: loading data/prepare.py outputs, checked up front, and the
 held-out split."""
 import hashlib
 import json
@@ -9,7 +9,7 @@ import datasets
 import numpy as np
 import pyarrow.compute as pc
 
-from drafter.data.splits import split_holdout
+from drafter.pipeline.splits import split_holdout
 from drafter.errors import UserError
 
 TRAINING_COLUMNS = ["input_ids", "loss_mask", "length"]
@@ -20,17 +20,17 @@ class DataError(UserError, ValueError):
 
 
 def load_prepared(path: str, vocab_size: int) -> datasets.Dataset:
-    """A data_tools/prepare.py output, checked up front (columns, lengths, token ids) so that bad data stops
+    """A data/prepare.py output, checked up front (columns, lengths, token ids) so that bad data stops
     the run at start-up with the row named, not hours in."""
     try:
         dataset = datasets.load_from_disk(path)
     except FileNotFoundError as error:  # datasets' words for a directory that holds no saved dataset
-        raise DataError(f"{path}: {error} (make it with data_tools/prepare.py)") from None
+        raise DataError(f"{path}: {error} (make it with data/prepare.py)") from None
     except IndexError:  # datasets cannot read back a dataset saved with no rows
-        raise DataError(f"{path}: a saved dataset with no rows (data_tools/prepare.py keeps at least one)") from None
+        raise DataError(f"{path}: a saved dataset with no rows (data/prepare.py keeps at least one)") from None
     missing = set(TRAINING_COLUMNS) - set(dataset.column_names)
     if missing:
-        raise DataError(f"{path}: missing columns {sorted(missing)} (make it with data_tools/prepare.py)")
+        raise DataError(f"{path}: missing columns {sorted(missing)} (make it with data/prepare.py)")
     table = dataset.data.table
     ids_len = pc.list_value_length(table.column("input_ids")).to_numpy(zero_copy_only=False)
     mask_len = pc.list_value_length(table.column("loss_mask")).to_numpy(zero_copy_only=False)
@@ -80,14 +80,14 @@ def supervised_token_counts(prepared: list[datasets.Dataset], vocab_size: int) -
 def check_prepared_thinking(path: str, chat_template_kwargs) -> None:
     """Raise DataError when the dataset at `path` was prepared with another enable_thinking than the
     training config's `target.chat_template_kwargs` (the drafter would learn text the target does
-    not write when served); warn when the dataset does not record it (not made by data_tools/prepare.py,
+    not write when served); warn when the dataset does not record it (not made by data/prepare.py,
     or by a version before the record)."""
     stats_path = Path(path) / "stats.json"
     try:
         prepared = json.loads(stats_path.read_text())["settings"]["chat_template_kwargs"]["enable_thinking"]
     except (OSError, ValueError, KeyError, TypeError):
         warnings.warn(f"{path}: no settings.chat_template_kwargs.enable_thinking in {stats_path}, so thinking "
-                      "on/off cannot be checked against the config; rerun data_tools/prepare.py to record it",
+                      "on/off cannot be checked against the config; rerun data/prepare.py to record it",
                       stacklevel=2)
         return
     configured = dict(chat_template_kwargs or {}).get("enable_thinking")
@@ -127,7 +127,7 @@ def load_datasets(data_cfg, vocab_size: int, chat_template_kwargs):
         local = None if path is None or "://" in path else Path(path).expanduser()  # as load_from_disk reads it
         if local is not None and not local.is_dir():
             reason = "not a directory" if local.exists() else "no such directory"
-            raise DataError(f"{key}={path}: {reason} (make it with data_tools/prepare.py)")
+            raise DataError(f"{key}={path}: {reason} (make it with data/prepare.py)")
     for path in filter(None, paths.values()):
         check_prepared_thinking(path, chat_template_kwargs)
     train = load_prepared(data_cfg.path, vocab_size)

@@ -1,6 +1,6 @@
 """Chat data: reading conversation files, normalising their shapes, rendering, and the loss mask.
 
-Shared by `data_tools/prepare.py` (tokenise + loss mask), `data_tools/regenerate.py` (the target rewrites the
+Shared by `data/prepare.py` (tokenise + loss mask), `data/regenerate.py` (the target rewrites the
 answers) and prompt formatting for evaluation, so that all three see a conversation the same way.
 
 Input rows (one JSON object each) come in these shapes; all become a list of

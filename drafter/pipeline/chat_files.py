@@ -1,4 +1,4 @@
-"""Conversation files read into rows (drafter/data/chat.py normalises them): JSONL, JSON, parquet,
+"""Conversation files read into rows (drafter/pipeline/chat.py normalises them): JSONL, JSON, parquet,
 directories of them and hub datasets.
 
 Source labels are "path:N", N being the 1-based line of a JSONL file or the 1-based row of a JSON
@@ -14,8 +14,8 @@ become U+FFFD.
 A file that cannot be read as a whole (a missing or unreadable file, a `.json` array cut short or
 nested too deep for the parser, UTF-16 or UTF-32 text, damaged parquet data, an unsupported type)
 raises `InputError` naming it. Given a directory, only its data files are read:
-hidden entries, data_tools/regenerate.py's side files (`*.errors.jsonl`, `*.summary.json`,
-`*.settings.json`) and saved `datasets` directories (data_tools/prepare.py outputs) are skipped, and
+hidden entries, data/regenerate.py's side files (`*.errors.jsonl`, `*.summary.json`,
+`*.settings.json`) and saved `datasets` directories (data/prepare.py outputs) are skipped, and
 other files (`unread_files`: a `.jsonl.gz`, a README) are reported by both tools.
 """
 import codecs
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
-# data_tools/regenerate.py writes these next to its output; they are never conversations.
+# data/regenerate.py writes these next to its output; they are never conversations.
 SIDE_FILE_SUFFIXES = (".errors.jsonl", ".summary.json", ".settings.json")
 CONVERSATION_ID_FIELDS = ("id", "conversation_id", "uuid")
 
@@ -71,7 +71,7 @@ def is_data_file(path: Path, root: Path) -> bool:
 
 def skipped_by_rule(path: Path, root: Path) -> bool:
     """Whether a file found under directory `root` is one that is never input: a hidden entry, a
-    data_tools/regenerate.py side file, a file of a saved dataset."""
+    data/regenerate.py side file, a file of a saved dataset."""
     parts = path.relative_to(root).parts
     folders = [root.joinpath(*parts[:depth]) for depth in range(len(parts))]
     return (path.name.endswith(SIDE_FILE_SUFFIXES) or any(part.startswith(".") for part in parts)
@@ -91,7 +91,7 @@ def unread_files(inputs: list[str]) -> list[str]:
 
 
 def is_saved_dataset(directory: Path) -> bool:
-    """A `datasets` save_to_disk directory (data_tools/prepare.py writes these)."""
+    """A `datasets` save_to_disk directory (data/prepare.py writes these)."""
     return (directory / "dataset_info.json").is_file() and (directory / "state.json").is_file()
 
 

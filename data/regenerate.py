@@ -1,13 +1,13 @@
 """Rewrite the assistant turns of chat data with the target itself (the DFlash data recipe).
 
     # any OpenAI-compatible server (vLLM, SGLang) serving the target
-    python data_tools/regenerate.py --input chat.jsonl --out artifacts/regen/chat.jsonl \\
+    python data/regenerate.py --input chat.jsonl --out artifacts/regen/chat.jsonl \\
         --base-url http://127.0.0.1:8000/v1 --model Qwen/Qwen3-8B --concurrency 64 --no-thinking
     # small local targets (the toy world, the tests): transformers generate, batched
-    python data_tools/regenerate.py --input chat.jsonl --out artifacts/regen/chat.jsonl --backend local --target PATH
+    python data/regenerate.py --input chat.jsonl --out artifacts/regen/chat.jsonl --backend local --target PATH
 
-Conversations are read with the same readers and shapes as `data_tools/prepare.py` (see
-`drafter/data/chat.py`). Turn by turn, every assistant turn is replaced by the target's answer to the
+Conversations are read with the same readers and shapes as `data/prepare.py` (see
+`drafter/pipeline/chat.py`). Turn by turn, every assistant turn is replaced by the target's answer to the
 history so far (system and user turns kept, earlier answers already regenerated); a conversation
 that ends with a user turn gets an answer appended. Reasoning returned separately by the server
 (`reasoning_content`) is kept inline as a leading `<think>` block.
@@ -41,7 +41,7 @@ the exit status is 130. A second signal stops at once. The work is the library's
 import argparse
 import sys
 
-from drafter.data.regeneration import RegenerateSettings
+from drafter.pipeline.regeneration import RegenerateSettings
 from drafter.errors import UserError, model_path_problem
 from drafter.synthesis.answers import regenerate
 

@@ -1,9 +1,9 @@
 """Show how a prepared dataset will be batched under a config and world size, before any GPU is spent.
 
-    python data_tools/plan.py --lengths L.npy --cfg configs/v3.yaml --world-size 8 [--json plan.json] [key.sub=value ...]
-    python data_tools/plan.py --dataset DIR --cfg configs/v3.yaml --world-size 8
-    python data_tools/plan.py --cfg configs/v3.yaml --world-size 8            # the dataset at data.path
-    python data_tools/plan.py --cfg configs/v3.yaml --world-size 8 --gpu-memory 80GB --memory-only target.tp_size=2
+    python data/plan.py --lengths L.npy --cfg configs/v3.yaml --world-size 8 [--json plan.json] [key.sub=value ...]
+    python data/plan.py --dataset DIR --cfg configs/v3.yaml --world-size 8
+    python data/plan.py --cfg configs/v3.yaml --world-size 8            # the dataset at data.path
+    python data/plan.py --cfg configs/v3.yaml --world-size 8 --gpu-memory 80GB --memory-only target.tp_size=2
 
 Lengths come from a `.npy` array, a text file with one integer per line, or the `length` column of
 a dataset saved with save_to_disk (and its `group` column, when there is one). When data.eval_path is
@@ -27,8 +27,8 @@ import numpy as np
 from omegaconf import OmegaConf
 
 from drafter.config import CONFIG_FILE_ERRORS, Config, ConfigError, config_error_reason
-from drafter.data.sampler import BucketSampler, bucket_table, plan_notes, sampler_from_config
-from drafter.data.splits import split_holdout
+from drafter.pipeline.sampler import BucketSampler, bucket_table, plan_notes, sampler_from_config
+from drafter.pipeline.splits import split_holdout
 from drafter.infra.engine import deepspeed_config
 from drafter.infra.memory import GiB
 from drafter.infra.repo_paths import find_in_repo

@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafter.errors import UserError
-from drafter.target import model
-from drafter.target.model import context_features, features_and_final_hidden, load_target
+from drafter.target_model import model
+from drafter.target_model.model import context_features, features_and_final_hidden, load_target
 
 SPLIT_DIM = {"colwise": -2, "packed_colwise": -2, "rowwise": -1}  # the weight dim each style splits
 SUMMED = ("rowwise", "moe_tp_experts")   # modules whose output is a partial sum over the group
@@ -195,7 +195,7 @@ class TargetFeatures:
     def _row_by_row(self, input_ids: torch.Tensor, layer_ids: list[int], lengths):
         """Each row's own forward at its length rounded up to FEATURE_WIDTH_MULTIPLE (zeros past it): on
         the CPU a batched forward gives a row other bits in another batch (the GEMM kernels block by the
-        batch's shape, the vector tails by its width), so a row's features stored once (data_tools/features.py)
+        batch's shape, the vector tails by its width), so a row's features stored once (data/features.py)
         could not equal those of every batch it is in; alone, a row always gets the same bits."""
         rows = [self._target_pass(input_ids[i:i + 1, :length], layer_ids)
                 for i, length in enumerate(lengths.tolist() if torch.is_tensor(lengths) else lengths)]
