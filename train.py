@@ -36,7 +36,7 @@ from drafter.infra.progress import StageTimer
 from drafter.infra.run_lock import hold_run_directory
 from drafter.metric_sums import finalize_metrics
 from drafter.models import drafter_from_state_dict
-from drafter.models.blocks import blocks_drawn
+from drafter.models.blocks import FeatureBatch, blocks_drawn
 from drafter.serving.served import PromptShare, generation_tau, replayed_tau
 from drafter.target_model.calibration import calibrated_features
 from drafter.training.attention_check import ATTENTION_TOLERANCE, attention_verdict, compare_with_dense, worst_over_ranks
@@ -255,9 +255,9 @@ def micro_step(run: RunParts, batch, step, micro, noise, timers: StageTimer):
         features = add_feature_noise(features, noise, len(drafter.target_layer_ids),
                                      step_generator(run.cfg.run.seed, step, run.rank, NOISE_STREAM + micro, run.device))
     with timers("drafter"):
-        loss, metrics = training_step(drafter, run.target, features, input_ids, loss_mask, run.objective,
-                                      step_generator(run.cfg.run.seed, step, run.rank, ANCHOR_STREAM - micro), run.attention,
-                                      final_hidden)
+        anchors = step_generator(run.cfg.run.seed, step, run.rank, ANCHOR_STREAM - micro)
+        loss, metrics = training_step(run.drafting(drafter), FeatureBatch(input_ids, loss_mask, features, final_hidden),
+                                      run.objective, anchors)
         # A non-finite loss makes every gradient NaN, so the engine's global check skips the step on all ranks.
         loss = loss * torch.where(torch.isfinite(loss.detach()), 1.0, math.nan)
         run.engine.backward(loss)
@@ -327,13 +327,11 @@ def checked_attention(run: RunParts, state: TrainerState, log) -> str:
     # are its own, with the row before it as context)
     end = int(batch["lengths"][0])
     window = slice(max(0, end - CHECK_TOKENS), end)
-    input_ids, loss_mask, features = input_ids[:, window], loss_mask[:, window], features[:, window]
-    final_hidden = None if final_hidden is None else final_hidden[:, window]
+    checked = FeatureBatch(input_ids, loss_mask, features, final_hidden).cut_to(window)
     objective = replace(run.objective, num_anchors=min(run.objective.num_anchors, CHECK_ANCHORS))
-    comparison = worst_over_ranks(compare_with_dense(
-        drafter, run.target, features, input_ids, loss_mask, objective, run.attention,
-        ATTENTION_TOLERANCE[run.dtype], final_hidden))
-    del drafter, features, final_hidden
+    comparison = worst_over_ranks(compare_with_dense(run.drafting(drafter), checked, objective,
+                                                     ATTENTION_TOLERANCE[run.dtype]))
+    del drafter, features, final_hidden, checked
     if run.device.type == "cuda":  # the copy and its gradients: give the run its memory back
         torch.cuda.empty_cache()
     kernel, line = attention_verdict(run.cfg.objective.attention, comparison)
@@ -380,7 +378,8 @@ def evaluate(run: RunParts, drafter):
         if batch is None:
             continue
         features = calibrated_features(features, run.objective.feature_calibration)
-        for k, v in eval_metrics(run, drafter, features, final_hidden, batch, i).items():
+        held_out = FeatureBatch(input_ids, batch["loss_mask"].to(run.device), features, final_hidden)
+        for k, v in eval_metrics(run, drafter, held_out, i).items():
             summed[k] = summed[k] + v.float()
     drafter.train(was_training)
     if any_rank(not summed):  # a rank whose rows are all too long has nothing to add
@@ -389,14 +388,12 @@ def evaluate(run: RunParts, drafter):
     return {**finalize_metrics(summed), "eval_responses": int(summed["tau_dflash"][1])}
 
 
-def eval_metrics(run: RunParts, drafter, features, final_hidden, batch, index: int) -> dict:
+def eval_metrics(run: RunParts, drafter, batch: FeatureBatch, index: int) -> dict:
     """One held-out batch: the training step's metrics on clean features, and its replayed tau."""
-    input_ids, loss_mask = batch["input_ids"].to(run.device), batch["loss_mask"].to(run.device)
-    _, metrics = training_step(drafter, run.target, features, input_ids, loss_mask, run.objective,
-                               step_generator(run.cfg.run.seed, index, run.rank, EVAL_STREAM), run.attention, final_hidden)
-    metrics.update(replayed_tau(drafter, run.target, features, input_ids, loss_mask, run.cfg.train.tau_budgets,
-                                run.attention, blocks_per_forward=run.objective.anchors_per_batch or 2048,
-                                chunk_bytes=run.objective.chunk_bytes))
+    setup = run.drafting(drafter)
+    _, metrics = training_step(setup, batch, run.objective,
+                               step_generator(run.cfg.run.seed, index, run.rank, EVAL_STREAM))
+    metrics.update(replayed_tau(setup, batch))
     return metrics
 
 
@@ -406,9 +403,8 @@ def run_generation(run: RunParts, drafter, step, log):
     cfg = run.cfg
     share = PromptShare.of(run.target_features.group, run.world_size)
     summed = all_reduce_sum(generation_tau(
-        run.target, drafter, run.generate_prompts, share, budgets=cfg.train.tau_budgets,
-        max_new_tokens=cfg.train.generate_max_new_tokens, max_seconds=cfg.train.generate_max_seconds,
-        stop_token_ids=run.stops))
+        run.drafting(drafter), run.generate_prompts, share, max_new_tokens=cfg.train.generate_max_new_tokens,
+        max_seconds=cfg.train.generate_max_seconds, stop_token_ids=run.stops))
     metrics = {"step": step, **finalize_metrics(summed), "gen_responses": int(summed["gen_tau_dflash"][1])}
     log.log(metrics, prefix="generate")
     log.print(eval_line(metrics, "generate"))

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from drafter.config import ObjectiveConfig  # noqa: E402
 from drafter.models import DFlashDraftModel, DraftCache  # noqa: E402
+from drafter.models.blocks import DraftingSetup, FeatureBatch  # noqa: E402
 from drafter.models.configure import drafter_config  # noqa: E402
 from drafter.models.draft_vocab import DraftVocab  # noqa: E402
 from drafter.target_model.model import context_features, random_qwen3  # noqa: E402
@@ -56,8 +57,8 @@ def training_drafter_step(drafter, target, features, ids, loss_mask, cfg):
     """One training step of the drafter on fixed target features: forward and backward."""
     def step():
         start = time.perf_counter()
-        loss, _ = training_step(drafter, target, features, ids, loss_mask, cfg, torch.Generator().manual_seed(0),
-                                attention="dense")
+        loss, _ = training_step(DraftingSetup(drafter, target, "dense"), FeatureBatch(ids, loss_mask, features), cfg,
+                                torch.Generator().manual_seed(0))
         loss.backward()
         ms = (time.perf_counter() - start) * 1e3
         drafter.zero_grad(set_to_none=True)

@@ -65,9 +65,10 @@ from drafter.pipeline.sampler import BucketSampler, make_buckets  # noqa: E402
 from drafter.infra.host_sync import host_syncs  # noqa: E402
 from drafter.infra.memory import peak_memory_bytes  # noqa: E402
 from drafter.models import DFlashDraftModel, DraftCache, compiled_graph_count  # noqa: E402
-from drafter.models.blocks import attention_kernel, build_blocks, drafter_hidden, sample_anchors  # noqa: E402
+from drafter.models.blocks import (DraftingSetup, FeatureBatch, attention_kernel, build_blocks,  # noqa: E402
+                                   drafter_hidden, sample_anchors)
 from drafter.models.configure import drafter_config  # noqa: E402
-from drafter.serving.decode import generate, pick  # noqa: E402
+from drafter.serving.decode import DecodeSettings, generate, pick  # noqa: E402
 from drafter.serving.lossless import first_divergence, lossless_verdict, near_tie_share  # noqa: E402
 from drafter.serving.testing import ReplayDrafter  # noqa: E402
 from drafter.target_model.cache import TargetCache  # noqa: E402
@@ -176,8 +177,9 @@ def check_flex_vs_dense(target, drafter, device, run) -> dict:
         # with grad on CUDA: the graphs training compiles (no-grad ones would be compiled apart)
         with torch.set_grad_enabled(device.type == "cuda"):
             logits = head(drafter_hidden(drafter, target, features, blocks, attention)).detach().float()
-            loss, _ = training_step(drafter, target, features, input_ids, loss_mask, objective,
-                                    torch.Generator().manual_seed(0), attention)
+            loss, _ = training_step(DraftingSetup(drafter, target, attention),
+                                    FeatureBatch(input_ids, loss_mask, features), objective,
+                                    torch.Generator().manual_seed(0))
         grads = None
         if device.type == "cuda":
             loss.backward()
@@ -206,8 +208,9 @@ def check_compile_bound(target, drafter, device, run) -> dict:
         before = compiled_graph_count()
         features = context_features(target, input_ids, drafter.target_layer_ids)
         with torch.set_grad_enabled(training):
-            loss, _ = training_step(drafter, target, features, input_ids, loss_mask, objective,
-                                    torch.Generator().manual_seed(i), "flex_compiled")
+            loss, _ = training_step(DraftingSetup(drafter, target, "flex_compiled"),
+                                    FeatureBatch(input_ids, loss_mask, features), objective,
+                                    torch.Generator().manual_seed(i))
             if training:
                 loss.backward()
                 drafter.zero_grad(set_to_none=True)
@@ -239,8 +242,9 @@ def check_train_step(target, drafter, device, run, args) -> dict:
         t0 = sync_time(device)
         features = context_features(target, input_ids, drafter.target_layer_ids)
         t1 = sync_time(device)
-        loss, _ = training_step(drafter, target, features, input_ids, loss_mask, objective,
-                                torch.Generator().manual_seed(step), attention)
+        loss, _ = training_step(DraftingSetup(drafter, target, attention),
+                                FeatureBatch(input_ids, loss_mask, features), objective,
+                                torch.Generator().manual_seed(step))
         loss.backward()
         t2 = sync_time(device)
         optimizer.step()
@@ -287,8 +291,9 @@ def check_train_step_syncs(target, drafter, device, run) -> dict:
             with host_syncs(device) as target_syncs:
                 features = context_features(target, input_ids, drafter.target_layer_ids)
             with host_syncs(device) as step_syncs:
-                loss, _ = training_step(drafter, target, features, input_ids, loss_mask, objective,
-                                        torch.Generator().manual_seed(0), attention)
+                loss, _ = training_step(DraftingSetup(drafter, target, attention),
+                                        FeatureBatch(input_ids, loss_mask, features), objective,
+                                        torch.Generator().manual_seed(0))
                 loss.backward()
             drafter.zero_grad(set_to_none=True)
     require(len(step_syncs) == 1, f"{len(step_syncs)} host syncs in training_step, expected 1 (the anchor "
@@ -352,7 +357,7 @@ def check_lossless(target, drafter, device, run) -> dict:
         gen = torch.Generator().manual_seed(4)
         prompts = [torch.randint(0, target.config.vocab_size, (1, run["prompt_len"]), generator=gen).to(device)
                    for _ in range(8)]
-        references = [generate(bf16_target, prompt, 48, method="ar") for prompt in prompts]
+        references = [generate(bf16_target, prompt, 48) for prompt in prompts]
         share = near_tie_share([m for reference in references for m in reference.margins])
         figures = {"logit_scale": scale, "near_tie_share": share}
         require(share <= 0.5, f"{share:.0%} of ar's steps are near-ties: the verdict could not tell a bug")
@@ -360,7 +365,7 @@ def check_lossless(target, drafter, device, run) -> dict:
             divergences, lengths = [], []
             for prompt, reference in zip(prompts, references):
                 replay = ReplayDrafter(bf16_drafter, prompt[0].tolist() + reference.output_ids)
-                output = generate(bf16_target, prompt, 48, method=method, drafter=replay, budget=budget)
+                output = generate(bf16_target, prompt, 48, drafter=replay, settings=DecodeSettings(method, budget))
                 divergences.append(first_divergence(output.output_ids, reference.output_ids, reference.margins))
                 lengths += output.acceptance_lengths
             verdict = lossless_verdict(divergences)

@@ -17,6 +17,7 @@ from drafter.pipeline.datasets import load_prepared
 from drafter.errors import ConfigError, UserError
 from drafter.metric_sums import finalize_metrics
 from drafter.models import load_drafter
+from drafter.models.blocks import DraftingSetup, FeatureBatch
 from drafter.serving.served import replayed_tau
 from drafter.target_model.model import DTYPES, context_features, load_target
 from drafter.training.checkpoint import drafter_dir
@@ -36,7 +37,8 @@ def replay_checkpoint(ckpt: str, data_path: str, budgets: list[int], dtype: torc
         for row in rows.with_format("torch"):
             input_ids, loss_mask = row["input_ids"][None].long(), row["loss_mask"][None].long()
             features = context_features(target, input_ids, drafter.target_layer_ids)
-            for key, value in replayed_tau(drafter, target, features, input_ids, loss_mask, budgets, "dense").items():
+            for key, value in replayed_tau(DraftingSetup(drafter, target, "dense", budgets=tuple(budgets)),
+                                           FeatureBatch(input_ids, loss_mask, features)).items():
                 summed[key] = summed[key] + value if key in summed else value
     return {"ckpt": ckpt, "rows": len(rows), **finalize_metrics(summed)}
 

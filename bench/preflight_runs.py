@@ -35,7 +35,7 @@ from bench.check_harness import CheckFailed, build_on, log, make_batch, require
 from drafter.config import ObjectiveConfig
 from drafter.infra.engine import build_engine, deepspeed_config, deepspeed_op_problem
 from drafter.models import DFlashDraftModel
-from drafter.models.blocks import attention_kernel
+from drafter.models.blocks import DraftingSetup, FeatureBatch, attention_kernel
 from drafter.models.configure import drafter_config
 from drafter.target_model.model import context_features, random_qwen3
 from drafter.training.objective import training_step
@@ -232,8 +232,9 @@ def ds_engine_step(cfg, ds: dict, device: torch.device, dtype: torch.dtype) -> d
     before = engine.full_state_dict()
     input_ids, loss_mask = make_batch(WORLD_TARGET["vocab_size"], 2, 64, 8, device)
     features = context_features(target, input_ids, engine.module.target_layer_ids)
-    loss, _ = training_step(engine.module, target, features, input_ids, loss_mask, ObjectiveConfig(num_anchors=8),
-                            torch.Generator().manual_seed(0), attention_kernel("auto", device))
+    loss, _ = training_step(DraftingSetup(engine.module, target, attention_kernel("auto", device)),
+                            FeatureBatch(input_ids, loss_mask, features), ObjectiveConfig(num_anchors=8),
+                            torch.Generator().manual_seed(0))
     engine.backward(loss)
     result = engine.step(cfg.optim.lr)
     after = engine.full_state_dict()

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from drafter.pipeline.loader import collate  # noqa: E402
 from drafter.models import load_drafter  # noqa: E402
+from drafter.models.blocks import DraftingSetup, FeatureBatch  # noqa: E402
 from drafter.serving.served import mean_tau, scored_blocks, walks_of  # noqa: E402
 from drafter.target_model.model import context_features, load_target  # noqa: E402
 from drafter.training.checkpoint import drafter_dir  # noqa: E402
@@ -44,7 +45,7 @@ def acceptance(drafter, target, batch, budgets) -> dict[str, torch.Tensor]:
     features = context_features(target, input_ids, drafter.target_layer_ids)
     methods = ["chain:selector", "chain:marginal"] + [f"{kind}@{b}" for b in budgets for kind in ("marginal", "selector")]
     accepted = {m: torch.full(input_ids.shape, -1, dtype=torch.long) for m in methods}
-    for part in scored_blocks(drafter, target, features, input_ids, loss_mask, "dense"):
+    for part in scored_blocks(DraftingSetup(drafter, target, "dense"), FeatureBatch(input_ids, loss_mask, features)):
         where = (part.rows, part.positions)
         chains = {"chain:selector": drafter.chain_picks(part.hidden, part.logits, part.predecessors),
                   "chain:marginal": part.logits.argmax(-1)}

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # data/toy.py's sh
 from data.toy import TARGET_CONFIG, VOCAB_SIZE  # noqa: E402
 from drafter.infra.timing import best_time  # noqa: E402
 from drafter.models import DFlashDraftModel  # noqa: E402
+from drafter.models.blocks import DraftingSetup, FeatureBatch  # noqa: E402
 from drafter.models.configure import drafter_config  # noqa: E402
 from drafter.serving.served import generation_tau, replayed_tau  # noqa: E402
 from drafter.target_model.model import context_features, random_qwen3  # noqa: E402
@@ -64,22 +65,23 @@ def main():
 
     def train_step():
         features = context_features(target, input_ids, drafter.target_layer_ids)
-        loss, _ = training_step(drafter, target, features, input_ids, loss_mask, objective,
-                                torch.Generator().manual_seed(0), attention="dense")
+        loss, _ = training_step(DraftingSetup(drafter, target, "dense"), FeatureBatch(input_ids, loss_mask, features),
+                                objective, torch.Generator().manual_seed(0))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
 
     def replay():
         features = context_features(target, input_ids, drafter.target_layer_ids)
-        replayed_tau(drafter.eval(), target, features, input_ids, loss_mask, train.tau_budgets, "dense",
-                     blocks_per_forward=cfg.objective.anchors_per_batch or 2048)
+        replayed_tau(DraftingSetup(drafter.eval(), target, "dense", budgets=tuple(train.tau_budgets),
+                                   blocks_per_forward=cfg.objective.anchors_per_batch or 2048),
+                     FeatureBatch(input_ids, loss_mask, features))
         drafter.train()
 
     prompts = input_ids[:, :args.prompt_length].tolist()
 
     def generation():
-        out = generation_tau(target, drafter, prompts, budgets=train.tau_budgets,
+        out = generation_tau(DraftingSetup(drafter, target, budgets=tuple(train.tau_budgets)), prompts,
                              max_new_tokens=train.generate_max_new_tokens, max_seconds=math.inf)
         assert out["gen_tau_dflash"][1] == len(prompts)
 

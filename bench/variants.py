@@ -224,6 +224,7 @@ def replay(run: Path, data_path: str, threads: int, store: str | None) -> dict[s
     from drafter.pipeline.loader import collate
     from drafter.metric_sums import finalize_metrics
     from drafter.models import load_drafter
+    from drafter.models.blocks import DraftingSetup, FeatureBatch
     from drafter.serving.served import replayed_tau
     from drafter.target_model.model import compute_dtype, context_features, load_target
     from drafter.target_model.tensor_parallel import feature_code_version
@@ -247,8 +248,8 @@ def replay(run: Path, data_path: str, threads: int, store: str | None) -> dict[s
             batch = collate(rows.select(range(first, min(first + 8, len(rows)))), bucket=0)
             features = (stored.features(batch["input_ids"], batch["lengths"], dtype) if stored is not None
                         else context_features(target, batch["input_ids"], drafter.target_layer_ids))
-            for k, v in replayed_tau(drafter, target, features, batch["input_ids"], batch["loss_mask"],
-                                     list(config.train.tau_budgets), "dense").items():
+            for k, v in replayed_tau(DraftingSetup(drafter, target, "dense", budgets=tuple(config.train.tau_budgets)),
+                                     FeatureBatch(batch["input_ids"], batch["loss_mask"], features)).items():
                 summed[k] = summed.get(k, 0) + v.double()
     return finalize_metrics(summed)
 

@@ -72,8 +72,9 @@ from drafter.infra.launch import (LaunchError, init_distributed, launched_world_
                                   cores_per_rank, set_cpu_threads, usable_cores)
 from drafter.infra.progress import progress_bar
 from drafter.models import load_drafter
-from drafter.serving.decode import (SAMPLING, Generation, Method, generate, speculative_methods, stop_token_ids,
-                                    tree_verify_refusal)
+from drafter.models.blocks import DraftingSetup, FeatureBatch
+from drafter.serving.decode import (SAMPLING, DecodeSettings, Generation, Method, generate, speculative_methods,
+                                    stop_token_ids, tree_verify_refusal)
 from drafter.serving.eval_report import HF, best_method, markdown_table, save_plots, summarize, summarize_public
 from drafter.serving.lossless import BF16_TIE_TOLERANCE, near_tie_share
 from drafter.serving.public_loop import PublicAgreement, check_public, load_public
@@ -352,8 +353,9 @@ class Evaluator:
         loss_mask = torch.zeros_like(ids)
         loss_mask[0, len(ar_record["prompt_ids"]):] = 1
         features = self.replay_features(ids)
-        budgets = [method.budget] if method.is_tree else []
-        steps = replay_steps(self.drafter, self.target, features, ids, loss_mask, budgets, attention="dense")
+        budgets = (method.budget,) if method.is_tree else ()
+        steps = replay_steps(DraftingSetup(self.drafter, self.target, "dense", budgets=budgets),
+                             FeatureBatch(ids, loss_mask, features))
         return {**ar_record, "acceptance_lengths": steps[str(method)][0] if steps[str(method)] else [],
                 "decode_seconds": None, "stage_seconds": {}, "margins": [], "replayed": True}
 
@@ -368,10 +370,11 @@ class Evaluator:
     def generate(self, method: Method | str, prompt_ids: torch.Tensor, max_new_tokens: int):
         if method == HF:
             return self.generate_hf(prompt_ids, max_new_tokens)
-        return generate(self.target, prompt_ids, max_new_tokens, self.stop_token_ids, method=method.name,
-                        drafter=self.drafter, budget=method.budget, temperature=self.args.temperature,
-                        sampling=self.args.sampling if method.name == "dflash" else "match",
-                        synchronize_stages=self.args.sync_stages, tree_backend=self.args.tree_backend)
+        return generate(self.target, prompt_ids, max_new_tokens, self.stop_token_ids, drafter=self.drafter,
+                        settings=DecodeSettings.of(method, temperature=self.args.temperature,
+                                                   sampling=self.args.sampling if method.name == "dflash" else "match",
+                                                   tree_backend=self.args.tree_backend,
+                                                   synchronize_stages=self.args.sync_stages))
 
     @torch.inference_mode()
     def generate_hf(self, prompt_ids: torch.Tensor, max_new_tokens: int) -> Generation:

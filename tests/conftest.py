@@ -56,6 +56,7 @@ def make_drafter(target, num_layers=2, block_size=8, seed=1, **kw) -> DFlashDraf
 def fit_drafter(drafter, target, input_ids, loss_mask, cfg, steps: int, lr: float) -> list[float]:
     """`steps` AdamW steps of the project's own training step (`training_step` on `context_features`,
     anchors seeded by the step): the losses. The drafter is left in eval mode."""
+    from drafter.models.blocks import DraftingSetup, FeatureBatch
     from drafter.training.objective import training_step
     from drafter.target_model.model import context_features
 
@@ -64,8 +65,8 @@ def fit_drafter(drafter, target, input_ids, loss_mask, cfg, steps: int, lr: floa
     drafter.train()
     losses = []
     for step in range(steps):
-        loss, _ = training_step(drafter, target, features, input_ids, loss_mask, cfg,
-                                torch.Generator().manual_seed(step), attention="dense")
+        loss, _ = training_step(DraftingSetup(drafter, target, "dense"), FeatureBatch(input_ids, loss_mask, features),
+                                cfg, torch.Generator().manual_seed(step))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

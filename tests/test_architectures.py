@@ -12,6 +12,7 @@ from drafter import models
 from drafter.config import DrafterVariant
 from drafter.config import ObjectiveConfig
 from drafter.models import ARCHITECTURES, DFlashDraftModel, drafter_class, load_drafter
+from drafter.models.blocks import DraftingSetup, FeatureBatch
 from drafter.models.configure import drafter_config
 from drafter.serving.decode import Method, speculative_methods
 from drafter.target_model.model import context_features
@@ -92,11 +93,12 @@ def test_a_new_architecture_needs_only_its_class_and_a_registry_entry(target, mo
     mask = torch.ones_like(ids)
     features = context_features(target, ids, drafter.target_layer_ids)
     cfg = ObjectiveConfig(num_anchors=4, selector_alpha=0.5)
-    loss, metrics = training_step(drafter, target, features, ids, mask, cfg, torch.Generator().manual_seed(1),
-                                  "dense")
+    loss, metrics = training_step(DraftingSetup(drafter, target, "dense"), FeatureBatch(ids, mask, features), cfg,
+                                  torch.Generator().manual_seed(1))
     plain = DFlashDraftModel(config)
     plain.load_state_dict(drafter.state_dict())
-    base, _ = training_step(plain, target, features, ids, mask, cfg, torch.Generator().manual_seed(1), "dense")
+    base, _ = training_step(DraftingSetup(plain, target, "dense"), FeatureBatch(ids, mask, features), cfg,
+                            torch.Generator().manual_seed(1))
     assert "l2" in metrics and torch.allclose(loss, base + 0.5 * metrics["l2"][0], rtol=1e-6)
     drafter.save_pretrained(tmp_path)
     assert type(load_drafter(tmp_path)) is WeightDecayDraftModel

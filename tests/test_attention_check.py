@@ -11,6 +11,7 @@ from torch.nn.attention.flex_attention import create_mask
 from conftest import make_drafter
 from drafter.config import ObjectiveConfig
 from drafter.models import layers
+from drafter.models.blocks import DraftingSetup, FeatureBatch
 from drafter.target_model.model import context_features
 from drafter.training.attention_check import (ATTENTION_TOLERANCE, AttentionMismatch, attention_verdict,
                                               compare_with_dense)
@@ -33,8 +34,8 @@ def comparison(target, monkeypatch, scale: float, backward_only: bool = False):
     loss_mask = torch.zeros_like(input_ids)
     loss_mask[:, 16:] = 1
     features = context_features(target, input_ids, drafter.target_layer_ids)
-    return compare_with_dense(drafter, target, features, input_ids, loss_mask, ObjectiveConfig(num_anchors=6),
-                              "flex", ATTENTION_TOLERANCE[torch.float32])
+    return compare_with_dense(DraftingSetup(drafter, target, "flex"), FeatureBatch(input_ids, loss_mask, features),
+                              ObjectiveConfig(num_anchors=6), ATTENTION_TOLERANCE[torch.float32])
 
 
 def test_a_kernel_that_agrees_with_dense_is_kept(target, monkeypatch):
@@ -69,8 +70,8 @@ def test_a_kernel_that_raises_or_gives_nan_gradients_fails_the_check(target, mon
     input_ids = torch.randint(0, 250, (1, 64), generator=torch.Generator().manual_seed(0))
     loss_mask = torch.ones_like(input_ids)
     features = context_features(target, input_ids, drafter.target_layer_ids)
-    result = compare_with_dense(drafter, target, features, input_ids, loss_mask, ObjectiveConfig(num_anchors=6),
-                                "flex", ATTENTION_TOLERANCE[torch.float32])
+    result = compare_with_dense(DraftingSetup(drafter, target, "flex"), FeatureBatch(input_ids, loss_mask, features),
+                                ObjectiveConfig(num_anchors=6), ATTENTION_TOLERANCE[torch.float32])
     assert not result.passed and result.error == "RuntimeError: No valid triton configs"
     assert attention_verdict("auto", result)[0] == "dense"
     with pytest.raises(AttentionMismatch, match="flex failed on the first batch: RuntimeError: No valid triton"):
@@ -81,8 +82,8 @@ def test_a_kernel_that_raises_or_gives_nan_gradients_fails_the_check(target, mon
         out.register_hook(lambda grad: grad * float("nan"))  # the forward exact, its gradient NaN
         return out
     monkeypatch.setattr(layers, "flex_attention", nan_backward)
-    result = compare_with_dense(drafter, target, features, input_ids, loss_mask, ObjectiveConfig(num_anchors=6),
-                                "flex", ATTENTION_TOLERANCE[torch.float32])
+    result = compare_with_dense(DraftingSetup(drafter, target, "flex"), FeatureBatch(input_ids, loss_mask, features),
+                                ObjectiveConfig(num_anchors=6), ATTENTION_TOLERANCE[torch.float32])
     assert result.loss_rel_error < 1e-6 and not result.passed and result.badness == float("inf")
 
 

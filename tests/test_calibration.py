@@ -15,6 +15,7 @@ import torch
 from drafter.config import DrafterVariant, ObjectiveConfig
 from drafter.metric_sums import finalize_metrics
 from drafter.models import drafter_class, new_drafter
+from drafter.models.blocks import DraftingSetup, FeatureBatch
 from drafter.models.configure import drafter_config
 from drafter.target_model.calibration import ORACLE_LEAD, calibrated_features
 from drafter.target_model.model import context_features, input_embedding_scale, random_qwen3
@@ -69,8 +70,8 @@ def held_out_slot1(calibration: str, kind: str, length: int, steps: int, seed: i
 
     def step(ids, loss_mask, anchor_seed):
         features = calibrated_features(context_features(target, ids, drafter.target_layer_ids), calibration)
-        return training_step(drafter, target, features, ids, loss_mask, CFG,
-                             torch.Generator().manual_seed(anchor_seed), attention="dense")
+        return training_step(DraftingSetup(drafter, target, "dense"), FeatureBatch(ids, loss_mask, features), CFG,
+                             torch.Generator().manual_seed(anchor_seed))
 
     for i in range(steps):
         loss, _ = step(*batch(kind, 16, length, generator), i)
@@ -85,8 +86,8 @@ def held_out_slot1(calibration: str, kind: str, length: int, steps: int, seed: i
 def first_loss(target, drafter) -> float:
     ids, loss_mask = batch("iid", 4, 12, torch.Generator().manual_seed(0))
     features = context_features(target, ids, drafter.target_layer_ids)
-    loss, _ = training_step(drafter, target, features, ids, loss_mask, CFG, torch.Generator().manual_seed(0),
-                            attention="dense")
+    loss, _ = training_step(DraftingSetup(drafter, target, "dense"), FeatureBatch(ids, loss_mask, features), CFG,
+                            torch.Generator().manual_seed(0))
     return loss.item()
 
 

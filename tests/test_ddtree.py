@@ -7,7 +7,7 @@ import torch
 
 from bench.tree_build import heapq_tree, topk_logprobs, trees_equal
 from conftest import make_drafter
-from drafter.serving.decode import generate, speculative_sample
+from drafter.serving.decode import DecodeSettings, generate, speculative_sample
 from drafter.serving.testing import ReplayDrafter
 from drafter.target_model.cache import TargetCache
 from drafter.target_model.model import feature_tap
@@ -245,8 +245,8 @@ def prompt():
 
 
 def run(target, prompt, method, drafter=None, budget=None, max_new=30, stops=(), temperature=0.0):
-    return generate(target, prompt, max_new, stops, method=method, drafter=drafter, budget=budget,
-                    temperature=temperature)
+    return generate(target, prompt, max_new, stops, drafter=drafter,
+                    settings=DecodeSettings(method, budget, temperature=temperature))
 
 
 def test_greedy_methods_are_lossless_and_trees_accept_more(target, prompt):
@@ -380,7 +380,8 @@ def test_ddtree_decodes_the_same_with_the_lm_head_over_fewer_slots(trained, monk
     from drafter.models import DFlashDraftModel
 
     def decode(budget):
-        return [generate(trained.target, p[None], 24, method="ddtree", drafter=trained.drafter, budget=budget)
+        return [generate(trained.target, p[None], 24, drafter=trained.drafter,
+                         settings=DecodeSettings("ddtree", budget))
                 for p in trained.prompts[:3]]
 
     cut = {budget: decode(budget) for budget in (2, 3)}

@@ -16,10 +16,10 @@ from drafter.config import ObjectiveConfig, resolve_gamma
 from drafter.pipeline.datasets import supervised_token_counts
 from drafter.errors import ConfigError
 from drafter.models import DFlashDraftModel, drafter_class, initial_norm_scale, load_drafter, new_drafter
-from drafter.models.blocks import build_blocks, drafter_hidden, sample_anchors
+from drafter.models.blocks import DraftingSetup, FeatureBatch, build_blocks, drafter_hidden, sample_anchors
 from drafter.models.configure import drafter_config
 from drafter.models.draft_vocab import DraftVocab, answer_vocab, commonest_tokens
-from drafter.serving.decode import generate
+from drafter.serving.decode import DecodeSettings, generate
 from drafter.target_model.model import context_features, features_and_final_hidden, random_qwen3
 from drafter.training.metrics import rank_metrics
 from drafter.training.objective import training_step
@@ -131,8 +131,9 @@ def test_training_step_with_the_whole_vocabulary_as_table_is_the_full_heads(targ
     cfg = ObjectiveConfig(num_anchors=6, ddtree_budget=12, ddtree_blocks=5, **objective)
     results = []
     for model in (drafter, cut):
-        loss, metrics = training_step(model, target, features, ids, loss_mask, cfg,
-                                      torch.Generator().manual_seed(9), attention="dense", final_hidden=final_hidden)
+        loss, metrics = training_step(DraftingSetup(model, target, "dense"),
+                                      FeatureBatch(ids, loss_mask, features, final_hidden), cfg,
+                                      torch.Generator().manual_seed(9))
         loss.backward()
         results.append((loss.detach(), metrics, model.fc.weight.grad.clone()))
     (full_loss, full, full_grad), (cut_loss, metrics, cut_grad) = results
@@ -160,8 +161,8 @@ def test_out_of_vocab_labels_are_misses_and_left_out_of_the_loss(target):
     table = torch.tensor([favourite] + [i for i in range(favourite + 1, V) if i % 2 == 0])
     drafter = with_draft_vocab(full, table)
     with torch.no_grad():
-        loss, metrics = training_step(drafter, target, features, ids, loss_mask, cfg,
-                                      torch.Generator().manual_seed(9), attention="dense")
+        loss, metrics = training_step(DraftingSetup(drafter, target, "dense"), FeatureBatch(ids, loss_mask, features),
+                                      cfg, torch.Generator().manual_seed(9))
     logits = (hidden @ target.get_output_embeddings().weight[table].T).float()  # [b, A, B, K]
     inside = torch.isin(blocks.labels, table)
     draft_labels = torch.where(inside, torch.searchsorted(table, blocks.labels), 0)
@@ -222,7 +223,7 @@ def test_served_with_a_draft_vocab_is_lossless_and_accepts(trained, cut_trained,
     for i in range(2):
         prompt = trained.prompts[i:i + 1]
         reference = generate(trained.target, prompt, 30).output_ids
-        served = generate(trained.target, prompt, 30, method=method, drafter=cut_trained, budget=budget)
+        served = generate(trained.target, prompt, 30, drafter=cut_trained, settings=DecodeSettings(method, budget))
         assert served.output_ids == reference
         assert len(served.output_ids) / len(served.acceptance_lengths) > 2.0  # random drafts: about 1
 
@@ -244,8 +245,8 @@ def test_sampled_tokens_with_a_draft_vocab_follow_the_target_distribution(method
     torch.manual_seed(0)
     runs, counts, first_step = 300, Counter(), []
     for _ in range(runs):
-        result = generate(target, prompt, 3, method=method, drafter=drafter, budget=budget, temperature=1.0,
-                          sampling=sampling)
+        result = generate(target, prompt, 3, drafter=drafter,
+                          settings=DecodeSettings(method, budget, temperature=1.0, sampling=sampling))
         counts[tuple(result.output_ids)] += 1
         first_step.append(result.acceptance_lengths[0])
     assert sum(length > 1 for length in first_step) > runs / 4
@@ -268,7 +269,7 @@ def test_on_a_hybrid_target_the_draft_words_map_back_to_target_ids(method):
     from test_path_verify import BLOCK, NEW, PROMPT, SCHEDULE, scheduled
     target = random_target("qwen3_5_text")
     prompt = torch.randint(0, 250, (1, PROMPT), generator=torch.Generator().manual_seed(3))
-    expected = generate(target, prompt, NEW, method="ar").output_ids
+    expected = generate(target, prompt, NEW).output_ids
     schedule = scheduled(target, prompt, expected)
     tokens = set(prompt[0].tolist() + expected)
     words = torch.tensor(sorted(tokens | {(t + 1) % V for t in tokens}))  # the true tokens and their decoys
@@ -280,7 +281,7 @@ def test_on_a_hybrid_target_the_draft_words_map_back_to_target_ids(method):
         return hidden, proposal[..., words]  # [.., K]: the head's logits over the draft words
 
     cut.draft_states = draft_states
-    result = generate(target, prompt, NEW, method=method, drafter=cut, budget=16)
+    result = generate(target, prompt, NEW, drafter=cut, settings=DecodeSettings(method, 16))
     assert result.output_ids == expected
     # a chain takes slot 2's decoy, where the tree branches past it (the schedule's docstring)
     accepted = [a if method == "ddtree" or a in (0, 1, BLOCK - 1) else 1 for a in SCHEDULE]

@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 from conftest import make_drafter
 from drafter.config import Config
 from drafter.infra.engine import DeepSpeedEngine, FSDPEngine, deepspeed_config
+from drafter.models.blocks import DraftingSetup, FeatureBatch
 from drafter.target_model.model import context_features, random_qwen3
 from drafter.training.objective import training_step
 from runs import REPO, free_port
@@ -36,8 +37,9 @@ def batch(rank: int, step: int):
 def backward(engine, target, cfg, rank: int, step: int) -> None:
     input_ids, loss_mask = batch(rank, step)
     features = context_features(target, input_ids, engine.module.target_layer_ids)
-    loss, _ = training_step(engine.module, target, features, input_ids, loss_mask, cfg.objective,
-                            torch.Generator().manual_seed(step), "dense")
+    loss, _ = training_step(DraftingSetup(engine.module, target, "dense"),
+                            FeatureBatch(input_ids, loss_mask, features), cfg.objective,
+                            torch.Generator().manual_seed(step))
     engine.backward(loss)
 
 

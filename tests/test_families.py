@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from conftest import MASK_ID, make_drafter
 from drafter.models import DraftCache
-from drafter.serving.decode import generate
+from drafter.serving.decode import DecodeSettings, generate
 from drafter.serving.testing import ReplayDrafter
 from drafter.target_model.model import TargetError, context_features, decoder_layers, looped_layers, select_features
 from families import FAMILIES, family_config, random_target
@@ -79,12 +79,12 @@ def test_decoding_reproduces_the_targets_own_greedy_generate(family):
     prompt = torch.randint(0, 250, (1, 12), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         expected = target.generate(prompt, max_new_tokens=40, min_new_tokens=40, do_sample=False)[0, 12:].tolist()
-    assert generate(target, prompt, 40, method="ar").output_ids == expected
+    assert generate(target, prompt, 40).output_ids == expected
     drafter = make_drafter(target, num_layers=1, block_size=8)
     for proposer in (drafter, ReplayDrafter(drafter, prompt[0].tolist() + expected)):
-        result = generate(target, prompt, 40, method="dflash", drafter=proposer)
+        result = generate(target, prompt, 40, drafter=proposer, settings=DecodeSettings("dflash"))
         assert result.output_ids == expected, f"{name} dflash"
-        result = generate(target, prompt, 40, method="ddtree", drafter=proposer, budget=16)
+        result = generate(target, prompt, 40, drafter=proposer, settings=DecodeSettings("ddtree", 16))
         assert result.output_ids == expected, f"{name} ddtree"
     assert 40 / len(result.acceptance_lengths) > 3  # the replayed drafts were accepted
 
@@ -94,9 +94,9 @@ def test_a_hybrid_target_restores_its_recurrent_state_after_a_rejected_draft(mon
     rejected drafts would stay in the recurrent state."""
     target = random_target("qwen3_5_text")
     prompt = torch.randint(0, 250, (1, 12), generator=torch.Generator().manual_seed(3))
-    expected = generate(target, prompt, 40, method="ar").output_ids
+    expected = generate(target, prompt, 40).output_ids
     oracle = ReplayDrafter(make_drafter(target, num_layers=1, block_size=8), prompt[0].tolist() + expected)
-    result = generate(target, prompt, 40, method="dflash", drafter=oracle)
+    result = generate(target, prompt, 40, drafter=oracle, settings=DecodeSettings("dflash"))
     assert result.output_ids == expected and result.stage_seconds["recompute"] > 0
 
 
@@ -107,10 +107,10 @@ def test_a_family_whose_cached_forward_restarts_its_state_is_refused_by_name():
     prompt = torch.randint(0, 250, (1, 12), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         expected = target.generate(prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False)[0, 12:].tolist()
-    assert generate(target, prompt, 12, method="ar").output_ids == expected
+    assert generate(target, prompt, 12).output_ids == expected
     for method, budget in (("dflash", None), ("ddtree", 4)):
         with pytest.raises(TargetError, match="jamba: its forward over several new tokens"):
-            generate(target, prompt, 12, method=method, drafter=make_drafter(target), budget=budget)
+            generate(target, prompt, 12, drafter=make_drafter(target), settings=DecodeSettings(method, budget))
 
 
 def test_a_hyper_connection_target_gives_the_mean_of_its_streams():

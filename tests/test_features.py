@@ -36,6 +36,7 @@ from drafter.errors import ConfigError
 from drafter.infra.run_lock import acquire
 from drafter.losses.divergences import labels_needed
 from drafter.losses.lm_head import target_next_tokens
+from drafter.models.blocks import DraftingSetup, FeatureBatch
 from drafter.target_model.model import random_qwen3
 from drafter.target_model.tensor_parallel import TargetFeatures, feature_code_version, form_tp_group
 from drafter.training.objective import training_step
@@ -409,13 +410,13 @@ def test_stored_target_labels_give_the_online_objective_bit_for_bit(labelled_sto
             assert torch.equal(stored_final[i, :length], final[i, :length]), (members, i)
             assert torch.equal(stored_tokens[i, :length], next_tokens(final[i, :length])), (members, i)
         for objective, labels in ((kl, stored_final), (dpace, stored_tokens)):
-            step = lambda f, t: training_step(drafter, target, f, ids, mask, objective,  # noqa: E731
-                                              torch.Generator().manual_seed(3), "dense", t)
+            step = lambda f, t: training_step(DraftingSetup(drafter, target, "dense"), FeatureBatch(ids, mask, f, t),
+                                              objective, torch.Generator().manual_seed(3))
             (expected, expected_metrics), (got, got_metrics) = step(features, final), step(stored_features, labels)
             assert torch.equal(got, expected), (members, objective.loss)
             assert all(torch.equal(got_metrics[k], expected_metrics[k]) for k in expected_metrics)
-    data_labels = training_step(drafter, target, features, ids, mask, replace(dpace, labels="data"),
-                                torch.Generator().manual_seed(3), "dense")[0]
+    data_labels = training_step(DraftingSetup(drafter, target, "dense"), FeatureBatch(ids, mask, features),
+                                replace(dpace, labels="data"), torch.Generator().manual_seed(3))[0]
     assert not torch.equal(data_labels, got)  # the target's argmax is not the data's next token everywhere
 
 

@@ -12,6 +12,7 @@ import torch
 
 from drafter.metric_sums import finalize_metrics
 from drafter.models import load_drafter
+from drafter.models.blocks import DraftingSetup, FeatureBatch
 from drafter.serving.served import replayed_tau
 from drafter.target_model.model import context_features
 
@@ -51,7 +52,8 @@ def test_every_row_is_replayed_alone_and_pooled_over_the_set(trained, checkpoint
     for row in prepared_rows(trained):
         ids, mask = torch.tensor([row["input_ids"]]), torch.tensor([row["loss_mask"]])
         features = context_features(target, ids, drafter.target_layer_ids)
-        for key, value in replayed_tau(drafter, target, features, ids, mask, [4], "dense").items():
+        for key, value in replayed_tau(DraftingSetup(drafter, target, "dense", budgets=(4,)),
+                                       FeatureBatch(ids, mask, features)).items():
             summed[key] = summed.get(key, 0) + value
     expected = finalize_metrics(summed)
     assert result["rows"] == len(CUTS) and expected["tau_dflash"] > 1.5  # a drafter that has learnt

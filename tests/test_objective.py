@@ -16,8 +16,8 @@ from drafter.metric_sums import finalize_metrics
 from drafter.models import layers
 from drafter.models import CandidateSelector, DraftCache, LayerAttention, compiled_graph_count
 from drafter.models import blocks as block_module
-from drafter.models.blocks import (ATTENTION_KERNELS, attention_kernel, build_blocks, dense_block_mask, drafter_hidden,
-                                   sample_anchors)
+from drafter.models.blocks import (ATTENTION_KERNELS, DraftingSetup, FeatureBatch, attention_kernel, build_blocks,
+                                   dense_block_mask, drafter_hidden, sample_anchors)
 from drafter.models.configure import drafter_config
 from drafter.models.dflash2 import SelectorRows, selector_loss, selector_metrics
 from drafter.target_model.model import context_features, random_qwen3_config
@@ -174,8 +174,8 @@ def test_loss_weights_follow_configured_gamma(drafter, target, gamma):
     ids, loss_mask = padded_batch([40, 40], seed=4)
     features = context_features(target, ids, drafter.target_layer_ids)
     cfg = ObjectiveConfig(num_anchors=6, gamma=gamma)
-    loss, _ = training_step(drafter, target, features, ids, loss_mask, cfg,
-                            torch.Generator().manual_seed(5), attention="dense")
+    loss, _ = training_step(DraftingSetup(drafter, target, "dense"), FeatureBatch(ids, loss_mask, features), cfg,
+                            torch.Generator().manual_seed(5))
     anchors, valid = sample_anchors(loss_mask, 6, torch.Generator().manual_seed(5))
     blocks = build_blocks(ids, loss_mask, anchors, valid, B, MASK_ID, gamma=1.0)
     with torch.no_grad():
@@ -202,8 +202,8 @@ def test_training_step_metrics_are_those_of_its_logits(target, variant):
     features = context_features(target, ids, drafter.target_layer_ids)
     cfg = ObjectiveConfig(num_anchors=6, ddtree_budget=12, ddtree_blocks=5)
     with torch.no_grad():
-        _, metrics = training_step(drafter, target, features, ids, loss_mask, cfg,
-                                   torch.Generator().manual_seed(9), attention="dense")
+        _, metrics = training_step(DraftingSetup(drafter, target, "dense"), FeatureBatch(ids, loss_mask, features),
+                                   cfg, torch.Generator().manual_seed(9))
         gen = torch.Generator().manual_seed(9)
         anchors, valid = sample_anchors(loss_mask, cfg.num_anchors, gen)
         blocks = build_blocks(ids, loss_mask, anchors, valid, B, MASK_ID, gamma=7.0)
@@ -287,8 +287,8 @@ def test_training_step_reports_all_metrics_and_learns(target):
     cfg = ObjectiveConfig(num_anchors=8, ddtree_budget=16)
     losses = fit_drafter(drafter, target, ids, loss_mask, cfg, steps=25, lr=3e-3)
     features = context_features(target, ids, drafter.target_layer_ids)
-    _, metrics = training_step(drafter, target, features, ids, loss_mask, cfg, torch.Generator().manual_seed(24),
-                               attention="dense")
+    _, metrics = training_step(DraftingSetup(drafter, target, "dense"), FeatureBatch(ids, loss_mask, features), cfg,
+                               torch.Generator().manual_seed(24))
     m = finalize_metrics(metrics)
     for key in ("loss", "acc", "top4_acc", "top8_acc", "anchor_streak", "anchor_top4_streak",
                 "anchor_top8_streak", "anchor_ddtree@16"):
@@ -358,8 +358,8 @@ def test_compiled_flex_equals_dense_and_compiles_once_for_all_shapes(target, mon
         with torch.no_grad():
             compiled = training_logits(drafter, target, features, blocks, "flex_compiled")
             dense = training_logits(drafter, target, features, blocks, "dense")
-            losses = [training_step(drafter, target, features, ids, loss_mask, cfg,
-                                    torch.Generator().manual_seed(i), attention)[0]
+            losses = [training_step(DraftingSetup(drafter, target, attention), FeatureBatch(ids, loss_mask, features),
+                                    cfg, torch.Generator().manual_seed(i))[0]
                       for attention in ("flex_compiled", "dense")]
         torch.testing.assert_close(compiled, dense, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-5)
@@ -386,8 +386,8 @@ def test_a_micro_step_waits_on_the_host_once(target, monkeypatch):
                           chunk_bytes=4 * 256 * 20)  # 20-row chunks: 8 of them
     with HostSyncCounter() as counter:
         features = context_features(target, ids, drafter.target_layer_ids)
-        loss, metrics = training_step(drafter, target, features, ids, loss_mask, cfg,
-                                      torch.Generator().manual_seed(0), attention="dense")
+        loss, metrics = training_step(DraftingSetup(drafter, target, "dense"), FeatureBatch(ids, loss_mask, features),
+                                      cfg, torch.Generator().manual_seed(0))
         loss.backward()
     assert len(counter.events) == 1, counter.events
     assert counter.events[0].startswith("aten._local_scalar_dense at ")
@@ -493,8 +493,8 @@ def test_training_step_ddtree_accept_is_each_blocks_own_walk(trained):
     cfg = ObjectiveConfig(num_anchors=6, ddtree_budget=16,
                           ddtree_blocks=1000)
     with torch.no_grad():
-        _, metrics = training_step(drafter, target, features, ids, loss_mask, cfg,
-                                   torch.Generator().manual_seed(3), attention="dense")
+        _, metrics = training_step(DraftingSetup(drafter, target, "dense"), FeatureBatch(ids, loss_mask, features),
+                                   cfg, torch.Generator().manual_seed(3))
         anchors, valid = sample_anchors(loss_mask, 6, torch.Generator().manual_seed(3))  # the same draw
         blocks = build_blocks(ids, loss_mask, anchors, valid, 8, MASK_ID, gamma=7.0)
         logits = training_logits(drafter, target, features, blocks, attention="dense")

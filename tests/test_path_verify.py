@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import make_drafter
-from drafter.serving.decode import TreeVerifyUnsupported, generate
+from drafter.serving.decode import DecodeSettings, TreeVerifyUnsupported, generate
 from drafter.serving.path_verify import PathBatch, fork
 from drafter.serving.testing import ReplayDrafter
 from drafter.target_model.cache import TargetCache
@@ -72,7 +72,8 @@ def test_ddtree_on_each_hybrid_layer_kind_is_the_targets_greedy_generate(hybrid)
     """64 new tokens (past conv widths 3-4, windows and chunks of 8, compressors of 4 and 8), each
     step accepting as scheduled: none, one, the whole block, some."""
     name, target, prompt, expected = hybrid
-    result = generate(target, prompt, NEW, method="ddtree", drafter=scheduled(target, prompt, expected), budget=16)
+    result = generate(target, prompt, NEW, drafter=scheduled(target, prompt, expected),
+                      settings=DecodeSettings("ddtree", 16))
     assert result.output_ids == expected, name
     assert list(result.acceptance_lengths[:len(SCHEDULE)]) == [a + 1 for a in SCHEDULE], name
 
@@ -84,9 +85,9 @@ def test_steps_that_end_on_a_state_boundary(family):
     Mamba-2 scan chunks (8), then one position past one; the rejected drafts ran past each."""
     target = random_target(family)
     prompt = torch.randint(0, 250, (1, PROMPT), generator=torch.Generator().manual_seed(3))
-    expected = generate(target, prompt, 24, method="ar").output_ids
-    result = generate(target, prompt, 24, method="ddtree", budget=16,
-                      drafter=scheduled(target, prompt, expected, (3, 7, 0, 6)))
+    expected = generate(target, prompt, 24).output_ids
+    result = generate(target, prompt, 24, drafter=scheduled(target, prompt, expected, (3, 7, 0, 6)),
+                      settings=DecodeSettings("ddtree", 16))
     assert result.output_ids == expected
     assert [PROMPT + sum(result.acceptance_lengths[:i + 1]) for i in range(4)] == [16, 24, 25, 32]
 
@@ -101,9 +102,9 @@ def test_each_commit_runs_where_it_should():
         assert TargetCache(random_target(name)).tree_form() == "paths"
         target = random_target(name)
         prompt = torch.randint(0, 250, (1, PROMPT), generator=torch.Generator().manual_seed(3))
-        expected = generate(target, prompt, 40, method="ar").output_ids
-        result = generate(target, prompt, 40, method="ddtree", budget=16,
-                          drafter=scheduled(target, prompt, expected, schedule))
+        expected = generate(target, prompt, 40).output_ids
+        result = generate(target, prompt, 40, drafter=scheduled(target, prompt, expected, schedule),
+                          settings=DecodeSettings("ddtree", 16))
         assert result.output_ids == expected, name
         assert ("recompute" in result.stage_seconds) == recompute, (name, schedule)
 
@@ -187,7 +188,7 @@ def test_own_cache_layers_without_their_own_batch_copy_are_refused_by_name(monke
     target = random_target("deepseek_v4")
     prompt = torch.zeros((1, 4), dtype=torch.long)
     with pytest.raises(TreeVerifyUnsupported, match=r"deepseek_v4 .*DeepseekV4CSACache, DeepseekV4HCACache"):
-        generate(target, prompt, 8, method="ddtree", drafter=make_drafter(target), budget=4)
+        generate(target, prompt, 8, drafter=make_drafter(target), settings=DecodeSettings("ddtree", 4))
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_text", "lara_mini", "falcon_h1", "lfm2"])
@@ -258,14 +259,14 @@ def test_on_an_attention_only_target_both_forms_commit_the_same_steps(monkeypatc
     from the same seed the same samples (each form draws one per verify row, in the same order)."""
     target = random_target("qwen3")
     prompt = torch.randint(0, 250, (1, PROMPT), generator=torch.Generator().manual_seed(3))
-    expected = generate(target, prompt, 40, method="ar").output_ids
+    expected = generate(target, prompt, 40).output_ids
     drafter = make_drafter(target, num_layers=1, block_size=BLOCK)
 
     def both(proposer):  # a fresh proposer per run: the scheduled one counts its steps
-        runs = [generate(target, prompt, 40, method="ddtree", drafter=proposer(), budget=16)]
+        runs = [generate(target, prompt, 40, drafter=proposer(), settings=DecodeSettings("ddtree", 16))]
         with monkeypatch.context() as patched:
             patched.setattr(TargetCache, "tree_form", lambda self: "paths")
-            runs.append(generate(target, prompt, 40, method="ddtree", drafter=proposer(), budget=16))
+            runs.append(generate(target, prompt, 40, drafter=proposer(), settings=DecodeSettings("ddtree", 16)))
         return runs
 
     for mask, paths in (both(lambda: drafter), both(lambda: scheduled(target, prompt, expected))):
@@ -277,6 +278,7 @@ def test_on_an_attention_only_target_both_forms_commit_the_same_steps(monkeypatc
         with monkeypatch.context() as patched:
             patched.setattr(TargetCache, "tree_form", lambda self: form)
             torch.manual_seed(0)
-            sampled.append(generate(target, prompt, 40, method="ddtree", drafter=drafter, budget=16, temperature=0.8))
+            sampled.append(generate(target, prompt, 40, drafter=drafter,
+                                    settings=DecodeSettings("ddtree", 16, temperature=0.8)))
     assert sampled[0].output_ids == sampled[1].output_ids != expected
     assert sampled[0].acceptance_lengths == sampled[1].acceptance_lengths

@@ -14,7 +14,8 @@ from drafter.config import DrafterVariant
 from drafter.config import ObjectiveConfig
 from drafter.pipeline.benchmarks import load_prompts
 from drafter.metric_sums import finalize_metrics
-from drafter.serving.decode import generate
+from drafter.models.blocks import DraftingSetup, FeatureBatch
+from drafter.serving.decode import DecodeSettings, generate
 from drafter.serving.served import (PromptShare, acceptance_and_slot_hits, anchor_acceptance, bench_prompts, every_anchor, generation_tau,
                                     held_out_prompts, mean_tau, replay_steps, replayed_tau, response_spans,
                                     serve_walk)
@@ -120,8 +121,8 @@ def served_world(target, variant):
     served = {}
     for method in METHODS:
         name, _, budget = method.partition("@")
-        served[method] = [generate(target, torch.tensor([prompt]), MAX_NEW, [stop], method=name,
-                                   drafter=drafter, budget=int(budget) if budget else None)
+        served[method] = [generate(target, torch.tensor([prompt]), MAX_NEW, [stop], drafter=drafter,
+                                   settings=DecodeSettings(name, int(budget) if budget else None))
                           for prompt, _, stop in responses]
     return target, drafter, responses, input_ids, loss_mask, features, served
 
@@ -130,7 +131,8 @@ def served_world(target, variant):
                                         "world_short_conv"])
 def test_replay_equals_served_steps_at_temperature_zero(request, world_name):
     target, drafter, responses, input_ids, loss_mask, features, served = request.getfixturevalue(world_name)
-    replayed = replay_steps(drafter, target, features, input_ids, loss_mask, BUDGETS, attention="dense")
+    replayed = replay_steps(DraftingSetup(drafter, target, "dense", budgets=BUDGETS),
+                            FeatureBatch(input_ids, loss_mask, features))
     for method in METHODS:
         assert [g.output_ids for g in served[method]] == [out for _, out, _ in responses]  # lossless
         assert replayed[method] == [g.acceptance_lengths for g in served[method]], method
@@ -141,8 +143,8 @@ def test_replay_equals_served_steps_at_temperature_zero(request, world_name):
 def test_replayed_tau_is_eval_tau(world):
     """tau_<method> = eval/ddtree_accept.py's tau (mean over responses of each one's mean)."""
     target, drafter, _, input_ids, loss_mask, features, served = world
-    tau = finalize_metrics(replayed_tau(drafter, target, features, input_ids, loss_mask, BUDGETS,
-                                        attention="dense"))
+    tau = finalize_metrics(replayed_tau(DraftingSetup(drafter, target, "dense", budgets=BUDGETS),
+                                        FeatureBatch(input_ids, loss_mask, features)))
     for method in METHODS:
         records = [{"source": f"prompt:{i}", "turn": 0, "acceptance_lengths": g.acceptance_lengths,
                     "output_ids": g.output_ids, "decode_seconds": g.decode_seconds,
@@ -155,8 +157,9 @@ def test_every_anchor_slot_accuracy_counts_the_supervised_labels_the_chain_walke
     """Slot k counts every anchor p whose label x_{p+k} is supervised; slot 1's hits are the anchors
     where DFlash accepts at least one token, and slot k hits at least where it accepts k."""
     target, drafter, _, input_ids, loss_mask, features, _ = world
-    accepted, slot_hits = acceptance_and_slot_hits(drafter, target, features, input_ids, loss_mask, BUDGETS,
-                                                   "dense", blocks_per_forward=7)
+    accepted, slot_hits = acceptance_and_slot_hits(DraftingSetup(drafter, target, "dense", budgets=BUDGETS,
+                                                                 blocks_per_forward=7),
+                                                   FeatureBatch(input_ids, loss_mask, features))
     chain = accepted["dflash"]
     anchors, valid = every_anchor(loss_mask)
     rows = torch.arange(len(anchors))[:, None].expand_as(anchors)[valid]
@@ -174,9 +177,11 @@ def test_every_anchor_slot_accuracy_counts_the_supervised_labels_the_chain_walke
 
 def test_chunking_does_not_change_acceptance(world):
     target, drafter, _, input_ids, loss_mask, features, _ = world
-    whole = anchor_acceptance(drafter, target, features, input_ids, loss_mask, BUDGETS, "dense")
-    chunked = anchor_acceptance(drafter, target, features, input_ids, loss_mask, BUDGETS, "dense",
-                                blocks_per_forward=7, chunk_bytes=3 * (B - 1) * 256 * 4)
+    whole = anchor_acceptance(DraftingSetup(drafter, target, "dense", budgets=BUDGETS),
+                              FeatureBatch(input_ids, loss_mask, features))
+    chunked = anchor_acceptance(DraftingSetup(drafter, target, "dense", budgets=BUDGETS, blocks_per_forward=7,
+                                              chunk_bytes=3 * (B - 1) * 256 * 4),
+                                FeatureBatch(input_ids, loss_mask, features))
     anchors, valid = every_anchor(loss_mask)
     for method in METHODS:
         assert torch.equal(chunked[method], whole[method])
@@ -196,13 +201,15 @@ def response_tau(steps):
 def test_generation_is_split_over_ranks_and_sums_to_the_single_rank_figures(world):
     target, drafter, responses, *_ = world
     prompts = [prompt for prompt, _, _ in responses]
-    settings = dict(budgets=(4,), max_new_tokens=16, max_seconds=600, stop_token_ids=())
-    ranks = [generation_tau(target, drafter, prompts, PromptShare(rank, 2), **settings) for rank in range(2)]
+    setup, settings = DraftingSetup(drafter, target,
+                                    budgets=(4,)), dict(max_new_tokens=16, max_seconds=600, stop_token_ids=())
+    ranks = [generation_tau(setup, prompts, PromptShare(rank, 2), **settings) for rank in range(2)]
     assert sorted(ranks[0]) == ["gen_seconds", "gen_tau_ddtree@4", "gen_tau_dflash"]
     for method in METHODS[:2]:
         name, _, budget = method.partition("@")
-        expected = [response_tau(generate(target, torch.tensor([p]), 16, method=name, drafter=drafter,
-                                          budget=int(budget) if budget else None).acceptance_lengths)
+        expected = [response_tau(generate(target, torch.tensor([p]), 16, drafter=drafter,
+                                          settings=DecodeSettings(name,
+                                                                  int(budget) if budget else None)).acceptance_lengths)
                     for p in prompts]
         for rank, out in enumerate(ranks):  # rank r decodes prompts r, r + 2, ...
             assert out[f"gen_tau_{method}"].tolist() == pytest.approx([sum(expected[rank::2]), 2])
@@ -213,15 +220,15 @@ def test_generation_is_split_over_ranks_and_sums_to_the_single_rank_figures(worl
 def test_generation_leaves_rng_streams_and_drafter_mode_alone(world):
     target, drafter, responses, *_ = world
     prompts = [prompt for prompt, _, _ in responses]
-    settings = dict(budgets=(4,), max_new_tokens=12, max_seconds=600)
-    reference = generation_tau(target, drafter, prompts, **settings)
+    setup, settings = DraftingSetup(drafter, target, budgets=(4,)), dict(max_new_tokens=12, max_seconds=600)
+    reference = generation_tau(setup, prompts, **settings)
     torch.manual_seed(123)
     np.random.seed(123)
     random.seed(123)
     states = torch.get_rng_state(), np.random.get_state(), random.getstate()
     drafter.train()
     try:
-        out = generation_tau(target, drafter, prompts, **settings)
+        out = generation_tau(setup, prompts, **settings)
         assert drafter.training  # given back in the mode it came in
     finally:
         drafter.eval()
@@ -249,10 +256,10 @@ def test_no_prompt_starts_after_the_time_budget(world, monkeypatch):
     target, drafter, responses, *_ = world
     prompts = [prompt for prompt, _, _ in responses]
     monkeypatch.setattr(served, "time", FakeClock())
-    out = generation_tau(target, drafter, prompts, budgets=BUDGETS, max_new_tokens=6, max_seconds=2.5)
+    out = generation_tau(DraftingSetup(drafter, target, budgets=BUDGETS), prompts, max_new_tokens=6, max_seconds=2.5)
     # readings: start 1, before prompt 1: 2 (1 s spent), before prompt 2: 3 (2 s), before prompt 3: 4 (3 s)
     assert [out[f"gen_tau_{m}"][1].item() for m in METHODS] == [2, 2, 2]
-    none = generation_tau(target, drafter, prompts, budgets=BUDGETS, max_new_tokens=6, max_seconds=0)
+    none = generation_tau(DraftingSetup(drafter, target, budgets=BUDGETS), prompts, max_new_tokens=6, max_seconds=0)
     assert [none[f"gen_tau_{m}"].tolist() for m in METHODS] == [[0, 0]] * 3
     assert np.isnan(finalize_metrics(none)["gen_tau_dflash"])
 

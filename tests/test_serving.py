@@ -14,7 +14,7 @@ from drafter.models import DFlashDraftModel
 from drafter.models.blocks import build_blocks, drafter_hidden
 from drafter.models.configure import drafter_config
 from drafter.serving import decode
-from drafter.serving.decode import generate
+from drafter.serving.decode import DecodeSettings, generate
 from drafter.serving.lossless import BF16_TIE_TOLERANCE, first_divergence, lossless_verdict, near_tie_share
 from drafter.serving.public_loop import check_public, load_public
 from drafter.target_model.model import context_features, random_qwen3
@@ -82,7 +82,7 @@ def test_served_steps_follow_the_training_path(request, monkeypatch, world, meth
         sequence = trained.sequences[i]
         calls.clear()
         result = generate(trained.target, trained.prompts[i:i + 1], len(sequence) - num_prompt,
-                          method=method, drafter=trained.drafter, budget=budget)
+                          drafter=trained.drafter, settings=DecodeSettings(method, budget))
         assert result.output_ids == sequence[num_prompt:].tolist()  # lossless: the target's text
 
         anchors = [num_prompt + sum(result.acceptance_lengths[:step]) for step in range(len(calls))]
@@ -136,7 +136,7 @@ def divergences(bf16, method, budget):
     target, drafter, references = bf16
     found = []
     for prompt, reference in references:
-        output = generate(target, prompt, 32, method=method, drafter=drafter, budget=budget)
+        output = generate(target, prompt, 32, drafter=drafter, settings=DecodeSettings(method, budget))
         found.append(first_divergence(output.output_ids, reference.output_ids, reference.margins))
     return found
 
@@ -236,8 +236,8 @@ def test_sampled_tokens_follow_the_target_distribution(tiny_world, method, budge
     torch.manual_seed(0)
     runs, counts, first_step = 300, Counter(), []
     for _ in range(runs):
-        result = generate(target, prompt, 3, method=method, drafter=drafter, budget=budget,
-                          temperature=1.0, sampling=sampling)
+        result = generate(target, prompt, 3, drafter=drafter,
+                          settings=DecodeSettings(method, budget, temperature=1.0, sampling=sampling))
         counts[tuple(result.output_ids)] += 1
         first_step.append(result.acceptance_lengths[0])
     assert sum(length > 1 for length in first_step) > runs / 4
@@ -252,8 +252,8 @@ def test_sampled_tokens_follow_the_target_distribution(tiny_world, method, budge
 def test_rejection_sampling_is_refused_for_a_dflash2_drafter(trained_dflash2):
     """DFlash2 drafts its selector chain, not samples of its marginals: no min(1, p/q) test applies."""
     with pytest.raises(ValueError, match="rejection sampling is not supported for it"):
-        generate(trained_dflash2.target, trained_dflash2.prompts[:1], 4, method="dflash",
-                 drafter=trained_dflash2.drafter, temperature=1.0, sampling="rejection")
+        generate(trained_dflash2.target, trained_dflash2.prompts[:1], 4, drafter=trained_dflash2.drafter,
+                 settings=DecodeSettings("dflash", temperature=1.0, sampling="rejection"))
 
 
 @pytest.mark.parametrize("sampling", ["match", "rejection"])
@@ -269,8 +269,8 @@ def test_dflash_drafts_the_argmax_to_match_and_samples_to_reject(tiny_world, mon
     torch.manual_seed(0)
     try:
         for _ in range(20):
-            generate(target, prompt, 3, method="dflash", drafter=drafter, temperature=1.0,
-                     **({} if sampling == "match" else {"sampling": sampling}))
+            generate(target, prompt, 3, drafter=drafter,
+                     settings=DecodeSettings("dflash", temperature=1.0, sampling=sampling))
     finally:
         hook.remove()
     blocks = [ids for ids in verified if len(ids) != prompt.shape[1]]  # each draft's verify, in order

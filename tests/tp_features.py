@@ -16,6 +16,7 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from conftest import train_on_greedy_text
 from drafter.metric_sums import finalize_metrics
+from drafter.models.blocks import DraftingSetup
 from drafter.serving.served import PromptShare, generation_tau
 from drafter.target_model.model import context_features, features_and_final_hidden, freeze, random_qwen3
 from drafter.target_model.tensor_parallel import TargetFeatures, form_tp_group, shard_target
@@ -53,14 +54,16 @@ def generation_report(whole, group) -> dict:
     """Served tau of the sharded group against the whole target's, and a budget one member overruns."""
     trained = train_on_greedy_text(whole)  # the same drafter on both ranks (seeded, deterministic)
     prompts = trained.prompts[:4].tolist()
-    settings = dict(budgets=(4,), max_new_tokens=16, stop_token_ids=())
-    expected = generation_tau(whole, trained.drafter, prompts, max_seconds=600, **settings)
+    settings = dict(max_new_tokens=16, stop_token_ids=())
+    on_whole = DraftingSetup(trained.drafter, whole, budgets=(4,))
+    expected = generation_tau(on_whole, prompts, max_seconds=600, **settings)
     sharded = shard_target(copy.deepcopy(whole), group)
     share = PromptShare.of(group, dist.get_world_size())
-    got = generation_tau(sharded, trained.drafter, prompts, share, max_seconds=600, **settings)
+    on_shards = DraftingSetup(trained.drafter, sharded, budgets=(4,))
+    got = generation_tau(on_shards, prompts, share, max_seconds=600, **settings)
     if group.index == 1:
         time.sleep(3.0)  # rank 1's clock starts 3 s after rank 0's: only rank 0's says time is up
-    late = generation_tau(sharded, trained.drafter, prompts, share, max_seconds=2.5, **settings)
+    late = generation_tau(on_shards, prompts, share, max_seconds=2.5, **settings)
     return {"expected": summary(expected), "sharded": group_sum(got, group), "late": group_sum(late, group),
             "reported_nothing": all(not value.any() for value in got.values())}
 

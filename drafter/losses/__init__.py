@@ -105,11 +105,13 @@ def loss_chunk_peak_bytes(cfg, vocab_size: int, rows: int) -> int:
                             vocab_size, rows)
 
 
-def block_loss(hidden, head, blocks, final_hidden, cfg, chunk_rows: int, softcap: float | None = None):
+def block_loss(hidden, head, blocks, final_hidden, cfg, softcap: float | None = None):
     """(loss, data-label ranks [rows]) of the drafter's final states `hidden` [b, A, B, H] on the batch's
-    `blocks` (models.blocks.Blocks) under the objective `cfg`; `final_hidden` [b, T, H]: the target's
-    final-normed hidden states, needed with cfg.labels == "target", its logits capped at `softcap` (or,
-    from a feature store, its argmax [b, T] at each position, for the losses that read no more)."""
+    `blocks` (models.blocks.Blocks) under the objective `cfg` (the head's rows cfg.chunk_bytes at a
+    time); `final_hidden` [b, T, H]: the target's final-normed hidden states, needed with
+    cfg.labels == "target", its logits capped at `softcap` (or, from a feature store, its argmax [b, T]
+    at each position, for the losses that read no more)."""
+    chunk_rows = chunk_rows_for(head.shape[0], cfg.chunk_bytes)
     b, num_blocks, block_size, width = hidden.shape
     states, labels = hidden[:, :, 1:].reshape(-1, width), blocks.labels[..., 1:].reshape(-1)
     fixed = blocks.weights[..., 1:].reshape(-1)

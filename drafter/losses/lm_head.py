@@ -103,6 +103,7 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
     """
 
     @staticmethod
+    # over six: torch.autograd.Function.forward takes every input of apply() positionally
     def forward(ctx, hidden, head_weight, data_labels, teacher_hidden, spec: RowLossSpec, row_weights=None):
         divergence = DIVERGENCES[spec.loss]
         need_grad = ctx.needs_input_grad[0]

@@ -10,6 +10,10 @@ One forward over a right-padded batch [b, T]:
   3. all blocks of the batch in one drafter forward under the block mask: a block sees the context
      strictly before its anchor, its own block bidirectionally, nothing else (a sliding or causal
      layer, `models.layers.LayerAttention`, sees less of both).
+
+What those calls share travels as two objects: a `FeatureBatch` (the rows and what the target computed
+on them) and a `DraftingSetup` (the drafter, its target and how its blocks are run), the same for a
+training step, a replay, served tau and decoding.
 """
 from dataclasses import dataclass
 
@@ -22,6 +26,39 @@ from drafter.losses.weights import position_weights
 from drafter.models.layers import FlexMask, LayerAttention, compile_dynamic
 
 ANCHOR_CANDIDATES = ("pair", "supervised")
+
+
+@dataclass(frozen=True)
+class FeatureBatch:
+    """A right-padded batch of token rows and what the frozen target computed on them: what a training
+    step, its attention check and a replay read together."""
+    input_ids: torch.Tensor                   # [b, T]
+    loss_mask: torch.Tensor                   # [b, T], 1 where a token is supervised
+    features: torch.Tensor                    # [b, T, K*H] `target.context_features` of input_ids
+    final_hidden: torch.Tensor | None = None  # [b, T, H] the target's final-normed states, or a feature
+                                              # store's argmax [b, T] (objective.labels=target)
+
+    def cut_to(self, window: slice) -> "FeatureBatch":
+        """The same rows cut to the positions in `window`."""
+        cut = lambda x: None if x is None else x[:, window]  # noqa: E731
+        return FeatureBatch(cut(self.input_ids), cut(self.loss_mask), cut(self.features), cut(self.final_hidden))
+
+
+@dataclass(frozen=True)
+class DraftingSetup:
+    """What stays fixed across the calls that run a drafter against its target: a training step, its
+    attention check, served tau's replay and its generation (which decodes through `generate` with
+    the setup's drafter, target and tree backend). `attention` is one of ATTENTION_KERNELS (see
+    `attention_kernel`); `budgets` the DDTree budgets served tau measures, its trees built by
+    `tree_backend`; a replay runs at most `blocks_per_forward` blocks through the drafter at once and
+    keeps at most `chunk_bytes` of fp32 logits (a training step's chunks are its objective's)."""
+    drafter: object
+    target: object
+    attention: str = "dense"
+    budgets: tuple[int, ...] = ()
+    tree_backend: str = "auto"
+    blocks_per_forward: int = 2048
+    chunk_bytes: int = 256 * 2**20
 
 
 def anchor_candidates(loss_mask: torch.Tensor, candidates: str = "pair") -> torch.Tensor:
@@ -87,6 +124,7 @@ class Blocks:
     weights: torch.Tensor   # w_k where slot k is supervised (0 elsewhere and at k = 0)
 
 
+# over six: anchors as drawn (training's sample, replay's chunk, a test's own) and a block shape without a drafter
 def build_blocks(input_ids, loss_mask, anchors, valid, block_size: int, mask_token_id: int,
                  gamma: float) -> Blocks:
     """Blocks for `anchors`. A slot is supervised only if it lies inside the sequence and every slot

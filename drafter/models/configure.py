@@ -92,6 +92,7 @@ def drafter_widths(text_config) -> dict:
             "rope_parameters": drafter_rope(text_config)}
 
 
+# over six: keyword-only, one per field of the exported config.json and its dflash_config
 def drafter_config(target_config, *, num_layers: int, block_size: int, mask_token_id: int,
                    target_layer_ids: list[int] | None = None, input_embedding_scale: float = 1.0,
                    variant: DrafterVariant = DrafterVariant(), draft_vocab_size: int | None = None,

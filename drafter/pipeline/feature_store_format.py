@@ -163,6 +163,7 @@ def decode(values: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
     return (values.float().view(values.shape[0], scales.shape[1], -1) * scales[..., None]).view(values.shape)
 
 
+# over six: one argument per tensor of the shard's file, and its dtype and layer count
 def shard_tensors(features, final, next_tokens, offsets, keys, dtype: str, groups: int) -> dict:
     """The tensors of a shard of rows: their features [tokens, K*H] in the store's `dtype` (`groups` = K
     layers), the target's final hidden states [tokens, H] or its argmax [tokens] where the store holds

@@ -132,6 +132,7 @@ def _ignore_stop_signals(worker_id: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+# over six: the rows, the sampler's plan and where to resume it, and the DataLoader's three settings
 def make_loader(dataset, sampler: BucketSampler, epoch: int, start_step: int = 0, num_workers: int = 2,
                 prefetch_factor: int = 4, pin_memory: bool = False) -> PrefetchLoader:
     """This rank's collated batches of `epoch` from `start_step`, in plan order, each a dict of

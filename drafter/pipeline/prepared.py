@@ -102,6 +102,7 @@ def load_tokenizer(target: str):
     return AutoTokenizer.from_pretrained(target)
 
 
+# over six: a datasets.map function, its settings passed by name as fn_kwargs (prepare's settings)
 def tokenize_row(row: dict, target: str, enable_thinking: bool, system_prompt: str | None,
                  max_length: int, truncate: bool, last_turn_only: bool, drop_loops: bool) -> dict:
     """Map function: a normalised row -> input_ids, loss_mask, length, flags, and a drop reason or ""."""

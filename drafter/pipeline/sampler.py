@@ -215,6 +215,7 @@ class BucketSampler:
     epochs pack slightly differently and can differ by a few steps (len(sampler.epoch_plan(e))).
     """
 
+    # over six: one argument per sampler setting (the data.* keys and the rank's place), most defaulted
     def __init__(self, lengths, boundaries, tokens_per_batch: int, world_size: int = 1, rank: int = 0,
                  seed: int = 0, max_run: int = 3, sort_window: int = SORT_WINDOW, steps_multiple: int = 1):
         if min(tokens_per_batch, max_run, sort_window, steps_multiple) < 1:

@@ -126,7 +126,7 @@ class _Steps:
     features of the root and the accepted tokens (None for `ar`)."""
 
     def __init__(self, target, drafter, settings: "DecodeSettings", max_length, timer, tap):
-        self.target, self.drafter, self.tap = target, drafter, tap
+        self.target, self.drafter, self.tap, self.method = target, drafter, tap, settings.method
         self.budget, self.temperature = settings.budget, settings.temperature
         self.rejection = settings.sampling == "rejection" and settings.temperature > 0
         self.max_length, self.timer, self.tree_backend = max_length, timer, settings.tree_backend
@@ -228,12 +228,20 @@ class _Steps:
 
 @dataclass(frozen=True)
 class DecodeSettings:
-    """What stays fixed during one generate call."""
+    """How one generate call decodes: `method` ("ar", "dflash", or "ddtree" with `budget` tree nodes),
+    at `temperature`, drafted tokens accepted by `sampling` ("match" or, for dflash, "rejection") above
+    0, trees built by `tree_backend`; `synchronize_stages` times every stage exactly on CUDA."""
     method: str = "ar"
     budget: int | None = None
     temperature: float = 0.0
     sampling: str = "match"
     tree_backend: str = "auto"
+    synchronize_stages: bool = False
+
+    @classmethod
+    def of(cls, method: Method, **settings) -> "DecodeSettings":
+        """The settings that decode `method` (a parsed `Method`), the others as given."""
+        return cls(method.name, method.budget, **settings)
 
     def check(self, drafter) -> None:
         if self.method not in METHODS:
@@ -262,19 +270,15 @@ def tree_verify_refusal(target) -> str | None:
 
 
 @torch.inference_mode()
-def generate(target, prompt_ids: torch.Tensor, max_new_tokens: int, stop_token_ids=(), *,
-             method: str = "ar", drafter=None, budget: int | None = None, temperature: float = 0.0,
-             sampling: str = "match", synchronize_stages: bool = False,
-             tree_backend: str = "auto") -> Generation:
-    """Generate after `prompt_ids` [1, n] with `method` ("ar", "dflash", or "ddtree" with `budget`
-    tree nodes); `drafter` is a DFlashDraftModel (or DFlash2DraftModel: `dflash` walks its selector
-    chain, `ddtree` the tree of its selector scores) for the speculative methods. `sampling` ("match"
-    or, for dflash, "rejection") is how drafted tokens are accepted at temperature > 0. `ddtree` verifies
-    a tree mask on attention-only targets and a batch of the tree's paths on the others
-    (`drafter/serving/path_verify.py`); a target neither can verify raises TreeVerifyUnsupported
-    before any work."""
-    settings = DecodeSettings(method, budget, temperature, sampling, tree_backend)
+def generate(target, prompt_ids: torch.Tensor, max_new_tokens: int, stop_token_ids=(), *, drafter=None,
+             settings: DecodeSettings = DecodeSettings()) -> Generation:
+    """Generate after `prompt_ids` [1, n] as `settings` say (`ar` by default); `drafter` is a
+    DFlashDraftModel (or DFlash2DraftModel: `dflash` walks its selector chain, `ddtree` the tree of its
+    selector scores) for the speculative methods. `ddtree` verifies a tree mask on attention-only
+    targets and a batch of the tree's paths on the others (`drafter/serving/path_verify.py`); a target
+    neither can verify raises TreeVerifyUnsupported before any work."""
     settings.check(drafter)
+    method, budget = settings.method, settings.budget
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     probe = probe_decoding(target)
@@ -285,21 +289,18 @@ def generate(target, prompt_ids: torch.Tensor, max_new_tokens: int, stop_token_i
     if method == "ddtree" and target.device.type == "cuda" and TargetCache(target).tree_form() == "paths":
         check_path_batch_fits(target, budget, drafter.block_size, prompt_ids.shape[1] + max_new_tokens,
                               torch.cuda.mem_get_info(target.device)[0])
+    timer = StageTimer(target.device, settings.synchronize_stages)
+    max_length = prompt_ids.shape[1] + max_new_tokens
     if method == "ar":
-        return _generate(target, prompt_ids, max_new_tokens, stop_token_ids, drafter, settings,
-                         synchronize_stages, tap=None)
+        return _generate(_Steps(target, drafter, settings, max_length, timer, tap=None), prompt_ids, stop_token_ids)
     with feature_tap(target, drafter.target_layer_ids) as tap:
-        return _generate(target, prompt_ids, max_new_tokens, stop_token_ids, drafter, settings,
-                         synchronize_stages, tap)
+        return _generate(_Steps(target, drafter, settings, max_length, timer, tap), prompt_ids, stop_token_ids)
 
 
-def _generate(target, prompt_ids, max_new_tokens, stop_token_ids, drafter, settings, synchronize_stages,
-              tap) -> Generation:
+def _generate(steps: _Steps, prompt_ids, stop_token_ids) -> Generation:
+    target, timer, max_length = steps.target, steps.timer, steps.max_length
     num_prompt = prompt_ids.shape[1]
-    max_length = num_prompt + max_new_tokens
-    timer = StageTimer(target.device, synchronize_stages)
-    steps = _Steps(target, drafter, settings, max_length, timer, tap)
-    step = getattr(steps, settings.method)
+    step = getattr(steps, steps.method)
     stops = set(stop_token_ids)
 
     root, context = steps.prefill(prompt_ids)

@@ -33,7 +33,7 @@ from unittest import mock
 
 import torch
 
-from drafter.serving.decode import generate
+from drafter.serving.decode import DecodeSettings, generate
 
 
 @dataclass
@@ -141,7 +141,8 @@ def our_steps(target, drafter, prompt_ids, max_new_tokens: int, stop_token_ids=(
     head = target.get_output_embeddings()
     recorder = _StepRecorder(drafter, lambda hidden: head(hidden.to(target.dtype)))
     with recorder.hooks(drafter, target):
-        result = generate(target, prompt_ids, max_new_tokens, stop_token_ids, method="dflash", drafter=drafter)
+        result = generate(target, prompt_ids, max_new_tokens, stop_token_ids, drafter=drafter,
+                          settings=DecodeSettings("dflash"))
     return recorder.steps(result.acceptance_lengths, result.output_ids)
 
 
@@ -245,6 +246,7 @@ def compare(ours: LoopSteps, theirs: LoopSteps, tolerance: float,
                            _mean_tau(theirs.acceptance_lengths), score_gap, difference)
 
 
+# over six: both loops' inputs (one target, our drafter and its public copy, one prompt) and the tolerance
 def check_public(target, drafter, public, prompt_ids, max_new_tokens: int, stop_token_ids=(),
                  tolerance: float = 1e-3) -> PublicAgreement:
     """Decode `prompt_ids` with both loops and compare them (`compare`)."""

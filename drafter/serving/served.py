@@ -44,8 +44,8 @@ import torch.distributed as dist
 from drafter.pipeline.benchmarks import load_prompts
 from drafter.pipeline.chat_template import prompt_token_ids
 from drafter.losses.lm_head import chunk_rows_for
-from drafter.models.blocks import anchor_candidates, build_blocks, drafter_hidden
-from drafter.serving.decode import generate, speculative_methods, tree_verify_refusal
+from drafter.models.blocks import DraftingSetup, FeatureBatch, anchor_candidates, build_blocks, drafter_hidden
+from drafter.serving.decode import DecodeSettings, generate, speculative_methods, tree_verify_refusal
 from drafter.target_model.tensor_parallel import TPGroup
 from drafter.tree.ddtree import teacher_forced_accept
 
@@ -79,26 +79,26 @@ class AnchorBlocks:
 
 
 @torch.no_grad()
-def scored_blocks(drafter, target, features, input_ids, loss_mask, attention: str, *,
-                  blocks_per_forward: int = 2048, chunk_bytes: int = 256 * 2**20):
+def scored_blocks(setup: DraftingSetup, batch: FeatureBatch):
     """The drafter's block at every anchor of the batch (`every_anchor`), chunk by chunk (AnchorBlocks).
 
-    features [b, T, K*H] are `target.context_features` of input_ids (right-padded batch). At most
-    `blocks_per_forward` blocks (all rows together) go through the drafter at once, and at most
-    `chunk_bytes` of fp32 logits exist at once.
+    batch.features [b, T, K*H] are `target.context_features` of batch.input_ids (right-padded). At most
+    `setup.blocks_per_forward` blocks (all rows together) go through the drafter at once, and at most
+    `setup.chunk_bytes` of fp32 logits exist at once.
     """
+    drafter, target, input_ids, loss_mask = setup.drafter, setup.target, batch.input_ids, batch.loss_mask
     b = input_ids.shape[0]
     block_size = drafter.block_size
-    rows_per_chunk = chunk_rows_for(drafter.head_weight(target).shape[0] * (block_size - 1), chunk_bytes)
+    rows_per_chunk = chunk_rows_for(drafter.head_weight(target).shape[0] * (block_size - 1), setup.chunk_bytes)
     anchors, valid = every_anchor(loss_mask)
-    per_row = max(1, blocks_per_forward // b)
+    per_row = max(1, setup.blocks_per_forward // b)
     for first in range(0, anchors.shape[1], per_row):
         chunk, chunk_valid = anchors[:, first:first + per_row], valid[:, first:first + per_row]
         if not chunk_valid.any():
             continue
         blocks = build_blocks(input_ids, loss_mask, chunk, chunk_valid, block_size, drafter.mask_token_id,
                               gamma=1.0)
-        hidden = drafter_hidden(drafter, target, features, blocks, attention)[chunk_valid][:, 1:]
+        hidden = drafter_hidden(drafter, target, batch.features, blocks, setup.attention)[chunk_valid][:, 1:]
         labels = blocks.labels[chunk_valid][:, 1:]
         predecessors = blocks.labels[chunk_valid][:, :-1]  # the anchor, then the text
         rows, positions = chunk_valid.nonzero(as_tuple=True)
@@ -112,27 +112,26 @@ def scored_blocks(drafter, target, features, input_ids, loss_mask, attention: st
 
 
 @torch.no_grad()
-def anchor_acceptance(drafter, target, features, input_ids, loss_mask, budgets, attention: str, *,
-                      tree_backend: str = "auto", **chunking) -> dict[str, torch.Tensor]:
-    """Drafted tokens a verify at each anchor would accept, per method: {method: [b, T] long on the
-    CPU}, -1 where p is no anchor. The labels are the text as it goes on, past the response's end
-    too (`serve_walk` cuts every step at that end). `chunking`: see `scored_blocks`."""
-    return acceptance_and_slot_hits(drafter, target, features, input_ids, loss_mask, budgets, attention,
-                                    tree_backend=tree_backend, **chunking)[0]
+def anchor_acceptance(setup: DraftingSetup, batch: FeatureBatch) -> dict[str, torch.Tensor]:
+    """Drafted tokens a verify at each anchor would accept, per method (`dflash` and `ddtree@B` for the
+    setup's budgets): {method: [b, T] long on the CPU}, -1 where p is no anchor. The labels are the
+    text as it goes on, past the response's end too (`serve_walk` cuts every step at that end)."""
+    return acceptance_and_slot_hits(setup, batch)[0]
 
 
 @torch.no_grad()
-def acceptance_and_slot_hits(drafter, target, features, input_ids, loss_mask, budgets, attention: str, *,
-                             tree_backend: str = "auto", **chunking) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def acceptance_and_slot_hits(setup: DraftingSetup,
+                             batch: FeatureBatch) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """`anchor_acceptance`, and from the same blocks each slot's top-1 accuracy at every anchor:
     [B-1, 2] (hits, count) for slots 1..B-1, slot k counted where its label x_{p+k} is supervised.
     Every anchor, not training's random draw of a few: the learning curve's slot accuracy."""
-    chain, *trees = speculative_methods(budgets)
-    accepted = {str(m): torch.full(input_ids.shape, -1, dtype=torch.long) for m in (chain, *trees)}
-    supervised = loss_mask.bool().cpu()
+    drafter = setup.drafter
+    chain, *trees = speculative_methods(setup.budgets)
+    accepted = {str(m): torch.full(batch.input_ids.shape, -1, dtype=torch.long) for m in (chain, *trees)}
+    supervised = batch.loss_mask.bool().cpu()
     length = supervised.shape[1]
     slot_hits = torch.zeros(drafter.block_size - 1, 2, dtype=torch.float64)
-    for part in scored_blocks(drafter, target, features, input_ids, loss_mask, attention, **chunking):
+    for part in scored_blocks(setup, batch):
         where = (part.rows, part.positions)
         drafted = drafter.chain_picks(part.hidden, part.logits, part.predecessors)
         hits = drafted == part.labels
@@ -143,7 +142,7 @@ def acceptance_and_slot_hits(drafter, target, features, input_ids, loss_mask, bu
         slot_hits[:, 1] += counted.sum(0)
         for method in trees:
             tree = drafter.block_trees(part.hidden, part.logits, part.predecessors[:, 0], method.budget,
-                                       tree_backend)
+                                       setup.tree_backend)
             accepted[str(method)][where] = (teacher_forced_accept(tree, part.labels) - 1).cpu()
     return accepted, slot_hits
 
@@ -186,14 +185,10 @@ def serve_walk(accepted: list[int], start: int, end: int) -> list[int]:
     return steps
 
 
-def replay_steps(drafter, target, features, input_ids, loss_mask, budgets, attention: str,
-                 **chunking) -> dict[str, list[list[int]]]:
+def replay_steps(setup: DraftingSetup, batch: FeatureBatch) -> dict[str, list[list[int]]]:
     """Tokens per step of every response of the batch (row by row, turn by turn), per method, as
-    `generate` would commit them serving that text (module docstring). `chunking`: see
-    `scored_blocks`."""
-    accepted = anchor_acceptance(drafter, target, features, input_ids, loss_mask, budgets, attention,
-                                 **chunking)
-    return walks_of(accepted, loss_mask)
+    `generate` would commit them serving that text (module docstring)."""
+    return walks_of(anchor_acceptance(setup, batch), batch.loss_mask)
 
 
 def mean_tau(steps_per_response: list[list[int]]) -> torch.Tensor:
@@ -203,14 +198,12 @@ def mean_tau(steps_per_response: list[list[int]]) -> torch.Tensor:
     return torch.tensor([sum(taus), len(taus)], dtype=torch.float64)
 
 
-def replayed_tau(drafter, target, features, input_ids, loss_mask, budgets, attention: str,
-                 **chunking) -> dict[str, torch.Tensor]:
+def replayed_tau(setup: DraftingSetup, batch: FeatureBatch) -> dict[str, torch.Tensor]:
     """{`tau_dflash`, `tau_ddtree@B`: [sum, count]} over the batch's responses, and `replay_acc_pos`:
     [B-1, 2] each slot's top-1 hits and count over every anchor (`acceptance_and_slot_hits`), to be
     summed over batches and ranks and divided (metric_sums.finalize_metrics)."""
-    accepted, slot_hits = acceptance_and_slot_hits(drafter, target, features, input_ids, loss_mask, budgets,
-                                                   attention, **chunking)
-    steps = walks_of(accepted, loss_mask)
+    accepted, slot_hits = acceptance_and_slot_hits(setup, batch)
+    steps = walks_of(accepted, batch.loss_mask)
     return {**{f"tau_{method}": mean_tau(responses) for method, responses in steps.items()},
             "replay_acc_pos": slot_hits}
 
@@ -273,12 +266,13 @@ def agreed_elapsed(clock: float, group, device: torch.device) -> float:
     return float(value)
 
 
-def generation_tau(target, drafter, prompts: list[list[int]], share: PromptShare = PromptShare(), *, budgets,
-                   max_new_tokens: int, max_seconds: float, stop_token_ids=(),
-                   tree_backend: str = "auto") -> dict[str, torch.Tensor]:
-    """Served tau on this rank's share of `prompts` (prompts[share.index::share.count]) at temperature 0.
+def generation_tau(setup: DraftingSetup, prompts: list[list[int]], share: PromptShare = PromptShare(), *,
+                   max_new_tokens: int, max_seconds: float, stop_token_ids=()) -> dict[str, torch.Tensor]:
+    """Served tau of `setup.drafter` on this rank's share of `prompts` (prompts[share.index::share.count])
+    at temperature 0.
 
-    Each prompt is decoded by every method (`dflash`, `ddtree@B`) through `drafter.serving.decode.generate`;
+    Each prompt is decoded by every method (`dflash`, `ddtree@B` for the setup's budgets, its trees
+    built by its tree backend) through `drafter.serving.decode.generate`;
     no prompt starts once `max_seconds` have passed (on the clock of the slowest member of a tensor-
     parallel group: `agreed_elapsed`), so a call lasts at most max_seconds plus one prompt. Returns
     {`gen_tau_dflash`, `gen_tau_ddtree@B`: [sum of per-response tau, responses], `gen_seconds`:
@@ -291,7 +285,8 @@ def generation_tau(target, drafter, prompts: list[list[int]], share: PromptShare
     time agreement). The drafter is put in eval mode and given back in the mode it came in; the
     global torch, CUDA and numpy RNGs are not used.
     """
-    methods = speculative_methods(budgets)
+    target, drafter = setup.target, setup.drafter
+    methods = speculative_methods(setup.budgets)
     if tree_verify_refusal(target):  # the replayed tau_ddtree@B stands in for these (eval steps)
         methods = [m for m in methods if not m.is_tree]
     if max_new_tokens < 1:
@@ -308,9 +303,8 @@ def generation_tau(target, drafter, prompts: list[list[int]], share: PromptShare
                     break
                 ids = torch.tensor([prompt], dtype=torch.long, device=device)
                 for method in methods:
-                    result = generate(target, ids, max_new_tokens, stop_token_ids, method=method.name,
-                                      drafter=drafter, budget=method.budget, temperature=0.0,
-                                      tree_backend=tree_backend)
+                    result = generate(target, ids, max_new_tokens, stop_token_ids, drafter=drafter,
+                                      settings=DecodeSettings.of(method, tree_backend=setup.tree_backend))
                     steps[str(method)].append(result.acceptance_lengths)
     finally:
         drafter.train(was_training)

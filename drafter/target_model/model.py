@@ -150,6 +150,7 @@ def freeze(target: nn.Module) -> nn.Module:
     return target
 
 
+# over six: one keyword per Qwen3Config size it defaults (tests and benches name the ones they change)
 def random_qwen3_config(vocab_size: int = 256, hidden_size: int = 64, num_hidden_layers: int = 6,
                         num_attention_heads: int = 4, num_key_value_heads: int = 2, head_dim: int = 16,
                         intermediate_size: int = 128, **config_kwargs) -> Qwen3Config:

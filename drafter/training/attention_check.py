@@ -9,12 +9,13 @@ largest difference, or, with objective.attention=auto, trains on dense and says 
 in W&B.
 """
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.distributed as dist
 
 from drafter.errors import UserError
+from drafter.models.blocks import DraftingSetup, FeatureBatch
 from drafter.training.objective import training_step
 
 # relative L2 error of the loss and of every gradient, kernel against dense (bench/gpu_check.py's too)
@@ -60,15 +61,16 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
-def compare_with_dense(drafter, target, features, input_ids, loss_mask, objective, kernel: str,
-                       tolerance: float, final_hidden=None) -> KernelComparison:  # training_step's inputs
-    """Loss and gradients of one training step under `kernel` and under dense, with the same anchors."""
+def compare_with_dense(setup: DraftingSetup, batch: FeatureBatch, objective, tolerance: float) -> KernelComparison:
+    """Loss and gradients of one training step under the setup's attention kernel and under dense, with
+    the same anchors."""
+    drafter, kernel = setup.drafter, setup.attention
     names, params = zip(*[(n, p) for n, p in drafter.named_parameters() if p.requires_grad])
 
     def loss_and_grads(attention):
         with torch.enable_grad():
-            loss, _ = training_step(drafter, target, features, input_ids, loss_mask, objective,
-                                    torch.Generator().manual_seed(0), attention, final_hidden)
+            loss, _ = training_step(replace(setup, attention=attention), batch, objective,
+                                    torch.Generator().manual_seed(0))
             grads = torch.autograd.grad(loss, params, allow_unused=True)
         return loss.detach(), [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
 

@@ -4,24 +4,27 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from drafter.losses.lm_head import top_logprobs
+from drafter.losses.lm_head import chunk_rows_for, top_logprobs
 from drafter.metric_sums import sum_count
 from drafter.tree.ddtree import build_tree_from_logprobs, teacher_forced_accept
 
 if TYPE_CHECKING:
+    from drafter.config import ObjectiveConfig
     from drafter.models.blocks import Blocks
 
 
-def block_metrics(hidden, head, blocks: "Blocks", ranks, budget: int, ddtree_blocks: int, generator: torch.Generator,
-                  chunk_rows: int) -> dict[str, torch.Tensor]:
+def block_metrics(hidden, head, blocks: "Blocks", ranks, cfg: "ObjectiveConfig",
+                  generator: torch.Generator) -> dict[str, torch.Tensor]:
     """A training step's teacher-forced metrics from the drafter's final states `hidden` [b, A, B, H]
     (detached) and each row's label rank `ranks` [b * A * (B-1)] (the loss kernel's): `rank_metrics`,
-    and anchor_ddtree@budget over `ddtree_blocks` complete blocks drawn with `generator`."""
+    and anchor_ddtree@budget (cfg.ddtree_budget) over cfg.ddtree_blocks complete blocks drawn with
+    `generator`, the head's rows cfg.chunk_bytes at a time."""
+    budget, chunk_rows = cfg.ddtree_budget, chunk_rows_for(head.shape[0], cfg.chunk_bytes)
     b, num_blocks, block_size, width = hidden.shape
     label_rank = torch.full_like(blocks.labels, torch.iinfo(torch.long).max)
     label_rank[..., 1:] = ranks.view(b, num_blocks, block_size - 1)
     metrics = rank_metrics(label_rank, blocks)
-    sampled, sampled_valid = sample_complete_blocks(blocks, ddtree_blocks, generator)
+    sampled, sampled_valid = sample_complete_blocks(blocks, cfg.ddtree_blocks, generator)
     k = min(budget, head.shape[0])
     topk_logprobs, topk_ids = top_logprobs(hidden.reshape(-1, block_size, width)[sampled, 1:].reshape(-1, width),
                                            head, k, chunk_rows)

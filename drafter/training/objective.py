@@ -11,34 +11,33 @@ import torch
 from drafter.config import ObjectiveConfig, resolve_gamma
 from drafter.losses import block_loss
 from drafter.losses.lm_head import chunk_rows_for, logit_softcap
-from drafter.models.blocks import build_blocks, drafter_hidden, sample_anchors
+from drafter.models.blocks import DraftingSetup, FeatureBatch, build_blocks, drafter_hidden, sample_anchors
 from drafter.models.draft_vocab import vocab_blocks
 from drafter.training.metrics import block_metrics
 
-def training_step(drafter, target, features, input_ids, loss_mask, cfg: "ObjectiveConfig",
-                  generator: torch.Generator, attention: str, final_hidden: torch.Tensor | None = None):
-    """One training forward: (loss, metrics). `cfg` is the config's objective section
-    (drafter.config.ObjectiveConfig); the block size and mask token are the drafter's. `metrics` maps
+
+def training_step(setup: DraftingSetup, batch: FeatureBatch, cfg: ObjectiveConfig, generator: torch.Generator):
+    """One training forward of `setup.drafter` on `batch`: (loss, metrics). `cfg` is the config's
+    objective section (drafter.config.ObjectiveConfig); the block size and mask token are the drafter's,
+    the attention kernel the setup's (`attention_kernel` turns the config value into it). `metrics` maps
     names to [sum, count] tensors so that ranks and micro-batches can be summed before dividing (see
-    `finalize_metrics`). `attention`: one of ATTENTION_KERNELS (`attention_kernel` turns the config
-    value into it). `final_hidden` [b, T, H]: the target's final-normed last hidden states, needed
-    with cfg.labels == "target". A drafter with a draft vocabulary (drafter/models/draft_vocab.py) is
-    trained on its in-vocabulary labels; its metrics count the others as misses (`out_of_vocab`: their
-    share of the supervised slots)."""
+    `finalize_metrics`). cfg.labels == "target" needs `batch.final_hidden`. A drafter with a draft
+    vocabulary (drafter/models/draft_vocab.py) is trained on its in-vocabulary labels; its metrics count
+    the others as misses (`out_of_vocab`: their share of the supervised slots)."""
+    drafter, target = setup.drafter, setup.target
     gamma = resolve_gamma(cfg.gamma, drafter.block_size)
-    anchors, valid = sample_anchors(loss_mask, cfg.num_anchors, generator, cfg.anchors_per_batch,
+    anchors, valid = sample_anchors(batch.loss_mask, cfg.num_anchors, generator, cfg.anchors_per_batch,
                                     cfg.anchor_candidates)
-    blocks = build_blocks(input_ids, loss_mask, anchors, valid, drafter.block_size, drafter.mask_token_id, gamma)
-    hidden = drafter_hidden(drafter, target, features, blocks, attention)
+    blocks = build_blocks(batch.input_ids, batch.loss_mask, anchors, valid, drafter.block_size,
+                          drafter.mask_token_id, gamma)
+    hidden = drafter_hidden(drafter, target, batch.features, blocks, setup.attention)
     # Every slot after the anchor is a row (unsupervised ones weigh 0): static shapes, no host sync.
     head = drafter.head_weight(target)
-    chunk_rows = chunk_rows_for(head.shape[0], cfg.chunk_bytes)
     seen = vocab_blocks(blocks, drafter.draft_vocab)  # labels as the head's ids
-    loss, ranks = block_loss(hidden, head, seen.loss, final_hidden, cfg, chunk_rows, logit_softcap(target))
-    metrics = block_metrics(hidden.detach(), head, seen.metrics, seen.misses(ranks), cfg.ddtree_budget,
-                            cfg.ddtree_blocks, generator, chunk_rows)
+    loss, ranks = block_loss(hidden, head, seen.loss, batch.final_hidden, cfg, logit_softcap(target))
+    metrics = block_metrics(hidden.detach(), head, seen.metrics, seen.misses(ranks), cfg, generator)
     metrics.update(seen.out_of_vocab())
-    auxiliary = drafter.auxiliary_loss(hidden, seen.loss, head, chunk_rows)
+    auxiliary = drafter.auxiliary_loss(hidden, seen.loss, head, chunk_rows_for(head.shape[0], cfg.chunk_bytes))
     if auxiliary is not None:  # DFlash2's selector loss
         auxiliary_loss, auxiliary_metrics = auxiliary
         metrics.update(auxiliary_metrics)

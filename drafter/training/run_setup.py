@@ -24,7 +24,7 @@ from drafter.infra.launch import local_world_size
 from drafter.losses.divergences import labels_needed
 from drafter.losses.lm_head import chunk_rows_for, logit_softcap, target_next_tokens
 from drafter.models import load_drafter, new_drafter
-from drafter.models.blocks import attention_kernel
+from drafter.models.blocks import DraftingSetup, attention_kernel
 from drafter.models.configure import drafter_config
 from drafter.models.draft_vocab import answer_vocab
 from drafter.models.from_target import start_layers_from_target
@@ -77,6 +77,13 @@ class RunParts:
     generate_prompts: list[list[int]] | None
     stops: list[int]
     trained_on: TrainedOn            # this rank's supervised tokens and blocks since they were last counted
+
+    def drafting(self, drafter) -> DraftingSetup:
+        """`drafter` (the engine's module, or a plain copy of it) against the run's target, as the training
+        step, the eval's replay (the objective's anchors per forward and chunks) and generation run it."""
+        return DraftingSetup(drafter, self.target, self.attention, tuple(self.cfg.train.tau_budgets),
+                             blocks_per_forward=self.objective.anchors_per_batch or 2048,
+                             chunk_bytes=self.objective.chunk_bytes)
 
 
 def load_run_data(cfg, rank, world_size, device):
@@ -168,6 +175,7 @@ def decide_resume(cfg, rank, identity, position):
     return resume_from, saved, notes
 
 
+# over six: the start-up's parts, before RunParts exists to carry them
 def build_run(cfg, rank, world_size, device, data: RunData, model_config, ds_config) -> RunParts:
     """The memory plan, then the target, the drafter and its engine, and what generation needs."""
     dtype = compute_dtype(cfg.target.dtype, device)
@@ -200,6 +208,7 @@ def build_run(cfg, rank, world_size, device, data: RunData, model_config, ds_con
                     attention, generate_prompts, stops, TrainedOn())
 
 
+# over six: the start-up's parts, before RunParts exists to carry them
 def run_features(cfg, target, tp_group, device, dtype, stores, drafter):
     """What the steps read their features (and the target's labels) from: the target's forward, or the
     stores, with the target computing the rows they lack (data.features_missing=generate) and those rows
@@ -220,6 +229,7 @@ def run_features(cfg, target, tp_group, device, dtype, stores, drafter):
     return StoreFeatures(stores, dtype, labels, generate, next_tokens, cache)
 
 
+# over six: the start-up's parts, before RunParts exists to carry them
 def check_memory_plan(cfg, model_config, world_size, device, dtype, ds_config, rank):
     """Printed before any weights load; on a GPU, a plan that cannot fit the device stops the run."""
     plan = plan_memory(plan_inputs(cfg, model_config, world_size, ds_config, dtype.itemsize, device.type))
