@@ -16,7 +16,7 @@ from drafter.losses.acceptance import chain_acceptance, soft_tree_acceptance, tr
 from drafter.losses.divergences import teacher_rows
 from drafter.losses.lm_head import ChunkedLMHeadLoss, RowLossSpec, dense_row_loss, logit_softcap
 from drafter.losses.weights import dpace_weights, tree_accepted_depth, tree_weights, up_to_first_failure
-from drafter.models.blocks import build_blocks, drafter_hidden, sample_anchors
+from drafter.models.blocks import DraftingSetup, FeatureBatch, build_blocks, drafter_hidden, sample_anchors
 from drafter.target_model.model import context_features, features_and_final_hidden, random_qwen3
 from drafter.training.objective import training_step
 from drafter.training.run_config import load_config
@@ -60,8 +60,8 @@ def test_target_labels_match_the_targets_full_logits(drafter, target, loss):
     cfg = ObjectiveConfig(num_anchors=6, gamma=10.0,
                           labels="target", loss=loss, chunk_bytes=4 * 256 * 5)  # 5 rows a chunk
     features, final = features_and_final_hidden(target, ids, drafter.target_layer_ids)
-    step_loss, _ = training_step(drafter, target, features, ids, loss_mask, cfg,
-                                 torch.Generator().manual_seed(4), "dense", final)
+    step_loss, _ = training_step(DraftingSetup(drafter, target, "dense"),
+                                 FeatureBatch(ids, loss_mask, features, final), cfg, torch.Generator().manual_seed(4))
     step_grads = torch.autograd.grad(step_loss, list(drafter.parameters()))
     blocks, logits, teacher = reference_rows(target, drafter, ids, loss_mask, cfg, seed=4)
     log_q = logits.float().log_softmax(-1)
@@ -165,8 +165,8 @@ def test_prediction_dependent_weights_carry_no_gradient(drafter, target, weights
     cfg = ObjectiveConfig(num_anchors=6, gamma=10.0,
                           position_weights=weights, ddtree_budget=160)
     features = context_features(target, ids, drafter.target_layer_ids)
-    step_loss, _ = training_step(drafter, target, features, ids, loss_mask, cfg,
-                                 torch.Generator().manual_seed(6), "dense")
+    step_loss, _ = training_step(DraftingSetup(drafter, target, "dense"), FeatureBatch(ids, loss_mask, features), cfg,
+                                 torch.Generator().manual_seed(6))
     step_grads = torch.autograd.grad(step_loss, list(drafter.parameters()))
     blocks, logits, _ = reference_rows(target, drafter, ids, loss_mask, cfg, seed=6)
     log_q = logits.float().log_softmax(-1)
@@ -183,9 +183,8 @@ def test_prediction_dependent_weights_carry_no_gradient(drafter, target, weights
     torch.testing.assert_close(step_loss, expected, rtol=1e-5, atol=1e-6)
     for got, want in zip(step_grads, torch.autograd.grad(expected, list(drafter.parameters()))):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
-    exp_loss, _ = training_step(drafter, target, features, ids, loss_mask,
-                                ObjectiveConfig(num_anchors=6, gamma=10.0),
-                                torch.Generator().manual_seed(6), "dense")
+    exp_loss, _ = training_step(DraftingSetup(drafter, target, "dense"), FeatureBatch(ids, loss_mask, features),
+                                ObjectiveConfig(num_anchors=6, gamma=10.0), torch.Generator().manual_seed(6))
     assert abs(exp_loss.item() - step_loss.item()) > 1e-4  # the weights do change the loss
 
 
@@ -234,8 +233,9 @@ def test_each_objective_learns_and_differs_from_the_default(target, variant):
         optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
         losses = []
         for step in range(20):
-            loss, metrics = training_step(drafter, target, features, ids, loss_mask, cfg,
-                                          torch.Generator().manual_seed(step), "dense", final)
+            loss, metrics = training_step(DraftingSetup(drafter, target, "dense"),
+                                          FeatureBatch(ids, loss_mask, features, final), cfg,
+                                          torch.Generator().manual_seed(step))
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -277,12 +277,13 @@ def test_muon_steps_the_matrices_and_adamw_the_rest():
     assert isinstance(only, torch.optim.AdamW) and len(only.param_groups[0]["params"]) == len(params)
 
 
-def test_muon_under_deepspeed_is_refused_by_name(tmp_path):
-    """(train.py refuses it before the data or any model loads: tests/test_train.py.)"""
+def test_muon_under_deepspeed_takes_the_engine_s_optimizer_and_other_names_are_refused(tmp_path):
+    """(DeepSpeed's Muon, its JSON checks and its steps: tests/test_train.py, tests/test_muon_zero.py.)"""
     from drafter.infra.engine import EngineConfigError, deepspeed_config
-    cfg = load_config(str(REPO / "configs" / "v3.yaml"), ["data.path=/x", "optim.name=muon"])
-    with pytest.raises(EngineConfigError, match="optim.name=muon is not supported under train.engine=deepspeed"):
-        deepspeed_config(str(REPO / "ds_configs" / "zero2.json"), cfg, 2, True, 64, on_cpu=False)
+    cfg = load_config(str(REPO / "configs" / "v3.yaml"), ["data.path=/x", "optim.name=muon", "optim.grad_clip=0"])
+    assert "optimizer" not in deepspeed_config(str(REPO / "ds_configs" / "zero2.json"), cfg, 2, True, 64, on_cpu=False)
+    with pytest.raises(EngineConfigError, match="optimizer.type='AdamW' in the JSON contradicts optim.name = 'muon'"):
+        deepspeed_config(str(REPO / "ds_configs" / "zero2_offload.json"), cfg, 2, True, 64, on_cpu=False)
     with pytest.raises(ConfigError, match=re.escape("optim.name='lion' is not one of adamw, muon")):
         load_config(str(REPO / "configs" / "v3.yaml"), ["data.path=/x", "optim.name=lion"])
 
@@ -451,8 +452,8 @@ def test_cut_normaliser_and_block_losses_match_the_full_logits(trained, variant)
     cfg = ObjectiveConfig(num_anchors=6, gamma=10.0,
                           chunk_bytes=4 * 256 * 10, **objective)
     features, final = features_and_final_hidden(target, ids, drafter.target_layer_ids)
-    step_loss, _ = training_step(drafter, target, features, ids, loss_mask, cfg,
-                                 torch.Generator().manual_seed(4), "dense", final)
+    step_loss, _ = training_step(DraftingSetup(drafter, target, "dense"),
+                                 FeatureBatch(ids, loss_mask, features, final), cfg, torch.Generator().manual_seed(4))
     step_grads = torch.autograd.grad(step_loss, list(drafter.parameters()))
     blocks, logits, teacher = reference_rows(target, drafter, ids, loss_mask, cfg, seed=4)
     log_q = logits.float().log_softmax(-1).reshape(-1, B - 1, logits.shape[-1])

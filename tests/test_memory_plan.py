@@ -221,8 +221,8 @@ def test_data_plan_refuses_what_train_py_refuses_by_name(capsys):
     from data.plan import main
     with pytest.raises(SystemExit):
         main(["--cfg", str(REPO / "configs" / "v3.yaml"), "--gpu-memory", "80GB", "--memory-only", "target.path=null",
-              "optim.name=muon"])
-    assert "optim.name=muon is not supported under train.engine=deepspeed" in capsys.readouterr().err
+              "optim.name=muon", "train.ds_config=ds_configs/zero2_offload.json"])
+    assert "optimizer.type='AdamW' in the JSON contradicts optim.name = 'muon'" in capsys.readouterr().err
 
 
 def test_a_missing_local_target_directory_is_named_as_one_not_as_a_malformed_hub_id(tmp_path):

@@ -305,17 +305,73 @@ def test_deepspeed_json_contradicting_the_yaml_is_refused_naming_both(tmp_path, 
         deepspeed_config(path, cfg, world_size=8, bf16=True, hidden_size=4096, on_cpu=False)
 
 
-def test_a_json_contradiction_or_muon_stops_train_py_before_any_model_loads(tmp_path):
-    """DeepSpeed's own ZeRO Muon is not torch.optim.Muon: optim.name=muon is refused by name with the
-    JSON's problems, before the data or any model loads."""
+@pytest.mark.parametrize("edits, filled, message", [
+    ({}, {}, None),  # zero2.json: no optimizer block, the engine hands DeepSpeed its Muon
+    ({"zero_optimization.stage": 1}, {}, None),
+    ({"zero_optimization.stage": 3, "zero_optimization.reduce_scatter": None},
+     {"zero_optimization.reduce_scatter": False}, None),  # DeepSpeed's ZeRO-3 Muon refuses reduce_scatter
+    ({"zero_optimization.offload_optimizer": {"device": "cpu"}}, {"zero_force_ds_cpu_optimizer": False}, None),
+    ({"optimizer.type": "AdamW"}, {}, "optimizer.type='AdamW' in the JSON contradicts optim.name = 'muon'"),
+    ({"zero_optimization.stage": 3}, {}, "zero_optimization.reduce_scatter=True in the JSON contradicts "
+                                         "optim.name = 'muon': DeepSpeed's ZeRO-3 Muon needs false"),
+    ({"zero_optimization.offload_optimizer": {"device": "cpu"}, "zero_force_ds_cpu_optimizer": True}, {},
+     "zero_force_ds_cpu_optimizer=True in the JSON contradicts optim.name = 'muon' with offload_optimizer"),
+    ({"zero_optimization.stage": 3, "zero_optimization.reduce_scatter": None,
+      "zero_optimization.offload_optimizer": {"device": "cpu"}}, {},
+     "zero_optimization.stage=3 with offload_optimizer and optim.grad_accum = 2: DeepSpeed's ZeRO-3 offload"),
+])
+def test_muon_under_deepspeed_takes_the_engine_s_optimizer_in_every_stage(tmp_path, edits, filled, message):
+    """optim.name=muon under DeepSpeed (ZeRO 1-3, offload): the engine builds DeepSpeed's Muon from the YAML
+    (tests/test_muon_zero.py steps it), so the JSON holds no `optimizer` block and nothing is compiled."""
+    from drafter.infra.engine import deepspeed_op_problem, deepspeed_optimizer
+    cfg = load_config(str(REPO / "configs" / "v3.yaml"), ["data.path=/x", "optim.name=muon", "optim.grad_accum=2",
+                                                           "optim.grad_clip=0"])
+    path = ds_json(tmp_path, **edits)
+    if message is not None:
+        with pytest.raises(EngineConfigError, match=f"train.ds_config={re.escape(path)}: .*{re.escape(message)}"):
+            deepspeed_config(path, cfg, world_size=8, bf16=True, hidden_size=4096, on_cpu=False)
+        return
+    ds = deepspeed_config(path, cfg, world_size=8, bf16=True, hidden_size=4096, on_cpu=False)
+    assert "optimizer" not in ds and deepspeed_op_problem(ds, CUDA) is None
+    assert deepspeed_optimizer(ds, CUDA, muon=True) == "DeepSpeed Muon on the matrices, torch AdamW on the rest"
+    for dotted, value in filled.items():
+        *parents, leaf = dotted.split(".")
+        node = ds
+        for key in parents:
+            node = node[key]
+        assert node[leaf] is value, dotted
+
+
+def test_muon_under_deepspeed_with_clipping_is_refused_naming_the_key(tmp_path):
+    """ZeRO clips by the norm of Muon's update, not the gradients': any grad_clip would shrink every step."""
+    cfg = load_config(str(REPO / "configs" / "v3.yaml"), ["data.path=/x", "optim.name=muon"])
+    path = ds_json(tmp_path)
+    with pytest.raises(EngineConfigError, match=re.escape("optim.grad_clip=1.0 with optim.name=muon under "
+                                                          "train.engine=deepspeed")):
+        deepspeed_config(path, cfg, world_size=8, bf16=True, hidden_size=4096, on_cpu=False)
+
+
+@pytest.mark.parametrize("edits, filled, message", [
+    ({"zero_optimization.offload_optimizer": {"device": "cpu"}, "zero_optimization.stage": 3}, {},
+     "zero_optimization.stage=3 with offload_optimizer and optim.grad_accum = 4"),
+])
+def test_zero3_offload_with_accumulation_is_refused_for_adamw_too(tmp_path, edits, filled, message):
+    cfg = load_config(str(REPO / "configs" / "v3.yaml"), ["data.path=/x", "optim.grad_accum=4"])
+    with pytest.raises(EngineConfigError, match=re.escape(message)):
+        deepspeed_config(ds_json(tmp_path, **edits), cfg, world_size=8, bf16=True, hidden_size=4096, on_cpu=False)
+
+
+def test_a_json_contradiction_or_an_optimizer_block_with_muon_stops_train_py_before_any_model_loads(tmp_path):
+    """optim.name=muon builds DeepSpeed's Muon from the YAML: a JSON `optimizer` block is refused by name
+    with the JSON's other problems, before the data or any model loads."""
     cfg = write_run(tmp_path)
-    path = ds_json(tmp_path, gradient_accumulation_steps=8)
+    path = ds_json(tmp_path, gradient_accumulation_steps=8, **{"optimizer.type": "AdamW"})
     proc = subprocess.run([sys.executable, "train.py", "--cfg", str(cfg), f"train.ds_config={path}", "optim.name=muon"],
                           cwd=REPO, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 2
     assert "gradient_accumulation_steps=8 in the JSON contradicts optim.grad_accum = 1" in proc.stderr
-    assert "optim.name=muon is not supported under train.engine=deepspeed" in proc.stderr
+    assert "optimizer.type='AdamW' in the JSON contradicts optim.name = 'muon'" in proc.stderr
     assert "Traceback" not in proc.stderr and "params" not in proc.stdout  # no model was built
 
 

@@ -13,9 +13,10 @@ and torch FSDP2 (`fully_shard`, `torch.distributed.checkpoint`). The training lo
 
 The learning rate is set by the caller at every step (drafter.training.schedules.lr_factor of the trainer's
 step), so both engines follow the same schedule whatever steps were skipped. With optim.name=muon
-the 2-D weight matrices step with torch.optim.Muon at optim.muon_lr (the same schedule: the caller's
-lr times muon_lr / lr) and everything else with AdamW. FSDP2 runs it (Newton-Schulz on the full
-matrix through DTensor ops); DeepSpeed refuses it before anything loads (see `deepspeed_config`).
+the 2-D weight matrices (`uses_muon`) step with Muon at optim.muon_lr (the same schedule: the caller's
+lr times muon_lr / lr) and everything else with AdamW: under FSDP2 torch.optim.Muon (Newton-Schulz on
+the full matrix through DTensor ops), under DeepSpeed (ZeRO 1-3, optimizer offload too) DeepSpeed's
+own ZeRO Muon (`deepspeed_muon`), which differs in three ways that `DeepSpeedEngine` names.
 """
 import json
 import math
@@ -50,7 +51,7 @@ class StepResult:
 
 class EngineConfigError(ConfigError):
     """A train.ds_config / engine setting this trainer refuses (a ConfigError: train.py and
-    data_tools/plan.py report it as such)."""
+    data/plan.py report it as such)."""
 
 
 def _trainable(module: nn.Module) -> list[nn.Parameter]:
@@ -81,6 +82,29 @@ def build_optimizers(params: list[nn.Parameter], optim, device: torch.device | N
             torch.optim.AdamW(others, **adamw)]
 
 
+MUON_NS_METHOD = "gram"  # DeepSpeed's default Newton-Schulz form: see DeepSpeedEngine
+
+
+def deepspeed_muon(params: list[nn.Parameter], optim, device: torch.device) -> torch.optim.Optimizer:
+    """DeepSpeed's MuonWithAuxAdam over `params` with the settings of `build_optimizers`: Muon on the
+    matrices of `uses_muon` (tagged `param.use_muon`, which is how DeepSpeed's ZeRO finds them) at
+    optim.muon_lr, optim.muon_momentum, Nesterov and optim.weight_decay; torch's AdamW on the rest
+    (fused where its state is on a GPU). ZeRO runs DeepSpeed's `muon_update` (momentum, Nesterov,
+    Newton-Schulz, the sqrt(max(1, rows / cols)) scale) on the full matrices once per optimizer step,
+    where it reduces the gradients; the optimizer's own step then applies the update to its partition."""
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+
+    for param in params:
+        param.use_muon = uses_muon(param)
+    matrices, others = [p for p in params if p.use_muon], [p for p in params if not p.use_muon]
+    groups = [dict(params=matrices, use_muon=True, lr=optim.muon_lr, momentum=optim.muon_momentum,
+                   weight_decay=optim.weight_decay, ns_method=MUON_NS_METHOD),
+              dict(params=others, use_muon=False, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
+                   weight_decay=optim.weight_decay)]
+    return MuonWithAuxAdam([group for group in groups if group["params"]], adam_optimizer=torch.optim.AdamW,
+                           adam_optimizer_kwargs={"fused": True} if device.type == "cuda" else {})
+
+
 # ---------------------------------------------------------------------------------------------
 # DeepSpeed
 # ---------------------------------------------------------------------------------------------
@@ -94,7 +118,12 @@ def deepspeed_config(json_path: str, cfg, world_size: int, bf16: bool, hidden_si
     `scheduler` block (the YAML owns the schedule), fp16 or a ZeRO stage outside 1-3 is an error that
     names the key and both values. Without an `optimizer` block (zero2.json, zero3.json) the step is
     torch's AdamW, built by `DeepSpeedEngine`; a block (zero2_offload.json) makes DeepSpeed build its
-    own, a compiled op on a GPU (`deepspeed_op_problem` checks that it can be built).
+    own, a compiled op on a GPU (`deepspeed_op_problem` checks that it can be built). With
+    optim.name=muon the engine builds DeepSpeed's Muon itself (`deepspeed_muon`) under any stage, with
+    or without optimizer offload: a JSON `optimizer` block is then refused, ZeRO-3's reduce_scatter is
+    turned off (DeepSpeed's ZeRO-3 Muon refuses it) and offload takes the engine's optimizer
+    (zero_force_ds_cpu_optimizer=false); either written the other way in the JSON is refused, and so is
+    ZeRO-3 with offload and more than one micro batch per step (DeepSpeed loses micro batches there).
     """
     json_file = find_in_repo(json_path, "ds_configs", f"train.ds_config={json_path}")  # load_config's, for other callers
     try:
@@ -144,13 +173,31 @@ def deepspeed_config(json_path: str, cfg, world_size: int, bf16: bool, hidden_si
     if stage not in ZERO_STAGES:
         problems.append(f"zero_optimization.stage={stage!r}: use 1, 2 or 3 (stage 0 does not skip "
                         "non-finite steps in every precision)")
-    if cfg.optim.name != "adamw":
-        problems.append(f"optim.name={cfg.optim.name} is not supported under train.engine=deepspeed: DeepSpeed's "
-                        "ZeRO Muon is its own optimizer (orthogonalised inside the ZeRO partitions), not "
-                        "torch.optim.Muon, and its resume has not been verified here; use train.engine=fsdp")
-    if zero.get("offload_optimizer", {}).get("device", "none") != "none" and "optimizer" not in ds:
+    offload = zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None)
+    if cfg.optim.name == "muon":
+        if "optimizer" in ds:
+            problems.append(f"optimizer.type={ds['optimizer'].get('type')!r} in the JSON contradicts optim.name = "
+                            "'muon' (the engine builds DeepSpeed's Muon from the YAML): remove the `optimizer` block")
+        if stage == 3 and zero.setdefault("reduce_scatter", False) is not False:
+            problems.append(f"zero_optimization.reduce_scatter={zero['reduce_scatter']!r} in the JSON contradicts "
+                            "optim.name = 'muon': DeepSpeed's ZeRO-3 Muon needs false")
+        if cfg.optim.grad_clip > 0:
+            problems.append(f"optim.grad_clip={cfg.optim.grad_clip} with optim.name=muon under train.engine="
+                            "deepspeed: ZeRO orthogonalises while it reduces, so the norm it clips by is that of "
+                            "Muon's update, not of the gradients, and would shrink every step; set "
+                            "optim.grad_clip=0, or use train.engine=fsdp")
+        if offload and ds.setdefault("zero_force_ds_cpu_optimizer", False) is not False:
+            problems.append(f"zero_force_ds_cpu_optimizer={ds['zero_force_ds_cpu_optimizer']!r} in the JSON "
+                            "contradicts optim.name = 'muon' with offload_optimizer: it needs false (the offloaded "
+                            "state steps with the engine's Muon and torch's AdamW)")
+    elif offload and "optimizer" not in ds:
         problems.append("zero_optimization.offload_optimizer needs an `optimizer` block (DeepSpeed's CPU Adam "
                         "steps the offloaded state; ds_configs/zero2_offload.json has one)")
+    if offload and stage == 3 and cfg.optim.grad_accum > 1:
+        problems.append(f"zero_optimization.stage=3 with offload_optimizer and optim.grad_accum = "
+                        f"{cfg.optim.grad_accum}: DeepSpeed's ZeRO-3 offload steps on only part of the step's "
+                        "gradient when micro batches accumulate (seen on the CPU, tests/test_muon_zero.py); use "
+                        "optim.grad_accum=1, stage 1 or 2, or no offload")
     if zero.get("offload_param") and stage != 3:
         problems.append("zero_optimization.offload_param needs stage 3 (offload_optimizer works with 1-3)")
     left = [key for key, value in flatten(ds).items() if value == "auto"]
@@ -161,9 +208,12 @@ def deepspeed_config(json_path: str, cfg, world_size: int, bf16: bool, hidden_si
     return ds
 
 
-def deepspeed_optimizer(ds_config: dict, device: torch.device) -> str:
-    """What steps the drafter under this JSON: torch's AdamW (no `optimizer` block), or the
-    DeepSpeed optimizer its block names, with the compiled op it builds (None: a torch optimizer)."""
+def deepspeed_optimizer(ds_config: dict, device: torch.device, muon: bool = False) -> str:
+    """What steps the drafter under this JSON: torch's AdamW (no `optimizer` block; with `muon`,
+    DeepSpeed's Muon and torch's AdamW), or the DeepSpeed optimizer its block names, with the compiled
+    op it builds (None: a torch optimizer)."""
+    if muon:
+        return "DeepSpeed Muon on the matrices, torch AdamW on the rest"
     if "optimizer" not in ds_config:
         return "torch AdamW" + (" (fused)" if device.type == "cuda" else "")
     op = deepspeed_op(ds_config, device)
@@ -225,31 +275,59 @@ def cuda_toolkit_problems() -> list[str]:
 
 
 class DeepSpeedEngine:
+    """`deepspeed.initialize` with the optimizer the YAML names (or the JSON's `optimizer` block).
+
+    With optim.name=muon the optimizer is DeepSpeed's ZeRO Muon (`deepspeed_muon`): the matrices of
+    `uses_muon`, at optim.muon_lr times the caller's lr / optim.lr, with torch.optim.Muon's momentum,
+    Nesterov, 5 quintic Newton-Schulz steps (3.4445, -4.7750, 2.0315), sqrt(max(1, rows / cols))
+    scale and decoupled weight decay; AdamW on the rest. It differs from FSDP2's torch.optim.Muon in:
+      - Newton-Schulz's rounding: DeepSpeed iterates on the Gram matrix in fp16 (fp32 where the device
+        has no fp16), torch on the matrix in bf16: the updates differ by about 1%, torch's rounding
+        (on the CPU, 64-1024 wide: DeepSpeed's within 0.5% of the iteration in fp64, torch's 1-1.3%);
+      - clipping: ZeRO orthogonalises while it reduces the gradients, so optim.grad_clip and the
+        logged grad_norm cover Muon's update (norm about sqrt(sum of min(rows, cols))) and the other
+        parameters' gradients, not the raw gradients as under FSDP2: a grad_clip under that norm
+        shrinks every Muon step by it;
+      - in bf16 runs the momentum is bf16, the gradients' dtype (torch.optim.Muon under FSDP2: fp32).
+    """
+
     def __init__(self, drafter: nn.Module, ds_config: dict, optim, device: torch.device):
         import deepspeed
 
         self.num_parameters = sum(p.numel() for p in drafter.parameters())  # before ZeRO-3 partitions them
         self.stage = ds_config["zero_optimization"]["stage"]
         offload = ds_config["zero_optimization"].get("offload_optimizer", {}).get("device", "none")
+        offloaded = offload not in ("none", None)
+        muon = optim.name == "muon"
         self.description = (f"deepspeed ZeRO-{self.stage}"
-                            + (f", optimizer offload to {offload}" if offload not in ("none", None) else "")
-                            + f", {deepspeed_optimizer(ds_config, device)}")
+                            + (f", optimizer offload to {offload}" if offloaded else "")
+                            + f", {deepspeed_optimizer(ds_config, device, muon)}")
         deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
         params = _trainable(drafter)
-        client = None if "optimizer" in ds_config else build_optimizers(params, optim, device)[0]
+        if muon:  # deepspeed_config refuses an `optimizer` block with it
+            client = deepspeed_muon(params, optim, torch.device("cpu") if offloaded else device)
+        elif "optimizer" in ds_config:
+            client = None
+        else:
+            client = build_optimizers(params, optim, device)[0]
+        self.muon_lr_ratio = optim.muon_lr / optim.lr  # the Muon groups' lr, relative to the caller's
         self.engine, _, _, _ = deepspeed.initialize(model=drafter, model_parameters=params, optimizer=client,
                                                     config=ds_config)
         self.module = self.engine.module
         self.sharded = self.stage == 3
 
     def backward(self, loss: torch.Tensor) -> None:
+        # What DeepSpeed's own forward() does first, which the caller's forward through engine.module
+        # skips: without it ZeRO-3 counts every micro batch as a step's first and keeps only the last one's
+        # gradient (ZeRO-1 and 2 accumulate either way)
+        self.engine.optimizer.clear_backward_seen_flag()
         self.engine.backward(loss)  # scales by 1 / gradient_accumulation_steps
         if not self.engine.is_gradient_accumulation_boundary():
             self.engine.step()  # DeepSpeed counts micro batches in step(); nothing is updated here
 
     def step(self, lr: float) -> StepResult:
-        for group in self.engine.optimizer.param_groups:
-            group["lr"] = lr
+        for group in self.engine.optimizer.param_groups:  # with Muon: its group and AdamW's
+            group["lr"] = lr * (self.muon_lr_ratio if group.get("use_muon") else 1.0)
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
         return StepResult(self.engine.was_step_applied(), math.nan if norm is None else float(norm))
