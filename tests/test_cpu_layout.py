@@ -48,16 +48,9 @@ def test_a_bad_override_is_one_line_naming_the_variable(monkeypatch):
         serving_layout(random_qwen3(vocab_size=384, seed=3), torch.float32)
 
 
-class FakeTimer:
-    """torch.utils.benchmark.Timer whose median is read from TIMES by (layout, rows)."""
-    TIMES: dict = {}
-
-    def __init__(self, stmt, globals, num_threads):
-        weight, x = globals["w"], globals["x"]
-        self.key = ("row" if weight.is_contiguous() else "column", x.shape[0])
-
-    def blocked_autorange(self, min_run_time):
-        return type("Measurement", (), {"median": self.TIMES[self.key]})()
+def fake_linear_seconds(times: dict):
+    """cpu_layout.linear_seconds reading its time from `times` by (layout, rows)."""
+    return lambda x, weight: times["row" if weight.is_contiguous() else "column", x.shape[0]]
 
 
 @pytest.mark.parametrize("verify_row, verify_column, one_row, one_column, column", [
@@ -69,10 +62,9 @@ class FakeTimer:
 def test_the_probe_serves_column_major_only_where_verify_gains_and_one_row_does_not_lose(
         monkeypatch, verify_row, verify_column, one_row, one_column, column):
     monkeypatch.delenv(cpu_layout.OVERRIDE)
-    monkeypatch.setattr(cpu_layout.benchmark, "Timer", FakeTimer)
-    monkeypatch.setattr(FakeTimer, "TIMES", {("row", cpu_layout.VERIFY_ROWS): verify_row,
-                                             ("column", cpu_layout.VERIFY_ROWS): verify_column,
-                                             ("row", 1): one_row, ("column", 1): one_column})
+    monkeypatch.setattr(cpu_layout, "linear_seconds", fake_linear_seconds({
+        ("row", cpu_layout.VERIFY_ROWS): verify_row, ("column", cpu_layout.VERIFY_ROWS): verify_column,
+        ("row", 1): one_row, ("column", 1): one_column}))
     cpu_layout.probed.cache_clear()
     model = random_qwen3(vocab_size=384, seed=3)
     layout = serving_layout(model, torch.float32)

@@ -4,8 +4,8 @@
 faster when W's transpose is the contiguous one: on an AVX-512 Xeon (torch 2.13, fp32, one thread) a
 [9, 576] x [576, 2304] product, the shape of a 9-node tree verify, took 0.33 ms column-major against
 0.60 row-major, and the 49,152-word LM head at 9 rows 20 ms against 30; under AVX2 kernels the two
-layouts tie. So a short probe on the model's own largest decoder weight decides, once per process and
-dtype: column-major is served only where it is at least COLUMN_GAIN faster at `VERIFY_ROWS` rows and no
+layouts tie. So a short probe on the model's own largest decoder weight decides, once per process, dtype and
+thread count: column-major is served only where it is at least COLUMN_GAIN faster at `VERIFY_ROWS` rows and no
 slower at one row, so plain decoding (`ar`, transformers' `generate`) never loses by it.
 
 Serving only: values are unchanged (a copy transposed twice), every module keeps its parameters (tied
@@ -19,9 +19,9 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils import benchmark
 
 from drafter.errors import ConfigError
+from drafter.infra.timing import best_time
 
 OVERRIDE = "DRAFTER_CPU_WEIGHT_LAYOUT"  # row | column: the layout without the probe
 VERIFY_ROWS = 9  # a DDTree verify of 8 nodes and its root
@@ -48,7 +48,7 @@ def serving_layout(model: nn.Module, dtype: torch.dtype) -> Layout:
     weight = probe_weight(model)
     if weight is None:
         return Layout(False, "weights row-major: no linear layer to probe")
-    return probed(tuple(weight.shape), dtype)
+    return probed(tuple(weight.shape), dtype, torch.get_num_threads())
 
 
 def probe_weight(model: nn.Module) -> torch.Tensor | None:
@@ -61,7 +61,8 @@ def probe_weight(model: nn.Module) -> torch.Tensor | None:
 
 
 @cache
-def probed(shape: tuple[int, int], dtype: torch.dtype) -> Layout:
+def probed(shape: tuple[int, int], dtype: torch.dtype, threads: int) -> Layout:
+    """The probe's verdict for a weight of `shape` and `dtype` at `threads` (the current thread count)."""
     generator = torch.Generator().manual_seed(0)
     row = torch.randn(shape, generator=generator).to(dtype)
     column = row.t().contiguous().t()
@@ -70,15 +71,17 @@ def probed(shape: tuple[int, int], dtype: torch.dtype) -> Layout:
         for rows in (1, VERIFY_ROWS):
             x = torch.randn(rows, shape[1], generator=generator).to(dtype)
             for name, weight in (("row", row), ("column", column)):
-                timer = benchmark.Timer("F.linear(x, w)", globals={"F": F, "x": x, "w": weight},
-                                        num_threads=torch.get_num_threads())  # Timer's default is one
-                times[name, rows] = timer.blocked_autorange(min_run_time=PROBE_S).median
+                times[name, rows] = linear_seconds(x, weight)
     gain = times["row", VERIFY_ROWS] / times["column", VERIFY_ROWS]
     one_row = times["column", 1] / times["row", 1]
     column_wins = gain >= COLUMN_GAIN and one_row <= ONE_ROW_SLACK
     what = (f"a {VERIFY_ROWS}-row product by a {shape[0]}x{shape[1]} {str(dtype).removeprefix('torch.')} weight ran "
             f"{gain:.2f}x faster column-major, one row {1 / one_row:.2f}x")
     return Layout(column_wins, f"weights {'column' if column_wins else 'row'}-major: {what}")
+
+
+def linear_seconds(x: torch.Tensor, weight: torch.Tensor) -> float:
+    return best_time(lambda: F.linear(x, weight), PROBE_S)
 
 
 def serve_column_major_(model: nn.Module) -> int:
