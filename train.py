@@ -16,6 +16,7 @@ With data.features (a store written by data/features.py) the features are read f
 instead, and of the target only its embedding and LM head load (docs/features.md).
 """
 import argparse
+import hashlib
 import itertools
 import math
 import signal
@@ -289,8 +290,11 @@ def after_step(run: RunParts, state: TrainerState, log, stop: StopRequest, check
 # ----------------------------------------------------------------------------- features
 
 def step_generator(seed: int, step: int, rank: int, stream: int = 0, device="cpu") -> torch.Generator:
-    """Anchors and noise for (step, rank) come from their own seed: resume replays them exactly."""
-    return torch.Generator(device=device).manual_seed(hash((seed, step, rank, stream)) % 2**63)
+    """Anchors and noise for (step, rank) come from their own seed: resume replays them exactly. The seed
+    is a digest of the four ints, so it holds across Python versions (the tuple hash may change)."""
+    digest = hashlib.blake2b(b"".join(v.to_bytes(8, "little", signed=True) for v in (seed, step, rank, stream)),
+                             digest_size=8).digest()
+    return torch.Generator(device=device).manual_seed(int.from_bytes(digest, "little") % 2**63)
 
 
 def add_feature_noise(features: torch.Tensor, std: float, num_layers: int,

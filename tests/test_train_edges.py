@@ -44,3 +44,20 @@ def test_schedule_notes_report_a_resume_without_changing_the_saved_state(overrid
 ])
 def test_every_user_facing_error_is_a_user_error_and_keeps_its_builtin_base(error, also):
     assert issubclass(error, UserError) and issubclass(error, also)
+
+
+def test_step_generators_are_distinct_and_do_not_rest_on_the_interpreters_hash(monkeypatch):
+    import builtins
+
+    import torch
+
+    from train import step_generator
+
+    def draw(*key):
+        return torch.rand(4, generator=step_generator(*key)).tolist()
+
+    keys = [(0, 5, 0, 1), (1, 5, 0, 1), (0, 6, 0, 1), (0, 5, 1, 1), (0, 5, 0, -1), (0, 5, 0, 2)]
+    draws = [draw(*key) for key in keys]
+    assert len({tuple(d) for d in draws}) == len(keys)  # any one of the four changed: another stream
+    monkeypatch.setattr(builtins, "hash", lambda _: 0)   # a Python whose tuple hash differs
+    assert [draw(*key) for key in keys] == draws
