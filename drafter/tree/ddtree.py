@@ -8,9 +8,8 @@ the lexicographically smaller rank tuple pops first (a prefix before its extensi
 order in the reference heap). Nodes are numbered in pop order, so a parent precedes its children.
 
 Two backends give the same nodes in the same order:
-  compiled  the heap itself in C (`tree_heap.c`, built with the system C compiler on first use and
-            cached under ~/.cache/drafter, keyed by the source, the machine, the compiler's version
-            and the flags); CPU tensors only.
+  compiled  the heap itself in C (`tree_heap.c`, built by `pip install` as the extension module
+            drafter.tree._tree_heap); CPU tensors only.
   tensor    torch ops with static shapes and no host sync (any device): per depth, a beam of the
             best N prefixes kept in lexicographic order, then the best N over all depths.
 Scores are log-probs in fixed point (int64, 2^-32 nats), so sums are exact on every device and in
@@ -26,14 +25,9 @@ the drafter's next context features.
 """
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
+import importlib
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -41,7 +35,6 @@ import torch
 SCORE_SCALE = 2.0 ** 32    # fixed-point step of a log-probability: 2^-32 nats
 SCORE_FLOOR = -2.0 ** 20   # lower clamp (-inf included), so that sums over many depths fit int64
 BACKENDS = ("auto", "compiled", "tensor")
-COMPILE_FLAGS = ("-O2", "-shared", "-fPIC")
 
 
 @dataclass
@@ -142,57 +135,25 @@ def compiled_backend_available() -> bool:
 
 @functools.cache
 def _compiled_heap():
-    """`ddtree_best_first` from tree_heap.c through ctypes, or None (with a warning) when it cannot
-    be built or loaded."""
-    source = Path(__file__).with_name("tree_heap.c")
+    """`ddtree_best_first` from the built extension through ctypes, or None (with a warning) when the
+    package was installed without it (no C compiler at `pip install` time) or run from a bare checkout."""
     try:
-        compiler = _find_compiler()
-        library = _library_path(source, compiler, COMPILE_FLAGS)
-        if not library.exists():
-            _compile(source, library, compiler, COMPILE_FLAGS)
-        function = ctypes.CDLL(str(library)).ddtree_best_first
-    except (OSError, RuntimeError) as error:
-        warnings.warn(f"DDTree trees on the CPU use the tensor backend: {error}")
+        extension = importlib.import_module("drafter.tree._tree_heap")
+        function = ctypes.CDLL(extension.__file__).ddtree_best_first
+    except (ImportError, OSError) as error:
+        warnings.warn(f"DDTree trees on the CPU use the tensor backend: the compiled heap is not built "
+                      f"({error}; `pip install -e .` builds it)")
         return None
     function.restype = ctypes.c_int64
     function.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 3
     return function
 
 
-def _find_compiler() -> str:
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        raise RuntimeError(f"no C compiler found ({os.environ.get('CC', 'cc')!r}; set CC)")
-    return compiler
-
-
-def _library_path(source: Path, compiler: str, flags: tuple[str, ...]) -> Path:
-    """Where the built library is cached: a name keyed by everything the binary depends on, so that
-    a home directory shared by machines of different architectures, or a compiler upgrade, never
-    loads a stale or foreign binary."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = "\0".join([source.read_text(), platform.system(), platform.machine(), compiler, version,
-                     *flags])
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    cache_dir = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "drafter"
-    return cache_dir / f"tree_heap-{platform.machine()}-{digest}.so"
-
-
-def _compile(source: Path, library: Path, compiler: str, flags: tuple[str, ...]) -> None:
-    library.parent.mkdir(parents=True, exist_ok=True)
-    partial = library.with_name(f"{library.name}.{os.getpid()}.tmp")  # ranks may race: rename last
-    built = subprocess.run([compiler, *flags, "-o", str(partial), str(source)],
-                           capture_output=True, text=True)
-    if built.returncode != 0:
-        raise RuntimeError(f"building {source} with {compiler} failed:\n{built.stderr}")
-    os.replace(partial, library)
-
-
 def _best_first_compiled(scores: torch.Tensor, budget: int):
     """The C heap; tensors on another device go through the host (a sync, as in the reference)."""
     function = _compiled_heap()
     if function is None:
-        raise RuntimeError("the compiled DDTree backend could not be built (see the warning)")
+        raise RuntimeError("the compiled DDTree backend is not built (see the warning)")
     host_scores = scores.cpu().contiguous()
     batch, depth_limit, k = host_scores.shape
     depths, ranks, parents = (torch.empty((batch, budget), dtype=torch.long) for _ in range(3))

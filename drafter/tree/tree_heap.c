@@ -1,5 +1,6 @@
 /* Best-first DDTree construction (the reference algorithm), compiled for the CPU path of
- * drafter/tree/ddtree.py, which builds and loads this file through ctypes.
+ * drafter/tree/ddtree.py. `pip install` builds it as the extension module drafter.tree._tree_heap
+ * (pyproject.toml's ext-modules); ddtree.py calls ddtree_best_first in it through ctypes.
  *
  * Scores are fixed-point summed log-probabilities (int64), so sums are exact and ties are real.
  * A heap entry is a prefix of top-k ranks (r_1..r_d); it pops before another when its score is
@@ -7,6 +8,8 @@
  * Python's tuple order in the reference's heap. Popping a node pushes its next sibling and its
  * first child; nodes are numbered in pop order, so a parent precedes its children.
  */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -114,3 +117,9 @@ int64_t ddtree_best_first(const int64_t *scores, int64_t batch, int64_t depth_li
     free(paths);
     return count;
 }
+
+/* An importable module with no Python functions: importing it locates the built library. */
+static struct PyModuleDef tree_heap_module = {PyModuleDef_HEAD_INIT, "_tree_heap",
+                                              "ddtree_best_first, called through ctypes", -1, NULL};
+
+PyMODINIT_FUNC PyInit__tree_heap(void) { return PyModule_Create(&tree_heap_module); }
