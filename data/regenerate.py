@@ -41,7 +41,7 @@ the exit status is 130. A second signal stops at once. The work is the library's
 import argparse
 import sys
 
-from drafter.pipeline.regeneration import RegenerateSettings
+from drafter.synthesis.regeneration import RegenerateSettings
 from drafter.errors import UserError, model_path_problem
 from drafter.synthesis.answers import regenerate
 

@@ -15,7 +15,8 @@ import torch
 from transformers import AutoTokenizer
 
 from data import regenerate
-from drafter.pipeline import answer_server, chat, chat_template, regeneration
+from drafter.pipeline import chat, chat_template
+from drafter.synthesis import answer_server, regeneration
 from drafter.synthesis.answers import LocalBackend
 from drafter.target_model.model import random_qwen3
 from tests.tiny_tokenizer import save_tiny_tokenizer

@@ -1,16 +1,15 @@
 """The target's answers to chat data: a whole regeneration run (`regenerate`), over a server or a local
 target (`LocalBackend`: batched `model.generate`). The local backend loads the target and renders the
-data's conversations, so this sits above both the target and the data layers; the rest of a
-regeneration is `drafter/pipeline/regeneration.py` and `drafter/pipeline/answer_server.py`.
+data's conversations; the rest of a regeneration is `regeneration.py` and `answer_server.py` beside it.
 """
 import json
 import threading
 from pathlib import Path
 
 from drafter.pipeline import chat, chat_files, chat_template
-from drafter.pipeline.answer_server import ServerBackend, run_server
+from drafter.synthesis.answer_server import ServerBackend, run_server
 from drafter.pipeline.datasets import DataError
-from drafter.pipeline.regeneration import (Recorder, RegenerateSettings, RowFailed, StopOnSignal, check_settings,
+from drafter.synthesis.regeneration import (Recorder, RegenerateSettings, RowFailed, StopOnSignal, check_settings,
                                            completed_ids, load_jobs, report, run_local, side_file, summarize)
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from drafter.pipeline.prepared import PrepareSettings, prepare as prepare_dataset
-from drafter.pipeline.regeneration import RegenerateSettings
+from drafter.synthesis.regeneration import RegenerateSettings
 from drafter.errors import UserError
 from drafter.synthesis.answers import regenerate as regenerate_answers
 

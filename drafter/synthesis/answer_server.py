@@ -16,7 +16,7 @@ import httpx2
 import tenacity
 
 from drafter.pipeline import chat, chat_files
-from drafter.pipeline.regeneration import Job, Recorder, RegenerateSettings, Rewrite, RowFailed, Stopped
+from drafter.synthesis.regeneration import Job, Recorder, RegenerateSettings, Rewrite, RowFailed, Stopped
 
 MAX_BACKOFF = 60.0  # seconds
 

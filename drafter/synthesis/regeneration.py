@@ -6,8 +6,8 @@ every assistant turn is replaced by the target's answer to the history so far; a
 with a user turn gets an answer appended. What is here knows no backend: the conversations to rewrite
 (`load_jobs`, `Rewrite`), the resumable output and its side files (`Recorder`, `completed_ids`,
 `check_settings`), the batched loop a local target runs (`run_local`), the signal handling and the
-summary. The server backend is `answer_server.py`; the local one loads a target, so it sits above the
-data layer (`drafter/synthesis/answers.py`, which also runs the whole regeneration).
+summary. The server backend is `answer_server.py`; the local one is `answers.py`, which also runs the
+whole regeneration.
 """
 import hashlib
 import itertools
