@@ -8,7 +8,7 @@ sit above this schema: `load_yaml_config` takes them as `choices`, and drafter/t
 `load_config` reads them from the registries and passes them in.
 """
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Optional
 
@@ -20,22 +20,56 @@ from drafter.errors import ConfigError
 
 __all__ = ["Config", "ConfigError", "DrafterVariant", "ObjectiveConfig", "load_yaml_config"]
 LAYER_TYPES = ("full_attention", "sliding_attention")
+DTYPE_ALIASES = {"auto": "auto", "bf16": "bf16", "bfloat16": "bf16", "fp32": "fp32", "float32": "fp32"}
+
+
+def out_of_range(section: str, values, positive=(), positive_or_null=(), non_negative=(), fractions=(),
+                 finite=()) -> list[str]:
+    """Each named field of `values` outside its range, named `section.field` (NaN is out of every range)."""
+    problems = []
+    for name in positive + positive_or_null:
+        value = getattr(values, name)
+        if (value is not None or name in positive) and not (value is not None and value > 0):
+            problems.append(f"{section}.{name}={value!r} must be > 0" + (" (or null)" if name in positive_or_null else ""))
+    problems += [f"{section}.{name}={getattr(values, name)!r} must be >= 0"
+                 for name in non_negative if not getattr(values, name) >= 0]
+    problems += [f"{section}.{name}={getattr(values, name)!r} must be in [0, 1]"
+                 for name in fractions if not 0 <= getattr(values, name) <= 1]
+    problems += [f"{section}.{name}=inf must be finite ({why})" for name, why in finite if getattr(values, name) == math.inf]
+    return problems
+
+
+class Section:
+    """A config section: `problems()` lists what its values get wrong that OmegaConf's types cannot
+    see, each naming its key, cross-key checks included (beside the keys they guard)."""
+
+    def problems(self) -> list[str]:
+        return []
 
 
 @dataclass
-class RunConfig:
+class RunConfig(Section):
     name: Optional[str] = None     # default: config name + what distinguishes runs, e.g. v3-g10-b95
     out_dir: Optional[str] = None  # default: runs/<config name>
     seed: int = 0
 
+    def problems(self) -> list[str]:
+        return out_of_range("run", self, non_negative=("seed",))
+
 
 @dataclass
-class TargetConfig:
+class TargetConfig(Section):
     path: Optional[str] = None     # HF hub id or local dir; null -> a random Qwen3 of `random` shape
     random: Optional[dict] = None  # drafter.target_model.model.random_qwen3 kwargs (tests, GPU check)
     dtype: str = "auto"            # auto: bf16 on GPU; on a CPU bf16 only where a probe measures it faster
     tp_size: int = 1               # ranks sharing one tensor-parallel copy (consecutive, within a node)
     chat_template_kwargs: dict = field(default_factory=lambda: {"enable_thinking": False})
+
+    def problems(self) -> list[str]:
+        problems = out_of_range("target", self, positive=("tp_size",))
+        if self.dtype not in DTYPE_ALIASES:
+            problems.append(f"target.dtype={self.dtype!r} is not one of auto, bf16 (bfloat16), fp32 (float32)")
+        return problems
 
 
 @dataclass
@@ -60,7 +94,7 @@ class DrafterVariant:
     selector_rank: int = 256                  # dflash2: rank of the selector's pair score
     selector_top_k: int = 16                  # dflash2: candidates the selector re-ranks per slot
 
-    def problems(self, num_layers: int) -> list[str]:
+    def variant_problems(self, num_layers: int) -> list[str]:
         """What is wrong with this variant for a drafter of `num_layers` layers, each naming its key."""
         problems = []
         types = self.layer_types
@@ -94,7 +128,7 @@ class DrafterVariant:
 
 
 @dataclass
-class DrafterConfig(DrafterVariant):
+class DrafterConfig(DrafterVariant, Section):
     """The `drafter` section: the sizes, and (inherited) the variant."""
     num_layers: int = 5
     block_size: int = 16
@@ -106,9 +140,20 @@ class DrafterConfig(DrafterVariant):
     draft_vocab_size: Optional[int] = None        # K: the LM head cut to the K commonest answer tokens
                                                   # (drafter/models/draft_vocab.py); null: the target's whole head
 
+    def problems(self) -> list[str]:
+        problems = out_of_range("drafter", self, positive=("num_layers",))
+        if self.block_size < 2:
+            problems.append(f"drafter.block_size={self.block_size} must be >= 2 (an anchor and a draft)")
+        if self.mask_token_id is not None and self.mask_token_id < 0:
+            problems.append(f"drafter.mask_token_id={self.mask_token_id} must be >= 0 (or null)")
+        ids = self.target_layer_ids
+        if ids is not None and (not ids or min(ids) < 0 or len(set(ids)) != len(ids)):
+            problems.append(f"drafter.target_layer_ids={list(ids)} must be distinct layer indices >= 0 (or null)")
+        return problems + [f"drafter.{problem}" for problem in self.variant_problems(self.num_layers)]
+
 
 @dataclass
-class ObjectiveConfig:
+class ObjectiveConfig(Section):
     """The `objective` section, which is also what the training step reads (drafter/training/objective.py):
     the loss's parts are the registered components of drafter/losses/."""
     num_anchors: int = 512           # per sequence
@@ -135,9 +180,28 @@ class ObjectiveConfig:
     chunk_bytes: int = 256 * 2**20  # fp32 logits alive at once in the chunked LM-head loss (memory only)
     feature_calibration: str = "none"  # none | zeros | oracle: diagnostics (drafter/target_model/calibration.py)
 
+    def problems(self) -> list[str]:
+        problems = out_of_range(
+            "objective", self, positive=("num_anchors", "ddtree_budget", "chunk_bytes", "tree_temperature"),
+            positive_or_null=("anchors_per_batch", "gamma"),
+            non_negative=("ddtree_blocks", "selector_alpha", "block_ce_weight"),
+            fractions=("weight_smoothing", "tv_ce_weight"),
+            finite=(("selector_alpha", "a loss term's weight"), ("block_ce_weight", "a loss term's weight"),
+                    ("tree_temperature", "at inf the expected_tree surrogate is flat: no gradient, and NaN "
+                                         "where the whole tree fits the budget")))
+        if self.loss == "kl" and self.labels != "target":
+            problems.append("objective.loss=kl needs objective.labels=target (KL to the data's one-hot labels is CE)")
+        if self.loss == "tv" and self.labels != "target":
+            problems.append("objective.loss=tv needs objective.labels=target (total variation to the target's "
+                            f"distribution; got objective.labels={self.labels})")
+        if self.loss.startswith("expected_") and self.position_weights != "exp":
+            problems.append(f"objective.loss={self.loss} weighs the slots by itself: objective.position_weights "
+                            f"must stay exp (got {self.position_weights})")
+        return problems
+
 
 @dataclass
-class OptimConfig:
+class OptimConfig(Section):
     name: str = "adamw"            # adamw | muon: Muon on the 2-D weight matrices, AdamW on the rest
     lr: float = 6e-4               # AdamW's (all parameters with adamw; the non-matrices with muon)
     muon_lr: float = 0.02          # Muon's, scaled per matrix by sqrt(max(1, rows / cols)) (Muon's own rule)
@@ -150,18 +214,30 @@ class OptimConfig:
     grad_clip: float = 1.0
     grad_accum: int = 1
 
+    def problems(self) -> list[str]:
+        problems = out_of_range("optim", self, positive=("lr", "muon_lr", "eps", "grad_accum"),
+                                non_negative=("weight_decay", "grad_clip"), fractions=("warmup_ratio", "min_lr_ratio"))
+        if not 0 <= self.muon_momentum < 1:
+            problems.append(f"optim.muon_momentum={self.muon_momentum!r} must be in [0, 1)")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            problems.append(f"optim.betas={list(self.betas)} must be two values in [0, 1)")
+        return problems
+
 
 @dataclass
-class NoiseConfig:
+class NoiseConfig(Section):
     """Gaussian noise on the target features, std relative to each layer's per-token RMS; the std goes
     start -> end linearly over warmup_steps."""
     start: float = 0.0
     end: float = 0.0
     warmup_steps: int = 0
 
+    def problems(self) -> list[str]:
+        return out_of_range("noise", self, non_negative=("start", "end", "warmup_steps"))
+
 
 @dataclass
-class DataConfig:
+class DataConfig(Section):
     path: str = MISSING
     eval_path: Optional[str] = None
     eval_fraction: float = 0.01
@@ -179,9 +255,21 @@ class DataConfig:
     features_cache: bool = False     # with features_missing=generate: the rows computed are appended to data.features
     features_dtype: Optional[str] = None  # the stores' dtype: fp32 | bf16 | fp8; null: the training dtype's
 
+    def problems(self) -> list[str]:
+        problems = out_of_range("data", self, positive=("max_length", "num_buckets", "tokens_per_batch", "max_run",
+                                                        "prefetch_factor"), non_negative=("num_workers", "seed"))
+        if not 0 <= self.eval_fraction < 1:
+            problems.append(f"data.eval_fraction={self.eval_fraction!r} must be in [0, 1)")
+        bounds = self.bucket_boundaries
+        if bounds is not None and (not bounds or bounds[0] < 1 or any(b <= a for a, b in zip(bounds, bounds[1:]))):
+            problems.append(f"data.bucket_boundaries={list(bounds)} must be increasing positive lengths (or null)")
+        if bounds and bounds[-1] > self.max_length:
+            problems.append(f"data.bucket_boundaries ends at {bounds[-1]} > data.max_length={self.max_length}")
+        return problems
+
 
 @dataclass
-class TrainConfig:
+class TrainConfig(Section):
     epochs: int = 6
     max_steps: Optional[int] = None  # stop early; otherwise run all epochs
     schedule_steps: Optional[int] = None  # lr schedule length; null: the run's length when it started
@@ -206,16 +294,28 @@ class TrainConfig:
     generate_max_new_tokens: int = 256
     generate_max_seconds: float = 60.0  # per rank and generation: no prompt starts after it
 
+    def problems(self) -> list[str]:
+        problems = out_of_range(
+            "train", self, positive=("epochs", "log_every", "save_every", "eval_every", "eval_batches", "keep_last",
+                                     "max_bad_steps", "generate_max_prompts", "generate_max_new_tokens",
+                                     "dist_timeout_minutes", "generate_max_seconds"),
+            positive_or_null=("max_steps", "schedule_steps", "threads_per_rank"), non_negative=("generate_every",))
+        if not self.tau_budgets or min(self.tau_budgets) < 1:
+            problems.append(f"train.tau_budgets={list(self.tau_budgets)} must be tree budgets >= 1")
+        if not isinstance(self.resume, str) or not self.resume:
+            problems.append("train.resume must be auto, never, force or a checkpoint directory")
+        return problems
+
 
 @dataclass
-class FSDPConfig:
+class FSDPConfig(Section):
     """Per-cluster knobs of train.engine=fsdp (torch FSDP2, `fully_shard` per decoder layer)."""
     reshard_after_forward: bool = True  # free gathered weights after forward (re-gathered in backward)
     cpu_offload: bool = False           # parameters, gradients and optimizer state on the CPU (CUDA only)
 
 
 @dataclass
-class WandbConfig:
+class WandbConfig(Section):
     enabled: bool = True
     project: str = "dflash-ddtree"
     entity: Optional[str] = None
@@ -285,89 +385,18 @@ def load_yaml_config(path: str, overrides: list[str], choices: dict[str, tuple])
     return cfg
 
 
-DTYPE_ALIASES = {"auto": "auto", "bf16": "bf16", "bfloat16": "bf16", "fp32": "fp32", "float32": "fp32"}
-POSITIVE = ("target.tp_size", "drafter.num_layers", "objective.num_anchors", "objective.ddtree_budget",
-            "objective.chunk_bytes", "optim.grad_accum",
-            "data.max_length", "data.num_buckets", "data.tokens_per_batch", "data.max_run",
-            "data.prefetch_factor", "train.epochs", "train.log_every", "train.save_every",
-            "train.eval_every", "train.eval_batches", "train.keep_last", "train.max_bad_steps",
-            "train.generate_max_prompts", "train.generate_max_new_tokens")
-POSITIVE_OR_NULL = ("objective.anchors_per_batch", "objective.gamma", "train.max_steps", "train.schedule_steps",
-                    "train.threads_per_rank")
-NON_NEGATIVE = ("run.seed", "objective.ddtree_blocks", "objective.selector_alpha", "objective.block_ce_weight",
-                "optim.weight_decay", "optim.grad_clip", "train.generate_every",
-                "noise.start", "noise.end", "noise.warmup_steps", "data.num_workers", "data.seed")
-FRACTIONS = ("optim.warmup_ratio", "optim.min_lr_ratio", "objective.weight_smoothing",
-             "objective.tv_ce_weight")  # in [0, 1]
-
-
 def validate(cfg, choices: dict[str, tuple]) -> list[str]:
-    """Every value problem OmegaConf's types cannot see, each naming its key (empty: all good); a key
-    of `choices` must hold one of its values. Normalises target.dtype aliases (bfloat16 -> bf16,
-    float32 -> fp32) in place."""
-    problems = []
-    get = lambda key: OmegaConf.select(cfg, key)  # noqa: E731
-    dtype = DTYPE_ALIASES.get(cfg.target.dtype)
-    if dtype is None:
-        problems.append(f"target.dtype={cfg.target.dtype!r} is not one of auto, bf16 (bfloat16), fp32 (float32)")
-    else:
-        cfg.target.dtype = dtype
+    """Every value problem OmegaConf's types cannot see, each naming its key (empty: all good): each
+    section's own `problems()`, and a key of `choices` must hold one of its values. Normalises
+    target.dtype aliases (bfloat16 -> bf16, float32 -> fp32) in place."""
+    sections = OmegaConf.to_object(cfg)
+    problems = [problem for f in fields(sections) for problem in getattr(sections, f.name).problems()]
     for key, allowed in choices.items():
-        if get(key) not in allowed:
+        if OmegaConf.select(cfg, key) not in allowed:
             names = ", ".join("null" if c is None else c for c in allowed)
-            problems.append(f"{key}={get(key)!r} is not one of {names}")
-    for key in POSITIVE + POSITIVE_OR_NULL:
-        value = get(key)
-        if (value is not None or key in POSITIVE) and not (value is not None and value > 0):
-            problems.append(f"{key}={value!r} must be > 0" + (" (or null)" if key in POSITIVE_OR_NULL else ""))
-    for key in NON_NEGATIVE:
-        if not get(key) >= 0:  # NaN too
-            problems.append(f"{key}={get(key)!r} must be >= 0")
-    for key in ("objective.selector_alpha", "objective.block_ce_weight"):
-        if get(key) == math.inf:
-            problems.append(f"{key}=inf must be finite (a loss term's weight)")
-    for key in FRACTIONS:
-        if not 0 <= get(key) <= 1:
-            problems.append(f"{key}={get(key)!r} must be in [0, 1]")
-    if cfg.objective.loss == "kl" and cfg.objective.labels != "target":
-        problems.append("objective.loss=kl needs objective.labels=target (KL to the data's one-hot labels is CE)")
-    if cfg.objective.loss == "tv" and cfg.objective.labels != "target":
-        problems.append("objective.loss=tv needs objective.labels=target (total variation to the target's "
-                        f"distribution; got objective.labels={cfg.objective.labels})")
-    if cfg.objective.loss.startswith("expected_") and cfg.objective.position_weights != "exp":
-        problems.append(f"objective.loss={cfg.objective.loss} weighs the slots by itself: objective.position_weights "
-                        f"must stay exp (got {cfg.objective.position_weights})")
-    if not 0 <= cfg.data.eval_fraction < 1:
-        problems.append(f"data.eval_fraction={cfg.data.eval_fraction!r} must be in [0, 1)")
-    if not 0 <= cfg.optim.muon_momentum < 1:
-        problems.append(f"optim.muon_momentum={cfg.optim.muon_momentum!r} must be in [0, 1)")
-    for key in ("optim.lr", "optim.muon_lr", "optim.eps", "objective.tree_temperature", "train.dist_timeout_minutes",
-                "train.generate_max_seconds"):
-        if not get(key) > 0:
-            problems.append(f"{key}={get(key)!r} must be > 0")
-    if cfg.objective.tree_temperature == math.inf:
-        problems.append(f"objective.tree_temperature={cfg.objective.tree_temperature!r} must be finite (at inf the "
-                        "expected_tree surrogate is flat: no gradient, and NaN where the whole tree fits the budget)")
-    betas = list(cfg.optim.betas)
-    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
-        problems.append(f"optim.betas={betas} must be two values in [0, 1)")
-    if cfg.drafter.block_size < 2:
-        problems.append(f"drafter.block_size={cfg.drafter.block_size} must be >= 2 (an anchor and a draft)")
-    if cfg.drafter.mask_token_id is not None and cfg.drafter.mask_token_id < 0:
-        problems.append(f"drafter.mask_token_id={cfg.drafter.mask_token_id} must be >= 0 (or null)")
-    layer_ids = cfg.drafter.target_layer_ids
-    if layer_ids is not None and (not layer_ids or min(layer_ids) < 0 or len(set(layer_ids)) != len(layer_ids)):
-        problems.append(f"drafter.target_layer_ids={list(layer_ids)} must be distinct layer indices >= 0 (or null)")
-    problems += [f"drafter.{problem}" for problem in OmegaConf.to_object(cfg.drafter).problems(cfg.drafter.num_layers)]
-    if not cfg.train.tau_budgets or min(cfg.train.tau_budgets) < 1:
-        problems.append(f"train.tau_budgets={list(cfg.train.tau_budgets)} must be tree budgets >= 1")
-    bounds = cfg.data.bucket_boundaries
-    if bounds is not None and (not bounds or bounds[0] < 1 or any(b <= a for a, b in zip(bounds, bounds[1:]))):
-        problems.append(f"data.bucket_boundaries={list(bounds)} must be increasing positive lengths (or null)")
-    if bounds is not None and bounds and bounds[-1] > cfg.data.max_length:
-        problems.append(f"data.bucket_boundaries ends at {bounds[-1]} > data.max_length={cfg.data.max_length}")
-    if not isinstance(cfg.train.resume, str) or not cfg.train.resume:
-        problems.append("train.resume must be auto, never, force or a checkpoint directory")
+            problems.append(f"{key}={OmegaConf.select(cfg, key)!r} is not one of {names}")
+    if cfg.target.dtype in DTYPE_ALIASES:
+        cfg.target.dtype = DTYPE_ALIASES[cfg.target.dtype]
     return problems
 
 

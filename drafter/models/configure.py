@@ -115,7 +115,7 @@ def drafter_config(target_config, *, num_layers: int, block_size: int, mask_toke
         target_layer_ids = default_target_layer_ids(num_target_layers, num_layers)
     target_layer_ids = [int(i) for i in target_layer_ids]
     widths = drafter_widths(text_config)
-    problems = variant.problems(num_layers)
+    problems = variant.variant_problems(num_layers)
     arch = ARCHITECTURES.get(variant.arch)
     if arch is None:
         problems.append(f"arch={variant.arch!r} is not one of {', '.join(ARCHITECTURES)}")
