@@ -43,7 +43,7 @@ from drafter.target_model.calibration import calibrated_features
 from drafter.training.attention_check import ATTENTION_TOLERANCE, attention_verdict, compare_with_dense, worst_over_ranks
 from drafter.training.checkpoint import TrainerState, load_checkpoint, save_checkpoint
 from drafter.training.objective import training_step
-from drafter.training.run_config import config_and_world
+from drafter.training.run_config import Launch, config_and_world
 from drafter.training.run_setup import RunParts, build_run, decide_resume, load_run_data
 from drafter.training.schedules import lr_factor, noise_std
 from drafter.training.tracking import RunLogger, Window, bucket_summary, console_line, eval_line
@@ -63,29 +63,30 @@ def main(argv=None):
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed
     parser.add_argument("overrides", nargs="*", help="key.sub=value")
     args = parser.parse_args(argv)
-    cfg, rank, world_size, device = config_and_world(args.cfg, args.overrides)
+    launch = config_and_world(args.cfg, args.overrides)
     try:
-        with hold_run_directory(cfg.run.out_dir) as lock:  # one live run per run.out_dir, until this exits
+        with hold_run_directory(launch.cfg.run.out_dir) as lock:  # one live run per run.out_dir, until this exits
             if lock.note:
                 print(lock.note, file=sys.stderr, flush=True)
-            return train(cfg, rank, world_size, device)
+            return train(launch)
     except UserError as error:  # raised on every rank: say it once (or per rank when it differs)
-        if rank == 0 or getattr(error, "per_rank", False):
+        if launch.rank == 0 or getattr(error, "per_rank", False):
             print(f"error: {error}", file=sys.stderr, flush=True)
         return 2
     finally:
         dist.destroy_process_group()
-        if device.type == "cpu":
-            remove_cpu_allreduce_buffer(rank)
+        if launch.device.type == "cpu":
+            remove_cpu_allreduce_buffer(launch.rank)
 
 
-def train(cfg, rank, world_size, device) -> int:
-    if device.type == "cpu":
-        set_cpu_threads(cfg.train.threads_per_rank, world_size)
+def train(launch: Launch) -> int:
+    cfg, rank = launch.cfg, launch.rank
+    if launch.device.type == "cpu":
+        set_cpu_threads(cfg.train.threads_per_rank, launch.world_size)
     stop = StopRequest()
-    data, model_config, ds_config = load_run_data(cfg, rank, world_size, device)
+    data, model_config, ds_config = load_run_data(launch)
     resume_from, saved, notes = decide_resume(cfg, rank, data.identity, data.position)  # before any model loads
-    run = build_run(cfg, rank, world_size, device, data, model_config, ds_config)
+    run = build_run(launch, data, model_config, ds_config)
     state = TrainerState(schedule_steps=cfg.train.schedule_steps or data.total_steps, identity=data.identity,
                          data_position=data.position)
     if resume_from is not None:

@@ -48,7 +48,7 @@ from drafter.losses.lm_head import chunk_rows_for, logit_softcap, target_next_to
 from drafter.models.configure import drafter_config
 from drafter.target_model.model import compute_dtype, input_embedding_scale, load_target, random_qwen3
 from drafter.target_model.tensor_parallel import TargetFeatures, feature_code_version, form_tp_group
-from drafter.training.run_config import config_and_world
+from drafter.training.run_config import Launch, config_and_world
 
 SHARD_BYTES = 2 * 2**30  # about this much of features per shard
 def main(argv=None) -> int:
@@ -71,7 +71,8 @@ def main(argv=None) -> int:
     overrides = [f"data.path={args.data}", *args.overrides]
     if args.layers:
         overrides.append(f"drafter.target_layer_ids=[{','.join(map(str, args.layers))}]")
-    cfg, rank, world_size, device = config_and_world(args.cfg, overrides)
+    launch = config_and_world(args.cfg, overrides)
+    cfg = launch.cfg
     try:
         if cfg.target.tp_size > 1:
             raise FeatureStoreError(f"target.tp_size={cfg.target.tp_size}: the dump runs the whole target on each "
@@ -79,10 +80,10 @@ def main(argv=None) -> int:
                                     "training at any tp size)")
         check_out_dir(Path(args.out))
         with hold_run_directory(args.out):
-            dump(cfg, args, rank, world_size, device)
+            dump(launch, args)
         return 0
     except UserError as error:  # a config, data, launch, target or directory the user chose
-        if rank == 0 or getattr(error, "per_rank", False):
+        if launch.rank == 0 or getattr(error, "per_rank", False):
             print(f"error: {error}", file=sys.stderr, flush=True)
         return 2
     finally:
@@ -124,7 +125,8 @@ def shard_plan(lengths: np.ndarray, included: np.ndarray, bytes_per_token: int, 
     return [(first, min(shard_rows, len(lengths) - first)) for first in range(0, len(lengths), shard_rows)]
 
 
-def dump(cfg, args, rank, world_size, device):
+def dump(launch: Launch, args):
+    cfg, rank, world_size, device = launch.cfg, launch.rank, launch.world_size, launch.device
     out = Path(args.out)
     if device.type == "cpu":
         set_cpu_threads(cfg.train.threads_per_rank, world_size)

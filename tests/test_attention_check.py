@@ -105,9 +105,10 @@ def check_in_a_run(rank: int, cfg_path: str, out: str, scale: float, setting: st
     torch.set_num_threads(1)
     layers.flex_attention = stand_in_flex(scale, backward_only=False)
     train.CHECK_TOKENS = 40  # the rows are 24-99 tokens: most are cut to their last 40
-    cfg, rank, world_size, device = config_and_world(cfg_path, ["train.engine=fsdp"])
-    data, model_config, ds_config = load_run_data(cfg, rank, world_size, device)
-    run = replace(build_run(cfg, rank, world_size, device, data, model_config, ds_config), attention="flex")
+    launch = config_and_world(cfg_path, ["train.engine=fsdp"])
+    data, model_config, ds_config = load_run_data(launch)
+    run = replace(build_run(launch, data, model_config, ds_config), attention="flex")
+    cfg = launch.cfg
     cfg.objective.attention = setting  # the CPU refuses flex at load_run_data; the verdict reads the setting
     log = RunLogger(cfg, is_main=True)
     try:

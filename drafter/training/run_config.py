@@ -5,7 +5,9 @@ registers an architecture, is accepted).
     cfg = load_config("configs/v3.yaml", ["optim.lr=3e-4", "train.max_steps=100"])
 """
 import sys
+from dataclasses import dataclass
 
+import torch
 from omegaconf import DictConfig
 
 from drafter.config import load_yaml_config
@@ -52,14 +54,23 @@ def load_config(path: str, overrides: list[str] = ()) -> DictConfig:
     return cfg
 
 
-def config_and_world(path: str, overrides: list[str] = ()):
-    """(cfg, rank, world size, device) for an entry point that trains or runs the target: the config,
-    then the world its launcher formed. A config or a launch that cannot work exits with one line."""
+@dataclass(frozen=True)
+class Launch:
+    """The config and this process's place in the world its launcher formed: what every start-up step reads."""
+    cfg: DictConfig
+    rank: int
+    world_size: int
+    device: torch.device
+
+
+def config_and_world(path: str, overrides: list[str] = ()) -> Launch:
+    """The Launch of an entry point that trains or runs the target: the config, then the world its
+    launcher formed. A config or a launch that cannot work exits with one line."""
     try:
         cfg = load_config(path, overrides)
     except (ConfigError, FileNotFoundError) as error:
         sys.exit(f"config error: {error}")
     try:
-        return (cfg, *init_distributed(cfg.train.dist_timeout_minutes))
+        return Launch(cfg, *init_distributed(cfg.train.dist_timeout_minutes))
     except LaunchError as error:
         sys.exit(f"launch error: {error}")

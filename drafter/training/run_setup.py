@@ -38,6 +38,7 @@ from drafter.target_model.tensor_parallel import (TargetFeatures, check_tensor_p
                                                   form_tp_group, load_tp_target, shard_target)
 from drafter.training.checkpoint import (agree_on_checkpoint, check_resumable, remove_partial_saves, run_identity,
                                          set_aside_previous_run)
+from drafter.training.run_config import Launch
 from drafter.training.memory_plan import check_fits, plan_inputs, plan_memory, target_model_config
 from drafter.training.tracking import TrainedOn
 
@@ -86,9 +87,10 @@ class RunParts:
                              chunk_bytes=self.objective.chunk_bytes)
 
 
-def load_run_data(cfg, rank, world_size, device):
+def load_run_data(launch: Launch):
     """(RunData, the target's model config, the engine's settings): everything checked before a model
     loads, so that a bad config, launch or dataset fails in seconds."""
+    cfg, rank, world_size, device = launch.cfg, launch.rank, launch.world_size, launch.device
     if device.type == "cpu" and attention_kernel(cfg.objective.attention, device) != "dense":
         raise ConfigError(f"objective.attention={cfg.objective.attention}: flex_attention has no backward on "
                           "the CPU in this torch; train with dense there (auto)")
@@ -175,11 +177,11 @@ def decide_resume(cfg, rank, identity, position):
     return resume_from, saved, notes
 
 
-# over six: the start-up's parts, before RunParts exists to carry them
-def build_run(cfg, rank, world_size, device, data: RunData, model_config, ds_config) -> RunParts:
+def build_run(launch: Launch, data: RunData, model_config, ds_config) -> RunParts:
     """The memory plan, then the target, the drafter and its engine, and what generation needs."""
+    cfg, rank, device = launch.cfg, launch.rank, launch.device
     dtype = compute_dtype(cfg.target.dtype, device)
-    plan = check_memory_plan(cfg, model_config, world_size, device, dtype, ds_config, rank)
+    plan = check_memory_plan(launch, model_config, dtype, ds_config)
     tp_group = form_tp_group(cfg.target.tp_size)
     stores = {key: FeatureStore(OmegaConf.select(cfg, key)) for key in ("data.features", "data.eval_features")
               if OmegaConf.select(cfg, key)}
@@ -203,20 +205,20 @@ def build_run(cfg, rank, world_size, device, data: RunData, model_config, ds_con
     attention = attention_kernel(cfg.objective.attention, device)
     objective = OmegaConf.to_object(cfg.objective)
     engine = build_engine(cfg, drafter, device, dtype, ds_config)
-    target_features = run_features(cfg, target, tp_group, device, dtype, list(stores.values()), drafter)
-    return RunParts(cfg, rank, world_size, device, dtype, data, target, target_features, engine, objective,
+    target_features = run_features(launch, target, tp_group, dtype, list(stores.values()), drafter)
+    return RunParts(cfg, rank, launch.world_size, device, dtype, data, target, target_features, engine, objective,
                     attention, generate_prompts, stops, TrainedOn())
 
 
-# over six: the start-up's parts, before RunParts exists to carry them
-def run_features(cfg, target, tp_group, device, dtype, stores, drafter):
+def run_features(launch: Launch, target, tp_group, dtype, stores, drafter):
     """What the steps read their features (and the target's labels) from: the target's forward, or the
     stores, with the target computing the rows they lack (data.features_missing=generate) and those rows
     appended to the first store (data.features_cache)."""
+    cfg = launch.cfg
     cache = StoreCache(stores[0]) if cfg.data.features_cache else None
     # the target's labels are computed where the objective reads them, or the store a row is appended to holds them
     final_hidden = cfg.objective.labels == "target" or (cache is not None and stores[0].target_labels != "none")
-    online = TargetFeatures(target, tp_group, device, final_hidden=final_hidden)
+    online = TargetFeatures(target, tp_group, launch.device, final_hidden=final_hidden)
     if not stores:
         return online
     needed = labels_needed(cfg.objective, drafter.draft_vocab is not None)
@@ -229,15 +231,15 @@ def run_features(cfg, target, tp_group, device, dtype, stores, drafter):
     return StoreFeatures(stores, dtype, labels, generate, next_tokens, cache)
 
 
-# over six: the start-up's parts, before RunParts exists to carry them
-def check_memory_plan(cfg, model_config, world_size, device, dtype, ds_config, rank):
+def check_memory_plan(launch: Launch, model_config, dtype, ds_config):
     """Printed before any weights load; on a GPU, a plan that cannot fit the device stops the run."""
-    plan = plan_memory(plan_inputs(cfg, model_config, world_size, ds_config, dtype.itemsize, device.type))
+    device = launch.device
+    plan = plan_memory(plan_inputs(launch.cfg, model_config, launch.world_size, ds_config, dtype.itemsize, device.type))
     gpu_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-    if rank == 0:
+    if launch.rank == 0:
         print("\n".join(plan.lines(gpu_bytes)), flush=True)
     if gpu_bytes:
-        check_fits(plan, gpu_bytes, local_world_size(world_size))
+        check_fits(plan, gpu_bytes, local_world_size(launch.world_size))
     return plan
 
 
