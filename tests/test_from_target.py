@@ -38,6 +38,17 @@ def test_copied_layers_hold_the_target_layers_weights_and_the_rest_is_untouched(
     assert "copied" in line and "self_attn.q_proj.weight" in line
 
 
+def test_a_bf16_target_starts_an_fp32_drafter():
+    """As on a GPU: the frozen target in bf16, the drafter's master weights in fp32. The copy is exact and
+    the same-function check compares like with like, not bf16 rounding against fp32."""
+    target, drafter = target_and_drafter()
+    target = target.to(torch.bfloat16)
+    start_layers_from_target(drafter, target, [2, 3])
+    assert drafter.layers[0].self_attn.q_proj.weight.dtype == torch.float32
+    assert torch.equal(drafter.layers[0].self_attn.q_proj.weight,
+                       decoder_layers(target)[2].self_attn.q_proj.weight.float())
+
+
 def test_the_first_layer_reads_its_target_layers_context_keys_and_values():
     """Target layer 2 reads layer 1's output; with layers_from_target starting at 2 and feature
     layer 1 first, the drafter's fc + hidden_norm + k/v projections give layer 2's own k and v."""

@@ -64,6 +64,22 @@ def test_the_watched_chain_climbs_above_a_wrapped_launcher():
         wrapper.wait()
 
 
+def test_a_launcher_whose_proc_entry_is_hidden_is_not_taken_for_dead():
+    """/proc mounted with hidepid shows no stat of another user's process (srun's step daemon runs as
+    root): the rank must keep running under it, and still exit when its parent really is gone."""
+    code = ("import os, time, drafter.infra.launcher_watch as w\n"
+            "hidden = os.getppid()\n"
+            "real = w.start_time\n"
+            "w.start_time = lambda pid: None if pid == hidden else real(pid)\n"
+            "print('watching', w.exit_with_launcher(), flush=True)\n"
+            "time.sleep(1.5)\n"
+            "print('alive', flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).parents[1])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["watching []", "alive"]
+
+
 def kill_all(pids: list[int]):
     for pid in pids:
         try:

@@ -534,6 +534,17 @@ def test_slurm_variables_make_the_world():
         slurm_environment({k: v for k, v in env.items() if k != "SLURM_LOCALID"})
 
 
+def test_ranks_per_node_from_each_launcher(monkeypatch):
+    from drafter.infra.launch import local_world_size
+    for key in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    assert local_world_size(16) == 16                # no launcher said: one node
+    monkeypatch.setenv("LOCAL_SIZE", "8")            # deepspeed --hostfile over 2 nodes
+    assert local_world_size(16) == 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")      # torchrun, srun
+    assert local_world_size(16) == 4
+
+
 @pytest.mark.slow
 def test_a_run_directory_belongs_to_one_run(tmp_path):
     cfg = write_run(tmp_path)

@@ -302,6 +302,8 @@ class DeepSpeedEngine:
         self.description = (f"deepspeed ZeRO-{self.stage}"
                             + (f", optimizer offload to {offload}" if offloaded else "")
                             + f", {deepspeed_optimizer(ds_config, device, muon)}")
+        if device.type == "cuda":  # DeepSpeed takes LOCAL_RANK for the device index: with one GPU per srun
+            os.environ["LOCAL_RANK"] = str(device.index)  # task that is cuda:0, whatever the node-local rank
         deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
         params = _trainable(drafter)
         if muon:  # deepspeed_config refuses an `optimizer` block with it

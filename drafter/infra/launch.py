@@ -121,8 +121,9 @@ def launched_world_size() -> int:
 
 
 def local_world_size(world_size: int) -> int:
-    """The ranks on this node: LOCAL_WORLD_SIZE as the launcher set it, else `world_size` (one node)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    """The ranks on this node: LOCAL_WORLD_SIZE as torchrun and srun (here) set it, LOCAL_SIZE as
+    deepspeed's launcher does, else `world_size` (one node)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or world_size)
 
 
 def set_cpu_threads(threads_per_rank: int | None, world_size: int) -> None:

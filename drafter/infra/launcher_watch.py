@@ -41,6 +41,17 @@ def start_time(pid: int) -> str | None:
     return stat.rsplit(")", 1)[1].split()[19]  # fields after the command name start at field 3
 
 
+def exists(pid: int) -> bool:
+    """Whether there is a process `pid`, whoever owns it and whatever /proc shows of it."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def parent_of(pid: int) -> int | None:
     try:
         return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
@@ -83,6 +94,9 @@ def exit_with_launcher() -> list[int]:
     parent = os.getppid()
     set_parent_death_signal()
     watched = {pid: start_time(pid) for pid in launcher_chain(parent)}
+    # a launcher of another user behind /proc's hidepid (srun's root step daemon) has no readable stat
+    # but exists: it is not watched (the parent stays covered by the death signal and getppid)
+    watched = {pid: started for pid, started in watched.items() if started is not None or not exists(pid)}
     if os.getppid() != parent or None in watched.values():  # died before the guards were up
         _exit_orphaned(parent)
     threading.Thread(target=_watch, args=(parent, watched), name="launcher-watch", daemon=True).start()

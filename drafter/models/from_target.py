@@ -17,6 +17,8 @@ passes the first feature layer through unchanged (the identity on its slice, zer
 first feature layer (target_layer_ids[0] + 1, the default this module suggests), the first drafter
 layer's context keys and values are then exactly that target layer's (up to the drafter's q/k norms).
 """
+import copy
+
 import torch
 from torch import nn
 
@@ -81,9 +83,11 @@ def check_same_function(layer: nn.Module, target_layer: nn.Module, target_id: in
         params = dict(module.named_parameters(recurse=False))
         if not params or not all(f"{name}.{p}" in copied for p in params) or name not in target_modules:
             continue
-        probe = torch.randn(3, params["weight"].shape[-1], generator=torch.Generator().manual_seed(0))
-        probe = probe.to(params["weight"].dtype)
-        if not torch.allclose(module(probe), target_modules[name](probe), rtol=1e-4, atol=1e-5):
+        weight = params["weight"]
+        probe = torch.randn(3, weight.shape[-1], generator=torch.Generator().manual_seed(0)).to(weight)
+        # the target's module where the drafter's lives, in its dtype (a bf16 target on a GPU, an fp32 drafter on the CPU)
+        reference = copy.deepcopy(target_modules[name]).to(device=weight.device, dtype=weight.dtype)
+        if not torch.allclose(module(probe), reference(probe), rtol=1e-4, atol=1e-5):
             raise ConfigError(f"drafter.layers_from_target: target layer {target_id}'s {name} "
                               f"({type(target_modules[name]).__name__}) computes otherwise than the drafter's "
                               f"({type(module).__name__}) with the same weights: this target's layers cannot "
