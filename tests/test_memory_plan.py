@@ -16,7 +16,7 @@ from drafter.models import DFlashDraftModel, drafter_class
 from drafter.models.configure import drafter_config
 from drafter.target_model.model import random_qwen3
 from drafter.infra.memory import GiB, MemoryPlanError, size_text
-from drafter.training.memory_plan import check_fits, plan_inputs, plan_memory, target_model_config
+from drafter.training.memory_plan import check_fits, check_host_fits, plan_inputs, plan_memory, target_model_config
 from drafter.training.run_config import load_config
 from runs import REPO
 
@@ -198,6 +198,10 @@ def test_host_memory_per_node_while_the_target_loads(monkeypatch):
     assert f"  host memory per node loading the target: 4 ranks x {size_text(target_bytes)} = " \
            f"{size_text(4 * target_bytes)}" in host(hub, device="cpu").lines()
     assert host().target_load_host == 4 * 2 * target_bytes  # a random target: fp32
+    loading = host(hub, device="cpu")
+    check_host_fits(loading, loading.target_load_host)  # fits exactly: no error
+    with pytest.raises(MemoryPlanError, match=rf"4 ranks x {re.escape(size_text(target_bytes))} = .* > this node's"):
+        check_host_fits(loading, loading.target_load_host - 1)
 
 
 @pytest.mark.parametrize("run", [["target.tp_size=2"],

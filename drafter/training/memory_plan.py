@@ -176,6 +176,20 @@ def check_fits(plan: MemoryPlan, gpu_bytes: int, node_ranks: int) -> None:
                                  "offload, data.tokens_per_batch or objective.anchors_per_batch alone; combine them")]))
 
 
+def check_host_fits(plan: MemoryPlan, host_bytes: int) -> None:
+    """Raise MemoryPlanError when the node's ranks, each holding the target on the host while it loads,
+    would need more than the node's memory: the kernel's OOM killer would end one rank mid-load and
+    leave the others waiting in their next collective."""
+    if plan.target_load_host <= host_bytes:
+        return
+    raise MemoryPlanError(
+        f"host memory per node loading the target: {plan.inputs.node_ranks} ranks x "
+        f"{size_text(plan.inputs.target_load_host)} = {size_text(plan.target_load_host)} > this node's "
+        f"{size_text(host_bytes)}: every rank reads the whole target on the host (under target.tp_size too, "
+        "before keeping its share); train from a feature store (data.features: only the head loads) or "
+        "start fewer ranks per node")
+
+
 # ---------------------------------------------------------------------------------------------
 # From the configs
 # ---------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@ weights (load_run_data), the resume decision (decide_resume), then the memory pl
 drafter, its engine and what the steps read their features from (build_run), held for the whole run
 in RunParts."""
 import hashlib
+import os
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -39,7 +40,7 @@ from drafter.target_model.tensor_parallel import (TargetFeatures, check_tensor_p
 from drafter.training.checkpoint import (agree_on_checkpoint, check_resumable, remove_partial_saves, run_identity,
                                          set_aside_previous_run)
 from drafter.training.run_config import Launch
-from drafter.training.memory_plan import check_fits, plan_inputs, plan_memory, target_model_config
+from drafter.training.memory_plan import check_fits, check_host_fits, plan_inputs, plan_memory, target_model_config
 from drafter.training.tracking import TrainedOn
 
 
@@ -238,6 +239,7 @@ def check_memory_plan(launch: Launch, model_config, dtype, ds_config):
     gpu_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     if launch.rank == 0:
         print("\n".join(plan.lines(gpu_bytes)), flush=True)
+    check_host_fits(plan, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     if gpu_bytes:
         check_fits(plan, gpu_bytes, local_world_size(launch.world_size))
     return plan
