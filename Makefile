@@ -1,7 +1,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.installed
 
-.PHONY: test test-quick demo demo-real demo-real-long demo-real-recipe bench clean
+.PHONY: test test-quick demo demo-real demo-real-long demo-real-recipe peer-env bench clean
 
 $(STAMP): requirements.txt pyproject.toml
 	python3 -m venv .venv
@@ -23,8 +23,14 @@ bench: $(STAMP)
 	$(PY) bench/sampler.py
 	$(PY) bench/tree_build.py
 
+# The peer baseline's trainer (bench/peer_speculators.py), outside the venv: speculators 0.9.0 and the
+# pure-python packages its __init__ imports (none of them is called; their own deps are not needed)
+peer-env: $(STAMP)
+	.venv/bin/pip install -q --no-deps --target .peer speculators==0.9.0 openai==3.63.0 hs-connectors==0.9.0 \
+		pydantic-settings==2.16.3 python-dotenv==1.2.4 loguru==0.7.3
+
 clean:
-	rm -rf .venv artifacts runs
+	rm -rf .venv .peer artifacts runs
 
 # The toy world end to end on this machine's CPUs: build, train on 2 ranks, evaluate, plot.
 demo: $(STAMP)
