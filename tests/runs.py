@@ -1,5 +1,6 @@
 """Helpers for the tests that run train.py: a tiny prepared dataset and config, and the launchers
-(deepspeed, torchrun, a SLURM-style pair of `srun` tasks, plain python) with two CPU ranks over gloo."""
+(deepspeed, torchrun, a SLURM-style pair of `srun` tasks, plain python) with two CPU ranks over gloo;
+and `gloo_ranks`, a function run on two spawned ranks, for the tests that drive the engines directly."""
 import hashlib
 import json
 import math
@@ -8,9 +9,13 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import datasets
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 import yaml
 
 from bench.preflight_runs import arithmetic_rows, descendants, free_port  # noqa: F401 (the tests' names)
@@ -18,6 +23,25 @@ from bench.preflight_runs import arithmetic_rows, descendants, free_port  # noqa
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 FAULTS = Path(__file__).with_name("train_with_faults.py")
+
+
+def gloo_ranks(body, tmp: Path, world_size: int = 2) -> list[dict]:
+    """`body(rank, tmp) -> report` (a JSON-able dict) on `world_size` spawned processes in one gloo
+    group, one thread each, as a launcher would start them; every rank's report, in rank order."""
+    mp.spawn(_gloo_rank, args=(body, tmp, world_size, free_port()), nprocs=world_size, join=True)
+    return [json.loads((tmp / f"rank{rank}.json").read_text()) for rank in range(world_size)]
+
+
+def _gloo_rank(rank: int, body, tmp: Path, world_size: int, port: int):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+    try:
+        report = body(rank, tmp)
+    finally:
+        dist.destroy_process_group()
+    (tmp / f"rank{rank}.json").write_text(json.dumps(report))
 
 
 TINY_VOCAB = 256

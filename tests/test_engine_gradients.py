@@ -2,16 +2,11 @@
 the first batch, after one optimizer step, and after both engines saved, were rebuilt and loaded (a
 resume). Also: the FSDP2-wrapped drafter's output is no view (torch warns that a view's in-place use
 would drop FSDP2's pre-backward hook), and DeepSpeed steps with torch's AdamW under zero2.json."""
-import json
-import os
 import warnings
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
 from conftest import make_drafter
@@ -20,7 +15,7 @@ from drafter.infra.engine import DeepSpeedEngine, FSDPEngine, deepspeed_config
 from drafter.models.blocks import DraftingSetup, FeatureBatch
 from drafter.target_model.model import context_features, random_qwen3
 from drafter.training.objective import training_step
-from runs import REPO, free_port
+from runs import REPO, gloo_ranks
 
 pytestmark = pytest.mark.slow
 GRAD_RTOL = 1e-5  # two fp32 ranks: the engines differ only in where they divide by the world size
@@ -57,11 +52,7 @@ def build(kind: str, target, cfg, ds: dict):
     return DeepSpeedEngine(drafter, ds, cfg.optim, torch.device("cpu"))
 
 
-def rank_main(rank: int, port: int, tmp: Path):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))
+def rank_main(rank: int, tmp: Path) -> dict:
     cfg = OmegaConf.structured(Config)
     cfg.optim.lr, cfg.objective.num_anchors = 3e-2, 6
     ds = deepspeed_config(str(REPO / "ds_configs" / "zero2.json"), cfg, 2, False, 64, on_cpu=True)
@@ -91,14 +82,11 @@ def rank_main(rank: int, port: int, tmp: Path):
     for kind, engine in engines.items():
         engine.load(tmp / kind)
     compare("after a resume", 2)
-    (tmp / f"rank{rank}.json").write_text(json.dumps(report))
-    dist.destroy_process_group()
+    return report
 
 
 def test_fsdp2_gradients_equal_deepspeed_s_parameter_by_parameter_before_and_after_a_resume(tmp_path):
-    mp.spawn(rank_main, args=(free_port(), tmp_path), nprocs=2, join=True)
-    for rank in range(2):
-        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    for report in gloo_ranks(rank_main, tmp_path):
         assert report["descriptions"]["deepspeed"].startswith("deepspeed ZeRO-2, torch AdamW"), report["descriptions"]
         assert report["warnings"] == []  # no view-tensor warning from the FSDP2 root
         whens = {when for when, _, _ in report["errors"]}

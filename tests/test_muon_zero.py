@@ -18,14 +18,11 @@ could round differently from the compiled step; eager, the reference runs DeepSp
 """
 import json
 import math
-import os
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
 from conftest import make_drafter
@@ -34,7 +31,7 @@ from drafter.infra.engine import MUON_NS_METHOD, DeepSpeedEngine, deepspeed_conf
 from drafter.models.blocks import DraftingSetup, FeatureBatch
 from drafter.target_model.model import context_features, random_qwen3
 from drafter.training.objective import training_step
-from runs import REPO, free_port
+from runs import REPO, gloo_ranks
 
 pytestmark = pytest.mark.slow
 UPDATE_RTOL = 1e-5  # fp32, the same Muon input: only AdamW's, the clip's and ZeRO's rounding
@@ -143,12 +140,8 @@ def reference_step(target, cfg, muon_inputs: list[torch.Tensor]) -> tuple[dict, 
     return {name: p.detach().clone() for name, p in params.items()}, norm, distance
 
 
-def rank_main(rank: int, port: int, tmp: Path):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+def rank_main(rank: int, tmp: Path) -> dict:
     torch._dynamo.config.disable = True
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))
     target = random_qwen3(vocab_size=256, num_hidden_layers=4)
     cpu = torch.device("cpu")
 
@@ -192,14 +185,11 @@ def rank_main(rank: int, port: int, tmp: Path):
         report["losses"][name] = losses
         ends = straight.full_state_dict(), resumed.full_state_dict()
         report["weights_equal"][name] = all(torch.equal(ends[0][key], ends[1][key]) for key in ends[0])
-    (tmp / f"rank{rank}.json").write_text(json.dumps(report))
-    dist.destroy_process_group()
+    return report
 
 
 def test_deepspeed_muon_steps_like_the_reference_and_resumes_exactly_under_every_zero_stage(tmp_path):
-    mp.spawn(rank_main, args=(free_port(), tmp_path), nprocs=2, join=True)
-    for rank in range(2):
-        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    for report in gloo_ranks(rank_main, tmp_path):
         for name in SETTINGS:
             assert "DeepSpeed Muon on the matrices, torch AdamW on the rest" in report["descriptions"][name]
             assert report["muon_group_lr"][name] == [[False, 3e-2], [True, pytest.approx(0.02)]], name
