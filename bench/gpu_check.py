@@ -25,7 +25,8 @@ holding every figure and exits 1 when a check failed.
                      divergence classed a tie or not (drafter/serving/lossless.py); fails on a verdict of "no".
   ds_engines         each ds_configs/*.json's DeepSpeed engine built in a 1-process world and stepped once.
   launches           train.py under deepspeed and torchrun, a SIGKILLed run resumed, and eval/ddtree_accept.py's
-                     public check, as subprocesses on a tiny world.
+                     public check, as subprocesses on a tiny world; with 2+ GPUs, deepspeed and torchrun
+                     on 2 of them too (NCCL between ranks).
                      (ds_engines and launches, the preflight's run checks: bench/preflight_runs.py.)
 
 Every check has a time budget (BUDGETS_S; each sub-run of `launches` its own, SUB_RUN_BUDGETS_S in
@@ -101,7 +102,7 @@ LOSSLESS_LOGIT_STD = 2.5  # the lossless check's target logits: spread enough th
 # subprocess checks, whose budgets kill the process group (preflight_runs.SUB_RUN_BUDGETS_S).
 BUDGETS_S = {"flex_vs_dense": (900, 240), "compile_bound": (1200, 180), "train_step": (900, 120),
              "train_step_syncs": (600, 60), "ddtree_step_syncs": (600, 60), "lossless": (900, 120),
-             "ds_engines": (900, 180), "launches": (4200, 900)}
+             "ds_engines": (900, 180), "launches": (6000, 900)}
 
 
 def sync_time(device: torch.device) -> float:

@@ -10,7 +10,8 @@ and the eval as subprocesses on a tiny world (random weights, nothing downloaded
                --num_gpus 1` and `torchrun --nproc_per_node 1` (train.engine=fsdp) to max_steps (30;
                tiny: 6), a torchrun run SIGKILLed once a checkpoint is complete and rerun (its log must
                say `resumed from`), and eval/ddtree_accept.py --check-public 2 on the deepspeed run's
-               checkpoint (--target: the world's shapes with the toy tokenizer; verdict "yes").
+               checkpoint (--target: the world's shapes with the toy tokenizer; verdict "yes"); with 2+
+               GPUs, `deepspeed --num_gpus 2` and `torchrun --nproc_per_node 2` to max_steps as well.
 
 Each sub-run of `launches` has a time budget of its own (SUB_RUN_BUDGETS_S): past it its whole
 process tree is killed (SIGKILL) and the sub-run is `<name>: timeout after N s (hang?)`, which catches
@@ -45,7 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 # seconds per sub-run of `launches`: (CUDA, --tiny); past it the job's process tree is killed
 SUB_RUN_BUDGETS_S = {"deepspeed": (900, 200), "torchrun": (900, 200), "kill_resume": (1200, 300),
-                     "eval": (900, 200)}
+                     "eval": (900, 200), "two_gpus": (900, 0)}
 LAUNCH_STEPS = (30, 6)  # train.max_steps of the launches: (CUDA, --tiny)
 
 
@@ -276,12 +277,12 @@ def check_ds_engines(device: torch.device, dtype: torch.dtype) -> dict:
     return figures
 
 
-def train_command(launcher: str, cfg: Path, out_dir: Path, steps: int, *overrides: str) -> list[str]:
+def train_command(launcher: str, cfg: Path, out_dir: Path, steps: int, *overrides: str, ranks: int = 1) -> list[str]:
     args = ["train.py", "--cfg", str(cfg), f"run.out_dir={out_dir}", f"train.max_steps={steps}", *overrides]
     port = str(free_port())
     if launcher == "deepspeed":
-        return [str(VENV_BIN / "deepspeed"), "--num_gpus", "1", "--master_port", port, *args]
-    return [str(VENV_BIN / "torchrun"), "--nproc_per_node", "1", "--master_port", port, *args,
+        return [str(VENV_BIN / "deepspeed"), "--num_gpus", str(ranks), "--master_port", port, *args]
+    return [str(VENV_BIN / "torchrun"), "--nproc_per_node", str(ranks), "--master_port", port, *args,
             "train.engine=fsdp"]
 
 
@@ -308,9 +309,9 @@ def launch_failure(name: str, figures: dict, steps: int | None = None, expect: s
 
 
 def run_training(name: str, launcher: str, cfg: Path, out_dir: Path, steps: int, budget_s: float,
-                 *overrides: str) -> dict:
-    figures = sub_run(name, train_command(launcher, cfg, out_dir, steps, *overrides), out_dir.with_suffix(".log"),
-                      budget_s)
+                 *overrides: str, ranks: int = 1) -> dict:
+    figures = sub_run(name, train_command(launcher, cfg, out_dir, steps, *overrides, ranks=ranks),
+                      out_dir.with_suffix(".log"), budget_s)
     figures["last_step"] = last_train_step(out_dir)
     return figures
 
@@ -383,6 +384,11 @@ def check_launches(device: torch.device, tiny: bool) -> dict:
                 failures.append(f"eval: --check-public 2 verdict {verdict!r}, not 'yes'")
         else:
             figures["eval"] = "skipped (the deepspeed run made no checkpoint)"
+        if cuda and torch.cuda.device_count() >= 2:  # NCCL between ranks: a one-GPU check never forms it
+            for launcher in ("deepspeed", "torchrun"):
+                name = f"{launcher}_2gpus"
+                figures[name] = run_training(name, launcher, cfg, tmp / name, steps, budgets["two_gpus"], ranks=2)
+                failures.append(launch_failure(name, figures[name], steps))
     failures = [f for f in failures if f]
     require(not failures, "; ".join(failures))
     return figures
