@@ -13,7 +13,7 @@ $(STAMP): requirements.txt pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q --durations=40 tests
 
 test-quick: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests
