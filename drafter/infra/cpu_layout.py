@@ -5,8 +5,8 @@ faster when W's transpose is the contiguous one: on an AVX-512 Xeon (torch 2.13,
 [9, 576] x [576, 2304] product, the shape of a 9-node tree verify, took 0.33 ms column-major against
 0.60 row-major, and the 49,152-word LM head at 9 rows 20 ms against 30; under AVX2 kernels the two
 layouts tie. So a short probe on the model's own largest decoder weight decides, once per process, dtype and
-thread count: column-major is served only where it is at least COLUMN_GAIN faster at `VERIFY_ROWS` rows and no
-slower at one row, so plain decoding (`ar`, transformers' `generate`) never loses by it.
+thread count: column-major is served only where it is at least COLUMN_GAIN faster at `VERIFY_ROWS` rows and at
+most ONE_ROW_SLACK slower at one row (timing noise), so plain decoding (`ar`, `generate`) loses nothing measurable.
 
 Serving only: values are unchanged (a copy transposed twice), every module keeps its parameters (tied
 weights stay one tensor), and training never calls this. DRAFTER_CPU_WEIGHT_LAYOUT=row|column skips the
