@@ -46,6 +46,12 @@ class Section:
     def problems(self) -> list[str]:
         return []
 
+    def unread(self, section: str, owners: tuple[tuple[str, str, bool], ...]) -> list[str]:
+        """A component's own key set off its default while the component is not chosen: it would do
+        nothing. `owners`: (key, the choice that reads it, whether that choice is this run's)."""
+        return [f"{section}.{key}={getattr(self, key)!r} is read only with {reader}" for key, reader, chosen in owners
+                if not chosen and getattr(self, key) != self.__dataclass_fields__[key].default]
+
 
 @dataclass
 class RunConfig(Section):
@@ -197,7 +203,11 @@ class ObjectiveConfig(Section):
         if self.loss.startswith("expected_") and self.position_weights != "exp":
             problems.append(f"objective.loss={self.loss} weighs the slots by itself: objective.position_weights "
                             f"must stay exp (got {self.position_weights})")
-        return problems
+        return problems + self.unread("objective", (
+            ("tv_ce_weight", "objective.loss=tv", self.loss == "tv"),
+            ("tree_temperature", "objective.loss=expected_tree", self.loss == "expected_tree"),
+            ("block_ce_weight", "objective.loss=expected_chain or expected_tree", self.loss.startswith("expected_")),
+            ("weight_smoothing", "objective.position_weights=dpace or tree", self.position_weights in ("dpace", "tree"))))
 
 
 @dataclass
@@ -221,7 +231,9 @@ class OptimConfig(Section):
             problems.append(f"optim.muon_momentum={self.muon_momentum!r} must be in [0, 1)")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             problems.append(f"optim.betas={list(self.betas)} must be two values in [0, 1)")
-        return problems
+        muon = self.name == "muon"
+        return problems + self.unread("optim", (("muon_lr", "optim.name=muon", muon),
+                                                ("muon_momentum", "optim.name=muon", muon)))
 
 
 @dataclass

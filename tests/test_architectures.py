@@ -27,9 +27,10 @@ TYPE_QUESTION = re.compile(r"isinstance\([^)]*(DFlash\w*DraftModel|CandidateSele
 
 
 def test_no_code_outside_the_models_asks_which_drafter_it_holds():
-    """Counted over every Python file of the repo but drafter/models/ and the tests."""
-    files = [p for p in REPO.rglob("*.py") if ".venv" not in p.parts and "models" not in p.parent.parts
-             and "tests" not in p.parts]
+    """Counted over every Python file of the repo but drafter/models/ and the tests (hidden folders, such as
+    .venv and .peer, hold other projects' code)."""
+    files = [p for p in REPO.rglob("*.py") if not any(part.startswith(".") for part in p.relative_to(REPO).parts)
+             and "models" not in p.parent.parts and "tests" not in p.parts]
     assert len(files) > 40
     found = [f"{p.relative_to(REPO)}:{n}: {line.strip()}" for p in files
              for n, line in enumerate(p.read_text().splitlines(), 1) if TYPE_QUESTION.search(line)]
@@ -55,6 +56,17 @@ def test_each_architecture_round_trips_by_its_config_name_and_export_name(target
     assert type(loaded) is ARCHITECTURES[arch]
     settings = {key: loaded.config.dflash_config[key] for key in ARCHITECTURES[arch].variant_keys}
     assert settings == {key: getattr(variant, key) for key in ARCHITECTURES[arch].variant_keys}
+
+
+def test_another_architectures_setting_is_refused_naming_the_key(target):
+    """DFlash2's selector and convolution settings on a DFlash drafter would do nothing."""
+    from drafter.config import ConfigError
+    with pytest.raises(ConfigError, match=re.escape("drafter.selector_rank=8 is read only by another arch (this "
+                                                    "drafter's is dflash)")):
+        drafter_config(target.config, num_layers=1, block_size=4, mask_token_id=MASK_ID,
+                       variant=DrafterVariant(selector_rank=8))
+    drafter_config(target.config, num_layers=1, block_size=4, mask_token_id=MASK_ID,
+                   variant=DrafterVariant(arch="dflash2", selector_rank=8, selector_top_k=8))
 
 
 def test_dflash2_shards_its_selector_and_dflash_only_its_layers(target):

@@ -503,9 +503,10 @@ def test_the_objective_section_is_the_training_steps_objective():
     from omegaconf import OmegaConf
     section = load_config(str(REPO / "configs" / "v3.yaml"), [
         "data.path=/x", "objective.labels=target", "objective.loss=tv", "objective.tv_ce_weight=0.3",
-        "objective.tree_temperature=0.2", "objective.truncate=first_failure", "objective.normalize=count",
+        "objective.position_weights=dpace", "objective.weight_smoothing=0.2", "objective.truncate=first_failure",
+        "objective.normalize=count",
         "objective.anchor_candidates=supervised", "objective.ddtree_budget=24"]).objective
     cfg = OmegaConf.to_object(section)
     assert type(cfg) is ObjectiveConfig
     assert {f.name: getattr(cfg, f.name) for f in fields(ObjectiveConfig)} == OmegaConf.to_container(section)
-    assert (cfg.loss, cfg.tv_ce_weight, cfg.tree_temperature, cfg.ddtree_budget) == ("tv", 0.3, 0.2, 24)
+    assert (cfg.loss, cfg.tv_ce_weight, cfg.weight_smoothing, cfg.ddtree_budget) == ("tv", 0.3, 0.2, 24)

@@ -446,6 +446,12 @@ def test_data_prepared_with_other_thinking_stops_train_py_naming_both(tmp_path):
     ("objective.position_weights=flat", "objective.position_weights='flat' is not one of exp, dpace, tree"),
     ("objective.loss=kl", "objective.loss=kl needs objective.labels=target"),
     ("objective.weight_smoothing=1.5", "objective.weight_smoothing=1.5 must be in [0, 1]"),
+    # a component's own key, set while another component is chosen, would do nothing
+    ("objective.tv_ce_weight=0.3", "objective.tv_ce_weight=0.3 is read only with objective.loss=tv"),
+    ("objective.tree_temperature=2", "objective.tree_temperature=2.0 is read only with objective.loss=expected_tree"),
+    ("objective.block_ce_weight=0", "objective.block_ce_weight=0.0 is read only with objective.loss=expected_chain"),
+    ("objective.weight_smoothing=0.3", "objective.weight_smoothing=0.3 is read only with objective.position_weights=dpace"),
+    ("optim.muon_lr=0.01", "optim.muon_lr=0.01 is read only with optim.name=muon"),
 ])
 def test_invalid_values_are_refused_naming_the_key(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
