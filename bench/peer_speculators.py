@@ -41,8 +41,8 @@ runs/smollm2_recipe_full_s0/config.yaml and its store; everything else is specul
 | target layers | speculators ids [2, 28] = dflash ids [1, 27] (the store's) | ours; id convention S/convert/dflash/converter.py:125 |
 | block size | 16 | ours = S/train/config/schema.py:638 default for dflash |
 | mask token id | 3 | ours (speculators would take the tokenizer's: S/train/utils.py:16) |
-| tokens per step | one packed sequence of 2048 (total_seq_len; default 8192) | ours: 2 ranks x 1024 |
-| anchors per step | max_anchors 128 (default 512) per packed sequence | ours: 2 x 64 |
+| tokens per step | one packed sequence of 2048 (total_seq_len; default 8192): ~1,930 real tokens | ours: 2,048 a step (2 ranks x 1,024, or 1 rank x 2,048), ~1,976 real |
+| anchors per step | max_anchors 128 (default 512) per packed sequence: ~126 with a supervised slot | ours: 128 a step, min(16, 128 // rows) per row, ~115 blocks trained |
 | steps, seed | --steps, --seed (seed default 42) | ours |
 | rows | every row of the store's dataset (data.eval_path is set in our recipe: the train split is all of data.path) | ours |
 | packing / data order | Multipack LPT packing into 2048-token sequences, reshuffled per epoch with seed+epoch | S/train/distributed_batch_sampler.py:165, :241; S/train/dataloader.py:55 |
@@ -167,13 +167,15 @@ def verifier_last_hidden(target_path: str, ids: list[torch.Tensor], cache: Path)
     """The target's last decoder layer output (before its final norm) at every position of each row, bf16:
     what speculators' loss reads as `verifier_last_hidden_states` (its vLLM data holds it beside the aux
     layers; this store holds no target labels). The target runs in bf16 (the store's dtype), each row
-    alone; computed once per run and kept in `cache` (keyed by the rows' tokens)."""
+    alone; computed once per run and kept in `cache` (keyed by the rows' tokens, the target and the dtype)."""
+    from safetensors import safe_open
     from safetensors.torch import load_file, save_file
     from drafter.pipeline.feature_store_format import row_key
     from drafter.target_model.model import load_target
 
     keys = torch.tensor([row_key(row.numpy()) for row in ids], dtype=torch.int64)
-    if cache.is_file():
+    source = {"target": str(Path(target_path).resolve()), "dtype": "bf16"}
+    if cache.is_file() and safe_open(str(cache), "pt").metadata() == source:
         saved = load_file(str(cache))
         if torch.equal(saved["keys"], keys):
             offsets = saved["offsets"].tolist()
@@ -190,7 +192,7 @@ def verifier_last_hidden(target_path: str, ids: list[torch.Tensor], cache: Path)
     del target
     offsets = torch.tensor([0, *torch.tensor([len(r) for r in ids]).cumsum(0).tolist()], dtype=torch.int64)
     cache.parent.mkdir(parents=True, exist_ok=True)
-    save_file({"states": torch.cat(captured).contiguous(), "offsets": offsets, "keys": keys}, str(cache))
+    save_file({"states": torch.cat(captured).contiguous(), "offsets": offsets, "keys": keys}, str(cache), metadata=source)
     print(f"target last-layer states: {len(ids)} rows, {int(offsets[-1])} tokens, "
           f"{time.perf_counter() - start:.0f} s -> {cache}", flush=True)
     return [state.clone() for state in captured]
