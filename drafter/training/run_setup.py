@@ -39,8 +39,8 @@ from drafter.target_model.tensor_parallel import (TargetFeatures, check_tensor_p
                                                   form_tp_group, load_tp_target, shard_target)
 from drafter.training.checkpoint import (agree_on_checkpoint, check_resumable, remove_partial_saves, run_identity,
                                          set_aside_previous_run)
-from drafter.training.run_config import Launch
 from drafter.training.memory_plan import check_fits, check_host_fits, plan_inputs, plan_memory, target_model_config
+from drafter.training.run_config import Launch
 from drafter.training.tracking import TrainedOn
 
 
