@@ -29,7 +29,7 @@ from omegaconf import OmegaConf
 from drafter.config import CONFIG_FILE_ERRORS, Config, ConfigError, config_error_reason
 from drafter.pipeline.sampler import BucketSampler, bucket_table, plan_notes, sampler_from_config
 from drafter.pipeline.splits import split_holdout
-from drafter.infra.engine import deepspeed_config
+from drafter.infra.deepspeed_engine import deepspeed_config
 from drafter.infra.memory import GiB
 from drafter.infra.repo_paths import find_in_repo
 from drafter.training.memory_plan import fitting_changes, plan_inputs, plan_memory, target_model_config

@@ -279,7 +279,8 @@ def test_muon_steps_the_matrices_and_adamw_the_rest():
 
 def test_muon_under_deepspeed_takes_the_engine_s_optimizer_and_other_names_are_refused(tmp_path):
     """(DeepSpeed's Muon, its JSON checks and its steps: tests/test_train.py, tests/test_muon_zero.py.)"""
-    from drafter.infra.engine import EngineConfigError, deepspeed_config
+    from drafter.infra.deepspeed_engine import deepspeed_config
+    from drafter.infra.engine import EngineConfigError
     cfg = load_config(str(REPO / "configs" / "v3.yaml"), ["data.path=/x", "optim.name=muon", "optim.grad_clip=0"])
     assert "optimizer" not in deepspeed_config(str(REPO / "ds_configs" / "zero2.json"), cfg, 2, True, 64, on_cpu=False)
     with pytest.raises(EngineConfigError, match="optimizer.type='AdamW' in the JSON contradicts optim.name = 'muon'"):

@@ -11,7 +11,8 @@ from omegaconf import OmegaConf
 
 from conftest import make_drafter
 from drafter.config import Config
-from drafter.infra.engine import DeepSpeedEngine, FSDPEngine, deepspeed_config
+from drafter.infra.deepspeed_engine import DeepSpeedEngine, deepspeed_config
+from drafter.infra.fsdp_engine import FSDPEngine
 from drafter.models.blocks import DraftingSetup, FeatureBatch
 from drafter.target_model.model import context_features, random_qwen3
 from drafter.training.objective import training_step

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from drafter.config import ConfigError
-from drafter.infra.engine import EngineConfigError, deepspeed_config
+from drafter.infra.deepspeed_engine import deepspeed_config
+from drafter.infra.engine import EngineConfigError
 from drafter.infra.launch import LaunchError, expand_hostlist, launcher_environment, slurm_environment
 from drafter.infra.run_lock import RunDirectoryBusy, acquire
 from drafter.training.run_config import load_config
@@ -257,7 +258,7 @@ def test_a_json_whose_optimizer_cannot_be_built_is_refused_before_weights_load(
         tmp_path, toolkit, json_name, edits, change, message):
     """On a GPU, a JSON `optimizer` block makes DeepSpeed compile FusedAdam (or CPU Adam under offload)
     at its first step; without the tools for it the run stops at the config, in one line naming them."""
-    from drafter.infra.engine import engine_settings
+    from drafter.infra.engines import engine_settings
     state, refresh = toolkit
     state.update(change)
     refresh()
@@ -323,7 +324,7 @@ def test_deepspeed_json_contradicting_the_yaml_is_refused_naming_both(tmp_path, 
 def test_muon_under_deepspeed_takes_the_engine_s_optimizer_in_every_stage(tmp_path, edits, filled, message):
     """optim.name=muon under DeepSpeed (ZeRO 1-3, offload): the engine builds DeepSpeed's Muon from the YAML
     (tests/test_muon_zero.py steps it), so the JSON holds no `optimizer` block and nothing is compiled."""
-    from drafter.infra.engine import deepspeed_op_problem, deepspeed_optimizer
+    from drafter.infra.deepspeed_engine import deepspeed_op_problem, deepspeed_optimizer
     cfg = load_config(str(REPO / "configs" / "v3.yaml"), ["data.path=/x", "optim.name=muon", "optim.grad_accum=2",
                                                            "optim.grad_clip=0"])
     path = ds_json(tmp_path, **edits)

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from drafter.errors import ConfigError
-from drafter.infra.engine import deepspeed_config
+from drafter.infra.deepspeed_engine import deepspeed_config
 from drafter.infra.repo_paths import REPO, find_in_repo, repo_candidates
 from drafter.training.run_config import config_and_world, load_config
 from eval import ddtree_accept

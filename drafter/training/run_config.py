@@ -13,7 +13,8 @@ from omegaconf import DictConfig
 from drafter.config import load_yaml_config
 from drafter.errors import ConfigError
 from drafter.infra.launch import LaunchError, init_distributed
-from drafter.infra.engine import ENGINES, OPTIMIZERS
+from drafter.infra.engine import OPTIMIZERS
+from drafter.infra.engines import ENGINES
 from drafter.infra.repo_paths import find_in_repo
 from drafter.losses import BLOCK_LOSSES, DIVERGENCES, LABELS, NORMALIZATIONS, POSITION_WEIGHTS, TRUNCATIONS
 from drafter.models import ARCHITECTURES
