@@ -46,12 +46,6 @@ class Section:
     def problems(self) -> list[str]:
         return []
 
-    def unread(self, section: str, owners: tuple[tuple[str, str, bool], ...]) -> list[str]:
-        """A component's own key set off its default while the component is not chosen: it would do
-        nothing. `owners`: (key, the choice that reads it, whether that choice is this run's)."""
-        return [f"{section}.{key}={getattr(self, key)!r} is read only with {reader}" for key, reader, chosen in owners
-                if not chosen and getattr(self, key) != self.__dataclass_fields__[key].default]
-
 
 @dataclass
 class RunConfig(Section):
@@ -203,11 +197,7 @@ class ObjectiveConfig(Section):
         if self.loss.startswith("expected_") and self.position_weights != "exp":
             problems.append(f"objective.loss={self.loss} weighs the slots by itself: objective.position_weights "
                             f"must stay exp (got {self.position_weights})")
-        return problems + self.unread("objective", (
-            ("tv_ce_weight", "objective.loss=tv", self.loss == "tv"),
-            ("tree_temperature", "objective.loss=expected_tree", self.loss == "expected_tree"),
-            ("block_ce_weight", "objective.loss=expected_chain or expected_tree", self.loss.startswith("expected_")),
-            ("weight_smoothing", "objective.position_weights=dpace or tree", self.position_weights in ("dpace", "tree"))))
+        return problems
 
 
 @dataclass
@@ -231,9 +221,7 @@ class OptimConfig(Section):
             problems.append(f"optim.muon_momentum={self.muon_momentum!r} must be in [0, 1)")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             problems.append(f"optim.betas={list(self.betas)} must be two values in [0, 1)")
-        muon = self.name == "muon"
-        return problems + self.unread("optim", (("muon_lr", "optim.name=muon", muon),
-                                                ("muon_momentum", "optim.name=muon", muon)))
+        return problems
 
 
 @dataclass
@@ -380,11 +368,12 @@ def merged_config(path: str, overrides: list[str]) -> DictConfig:
     return cfg
 
 
-def load_yaml_config(path: str, overrides: list[str], choices: dict[str, tuple]) -> DictConfig:
-    """YAML at `path` + `key.sub=value` overrides, validated against `Config` and `choices` (each
-    key's allowed values); names the run."""
+def load_yaml_config(path: str, overrides: list[str], choices: dict[str, tuple],
+                     settings: dict[str, dict[str, tuple[str, ...]]] | None = None) -> DictConfig:
+    """YAML at `path` + `key.sub=value` overrides, validated against `Config`, `choices` (each key's
+    allowed values) and `settings` (`unread_settings`); names the run."""
     cfg = merged_config(path, overrides)
-    problems = validate(cfg, choices)
+    problems = validate(cfg, choices, settings or {})
     if problems:
         raise ConfigError(f"{path}: " + "; ".join(problems))
     stem = Path(path).stem
@@ -397,18 +386,38 @@ def load_yaml_config(path: str, overrides: list[str], choices: dict[str, tuple])
     return cfg
 
 
-def validate(cfg, choices: dict[str, tuple]) -> list[str]:
+def validate(cfg, choices: dict[str, tuple], settings: dict[str, dict[str, tuple[str, ...]]]) -> list[str]:
     """Every value problem OmegaConf's types cannot see, each naming its key (empty: all good): each
-    section's own `problems()`, and a key of `choices` must hold one of its values. Normalises
-    target.dtype aliases (bfloat16 -> bf16, float32 -> fp32) in place."""
+    section's own `problems()`, a key of `choices` must hold one of its values, and no component's own
+    setting is set for nothing (`unread_settings`). Normalises target.dtype aliases (bfloat16 -> bf16,
+    float32 -> fp32) in place."""
     sections = OmegaConf.to_object(cfg)
     problems = [problem for f in fields(sections) for problem in getattr(sections, f.name).problems()]
+    problems += unread_settings(sections, settings)
     for key, allowed in choices.items():
         if OmegaConf.select(cfg, key) not in allowed:
             names = ", ".join("null" if c is None else c for c in allowed)
             problems.append(f"{key}={OmegaConf.select(cfg, key)!r} is not one of {names}")
     if cfg.target.dtype in DTYPE_ALIASES:
         cfg.target.dtype = DTYPE_ALIASES[cfg.target.dtype]
+    return problems
+
+
+def unread_settings(sections: Config, settings: dict[str, dict[str, tuple[str, ...]]]) -> list[str]:
+    """A registered component's own keys, set off their defaults while another component is chosen:
+    they would do nothing. `settings`: the key that chooses a component (`objective.loss`) -> each
+    component's keys in that section (`tv` -> tv_ce_weight), as the registries declare them."""
+    problems = []
+    for chooser, readers in settings.items():
+        section_name, choice_key = chooser.split(".")
+        section = getattr(sections, section_name)
+        chosen = getattr(section, choice_key)
+        for key in dict.fromkeys(key for keys in readers.values() for key in keys):
+            value = getattr(section, key)
+            if key in readers.get(chosen, ()) or value == section.__dataclass_fields__[key].default:
+                continue
+            owners = " or ".join(name for name, keys in readers.items() if key in keys)
+            problems.append(f"{section_name}.{key}={value!r} is read only with {chooser}={owners}")
     return problems
 
 

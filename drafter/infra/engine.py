@@ -49,6 +49,7 @@ def uses_muon(param: nn.Parameter) -> bool:
 
 
 OPTIMIZERS = ("adamw", "muon")
+OPTIMIZER_SETTINGS = {"muon": ("muon_lr", "muon_momentum")}  # the optim.* keys only that optimizer reads
 
 
 def build_optimizers(params: list[nn.Parameter], optim, device: torch.device | None = None

@@ -35,7 +35,8 @@ from drafter.losses.lm_head import (ChunkedLMHeadLoss, RowLossSpec, chunk_peak_b
                                     weighted_data_ce)
 from drafter.losses.weights import dpace_weights, tree_accepted_depth, tree_weights, up_to_first_failure
 
-__all__ = ["BLOCK_LOSSES", "DIVERGENCES", "LABELS", "NORMALIZATIONS", "POSITION_WEIGHTS", "TRUNCATIONS", "SlotRows",
+__all__ = ["BLOCK_LOSSES", "DIVERGENCES", "LABELS", "NORMALIZATIONS", "OBJECTIVE_SETTINGS", "POSITION_WEIGHTS",
+           "TRUNCATIONS", "SlotRows",
            "block_loss", "loss_chunk_peak_bytes", "one_pass_loss", "row_loss_spec"]
 LABELS = ("data", "target")
 
@@ -77,6 +78,12 @@ def tree(rows: SlotRows, cfg) -> torch.Tensor:
 BLOCK_LOSSES: dict[str, Callable] = {"expected_chain": expected_chain, "expected_tree": expected_tree}
 # name -> (SlotRows, cfg) -> weights [N, L]
 POSITION_WEIGHTS: dict[str, Callable] = {"exp": lambda rows, cfg: rows.weights, "dpace": dpace, "tree": tree}
+# the objective.* keys each part reads beyond its name, by the key that chooses it: set while another
+# part is chosen, they would do nothing, and the config refuses them (drafter/config.py `unread_settings`)
+OBJECTIVE_SETTINGS: dict[str, dict[str, tuple[str, ...]]] = {
+    "loss": {"tv": ("tv_ce_weight",), "expected_chain": ("block_ce_weight",),
+             "expected_tree": ("tree_temperature", "block_ce_weight")},
+    "position_weights": {"dpace": ("weight_smoothing",), "tree": ("weight_smoothing",)}}
 # name -> SlotRows -> a mask to multiply the weights by, or None
 TRUNCATIONS: dict[str, Callable] = {
     "none": lambda rows: None,

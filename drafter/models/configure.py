@@ -121,10 +121,6 @@ def drafter_config(target_config, *, num_layers: int, block_size: int, mask_toke
         problems.append(f"arch={variant.arch!r} is not one of {', '.join(ARCHITECTURES)}")
     else:
         problems += arch.variant_problems(variant, widths["hidden_size"], widths["vocab_size"], block_size)
-        others = {key for other in ARCHITECTURES.values() for key in other.variant_keys} - set(arch.variant_keys)
-        defaults = type(variant)()
-        problems += [f"{key}={getattr(variant, key)!r} is read only by another arch (this drafter's is {variant.arch})"
-                     for key in sorted(others) if getattr(variant, key) != getattr(defaults, key)]
     layer_problem = feature_layer_problem(target_layer_ids, num_target_layers)
     if layer_problem:
         problems.append(layer_problem)

@@ -13,10 +13,11 @@ from omegaconf import DictConfig
 from drafter.config import load_yaml_config
 from drafter.errors import ConfigError
 from drafter.infra.launch import LaunchError, init_distributed
-from drafter.infra.engine import OPTIMIZERS
+from drafter.infra.engine import OPTIMIZER_SETTINGS, OPTIMIZERS
 from drafter.infra.engines import ENGINES
 from drafter.infra.repo_paths import find_in_repo
-from drafter.losses import BLOCK_LOSSES, DIVERGENCES, LABELS, NORMALIZATIONS, POSITION_WEIGHTS, TRUNCATIONS
+from drafter.losses import (BLOCK_LOSSES, DIVERGENCES, LABELS, NORMALIZATIONS, OBJECTIVE_SETTINGS, POSITION_WEIGHTS,
+                            TRUNCATIONS)
 from drafter.models import ARCHITECTURES
 from drafter.models.blocks import ANCHOR_CANDIDATES, ATTENTION_KERNELS
 from drafter.target_model.calibration import FEATURE_CALIBRATIONS
@@ -40,6 +41,14 @@ def choices() -> dict[str, tuple]:
             "wandb.mode": (None, "online", "offline", "disabled")}
 
 
+def settings() -> dict[str, dict[str, tuple[str, ...]]]:
+    """The keys each registered part reads beyond its name, by the key that chooses it, as each
+    registry declares them (an architecture: its `variant_keys`)."""
+    return {**{f"objective.{key}": readers for key, readers in OBJECTIVE_SETTINGS.items()},
+            "optim.name": OPTIMIZER_SETTINGS,
+            "drafter.arch": {name: arch.variant_keys for name, arch in ARCHITECTURES.items()}}
+
+
 def load_config(path: str, overrides: list[str] = ()) -> DictConfig:
     """YAML at `path` + `key.sub=value` overrides, validated against the schema and the registries;
     names the run. Raises ConfigError naming the file and every bad key.
@@ -48,7 +57,8 @@ def load_config(path: str, overrides: list[str] = ()) -> DictConfig:
     directory (drafter/infra/repo_paths.py: as given, then under the repo's configs/ or ds_configs/,
     then the repo root), and the config holds ds_config's absolute path, so the run records the file it
     read. run.out_dir stays relative to the working directory: outputs go where the user runs."""
-    cfg = load_yaml_config(str(find_in_repo(path, "configs", f"--cfg {path}")), overrides, choices())
+    cfg = load_yaml_config(str(find_in_repo(path, "configs", f"--cfg {path}")), overrides, choices(),
+                           settings())
     if cfg.train.engine == "deepspeed":
         ds_config = cfg.train.ds_config
         cfg.train.ds_config = str(find_in_repo(ds_config, "ds_configs", f"train.ds_config={ds_config}"))
