@@ -9,7 +9,8 @@ repo's feature store, then exported to the public `dflash` format that this repo
 The same command continues the run from its newest checkpoint (`--resume`: speculators' own checkpointer
 and mid-epoch resume, below) until `--steps` optimizer steps are done; `--max-minutes` / `--piece-steps`
 end a process early after a checkpoint, so a long run goes in pieces. `--export DIR` writes the run's
-current weights as a dflash checkpoint (config.json + model.safetensors) and checks it: on held-out rows
+weights at its end (or with `--resume --export-now` at its newest checkpoint, training no further: a
+point of the curve) as a dflash checkpoint (config.json + model.safetensors) and checks it: on held-out rows
 (`--check-data`), this repo's `load_drafter` of the export and the peer model give the same block states
 and logits at the same anchors, to fp32 tolerance, in the training forward and the serving path; an
 export that fails is not kept. A layout dflash cannot express is refused in one line.
@@ -635,6 +636,8 @@ def parse_args(argv=None):
     p.add_argument("--piece-steps", type=int, default=None, help="end this process after N steps (checkpointed)")
     p.add_argument("--max-minutes", type=float, default=None, help="end this process before N minutes (checkpointed)")
     p.add_argument("--export", default=None, help="write the run's weights here as a dflash checkpoint, checked")
+    p.add_argument("--export-now", action="store_true", help="with --resume and --export: export the newest "
+                   "checkpoint without training on (a point of the curve before --steps)")
     p.add_argument("--check-data", default="artifacts/smollm2/bench_chat_data", help="held-out rows for the export check")
     p.add_argument("--verifier-cache", default=None, help="where the target's last-layer states are kept "
                                                           "(default <out>/verifier_last_hidden.safetensors)")
@@ -650,9 +653,12 @@ def main(argv=None) -> dict:
     cpu_shims()
     out = Path(args.out)
     try:
+        if args.export_now and not (args.resume and args.export):
+            raise PeerError("--export-now exports a run's newest checkpoint: give --resume and --export")
         trainer, loader, settings = build(args, out)
         start_step = trainer.global_step
-        losses = train(args, trainer, loader, out, started) if trainer.global_step < args.steps else []
+        go_on = trainer.global_step < args.steps and not args.export_now
+        losses = train(args, trainer, loader, out, started) if go_on else []
         result = {"start_step": start_step, "step": trainer.global_step, "losses": losses}
         if args.export:
             from drafter.pipeline.feature_store import FeatureStore

@@ -33,16 +33,18 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("peer")
     cache = ["--verifier-cache", str(tmp / "verifier.safetensors")]
     straight = peer_speculators.main(TINY + cache + ["--out", str(tmp / "straight"), "--export", str(tmp / "export")])
-    # pieces: 2 steps (mid-epoch), 1 (to the epoch's end), the rest (a new epoch): both RNG restore points
+    # pieces: 2 steps (mid-epoch), 1 (to the epoch's end), the rest (a new epoch): both RNG restore points;
+    # step 2 exported between pieces, which must not change the run
     pieces = [peer_speculators.main(TINY + cache + ["--out", str(tmp / "pieces"), *extra]) for extra in
-              (["--piece-steps", "2"], ["--resume", "--piece-steps", "1"], ["--resume"])]
+              (["--piece-steps", "2"], ["--resume", "--export-now", "--export", str(tmp / "export_2")],
+               ["--resume", "--piece-steps", "1"], ["--resume"])]
     return tmp, straight, pieces
 
 
 def test_resume_in_pieces_equals_straight(runs):
     tmp, straight, pieces = runs
     assert straight["step"] == 4 and len(straight["losses"]) == 4
-    assert [p["start_step"] for p in pieces] == [0, 2, 3] and pieces[-1]["step"] == 4
+    assert [p["start_step"] for p in pieces] == [0, 2, 2, 3] and pieces[-1]["step"] == 4
     assert sum((p["losses"] for p in pieces), []) == straight["losses"]  # bit for bit
     assert losses_in(tmp / "pieces") == losses_in(tmp / "straight") == straight["losses"]
     assert straight["losses"][-1] < straight["losses"][0]
@@ -55,6 +57,15 @@ def test_export_reproduces_the_peer(runs):
     config = json.loads((tmp / "export" / "config.json").read_text())
     assert config["layer_types"] == ["sliding_attention"] * 2 and config["sliding_window"] == 2048
     assert config["dflash_config"]["target_layer_ids"] == [1, 27] and config["dflash_config"]["mask_token_id"] == 3
+
+
+def test_a_point_before_the_end_is_exported_without_training_on(runs):
+    tmp, _, pieces = runs
+    assert pieces[1]["step"] == 2 and pieces[1]["losses"] == [] and pieces[1]["export_check"]["hidden"] < 1e-4
+    config = json.loads((tmp / "export_2" / "config.json").read_text())
+    assert config["dflash_config"]["trained_by"]["step"] == 2
+    with pytest.raises(SystemExit, match="give --resume and --export"):
+        peer_speculators.main(TINY + ["--out", str(tmp / "pieces"), "--export-now"])
 
 
 def test_a_miswired_export_is_refused(runs, monkeypatch, capsys):
