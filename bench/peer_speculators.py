@@ -8,9 +8,9 @@ repo's feature store, then exported to the public `dflash` format that this repo
 
 The same command continues the run from its newest checkpoint (`--resume`: speculators' own checkpointer
 and mid-epoch resume, below) until `--steps` optimizer steps are done; `--max-minutes` / `--piece-steps`
-end a process early after a checkpoint, so a long run goes in pieces. `--export DIR` writes the run's
-weights at its end (or with `--resume --export-now` at its newest checkpoint, training no further: a
-point of the curve) as a dflash checkpoint (config.json + model.safetensors) and checks it: on held-out rows
+end a process early after a checkpoint, so a long run goes in pieces. `--export DIR` writes the weights
+this process ends with (the run's end, or a piece's; with `--resume --export-now`, the newest
+checkpoint's, training no further: a point of the curve) as a dflash checkpoint (config.json + model.safetensors) and checks it: on held-out rows
 (`--check-data`), this repo's `load_drafter` of the export and the peer model give the same block states
 and logits at the same anchors, to fp32 tolerance, in the training forward and the serving path; an
 export that fails is not kept. A layout dflash cannot express is refused in one line.
@@ -655,6 +655,8 @@ def main(argv=None) -> dict:
     try:
         if args.export_now and not (args.resume and args.export):
             raise PeerError("--export-now exports a run's newest checkpoint: give --resume and --export")
+        if args.export_now and not any((out / "checkpoints").glob("*")):
+            raise PeerError(f"--export-now: {out} holds no checkpoint to export")
         trainer, loader, settings = build(args, out)
         start_step = trainer.global_step
         go_on = trainer.global_step < args.steps and not args.export_now

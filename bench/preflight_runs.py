@@ -35,7 +35,7 @@ import torch.distributed as dist
 from bench.check_harness import CheckFailed, build_on, log, make_batch, require
 from drafter.config import ObjectiveConfig
 from drafter.infra.deepspeed_engine import deepspeed_config, deepspeed_op_problem
-from drafter.infra.engines import build_engine
+from drafter.infra.engine_choice import build_engine
 from drafter.models import DFlashDraftModel
 from drafter.models.blocks import DraftingSetup, FeatureBatch, attention_kernel
 from drafter.models.configure import drafter_config

@@ -4,8 +4,8 @@
 
 Unknown keys and wrong types fail here, before any model loads, with the full key path. The values a
 registered part's key may take (`objective.loss`, `drafter.arch`, ...) come from the registries, which
-sit above this schema: `load_yaml_config` takes them as `choices`, and drafter/training/run_config.py's
-`load_config` reads them from the registries and passes them in.
+sit above this schema: `load_yaml_config` takes them as `choices`, and the keys only one part reads as
+`settings`; drafter/training/run_config.py's `load_config` reads both from the registries and passes them in.
 """
 import math
 from dataclasses import dataclass, field, fields
@@ -393,11 +393,13 @@ def validate(cfg, choices: dict[str, tuple], settings: dict[str, dict[str, tuple
     float32 -> fp32) in place."""
     sections = OmegaConf.to_object(cfg)
     problems = [problem for f in fields(sections) for problem in getattr(sections, f.name).problems()]
-    problems += unread_settings(sections, settings)
-    for key, allowed in choices.items():
-        if OmegaConf.select(cfg, key) not in allowed:
-            names = ", ".join("null" if c is None else c for c in allowed)
-            problems.append(f"{key}={OmegaConf.select(cfg, key)!r} is not one of {names}")
+    unknown = [key for key, allowed in choices.items() if OmegaConf.select(cfg, key) not in allowed]
+    for key in unknown:
+        names = ", ".join("null" if c is None else c for c in choices[key])
+        problems.append(f"{key}={OmegaConf.select(cfg, key)!r} is not one of {names}")
+    known = {chooser: readers for chooser, readers in settings.items() if chooser not in unknown}
+    problems += [problem for problem in unread_settings(sections, known)
+                 if not any(other.startswith(problem.split("=")[0] + "=") for other in problems)]
     if cfg.target.dtype in DTYPE_ALIASES:
         cfg.target.dtype = DTYPE_ALIASES[cfg.target.dtype]
     return problems
@@ -406,7 +408,9 @@ def validate(cfg, choices: dict[str, tuple], settings: dict[str, dict[str, tuple
 def unread_settings(sections: Config, settings: dict[str, dict[str, tuple[str, ...]]]) -> list[str]:
     """A registered component's own keys, set off their defaults while another component is chosen:
     they would do nothing. `settings`: the key that chooses a component (`objective.loss`) -> each
-    component's keys in that section (`tv` -> tv_ce_weight), as the registries declare them."""
+    component's keys in that section (`tv` -> tv_ce_weight), from the tables beside the registries;
+    a key belongs to one chooser (validate skips a chooser whose value is no registered choice, and a
+    key whose value is already refused)."""
     problems = []
     for chooser, readers in settings.items():
         section_name, choice_key = chooser.split(".")

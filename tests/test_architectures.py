@@ -61,7 +61,7 @@ def test_each_architecture_round_trips_by_its_config_name_and_export_name(target
 
 def test_another_architectures_setting_is_refused_naming_the_key():
     """DFlash2's selector and convolution settings on a DFlash drafter would do nothing: refused by
-    the config, from the registry's `variant_keys` (an architecture registered later too)."""
+    the config, from the architectures' `variant_keys`."""
     from drafter.config import ConfigError
     v3 = [str(REPO / "configs" / "v3.yaml"), ["data.path=/x"]]
     for key in ("selector_rank", "conv_kernel_size"):

@@ -27,8 +27,8 @@ from omegaconf import OmegaConf
 
 from conftest import make_drafter
 from drafter.config import Config
-from drafter.infra.deepspeed_engine import DeepSpeedEngine, deepspeed_config
-from drafter.infra.engine import MUON_NS_METHOD, uses_muon
+from drafter.infra.deepspeed_engine import MUON_NS_METHOD, DeepSpeedEngine, deepspeed_config
+from drafter.infra.engine import uses_muon
 from drafter.models.blocks import DraftingSetup, FeatureBatch
 from drafter.target_model.model import context_features, random_qwen3
 from drafter.training.objective import training_step

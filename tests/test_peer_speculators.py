@@ -66,6 +66,9 @@ def test_a_point_before_the_end_is_exported_without_training_on(runs):
     assert config["dflash_config"]["trained_by"]["step"] == 2
     with pytest.raises(SystemExit, match="give --resume and --export"):
         peer_speculators.main(TINY + ["--out", str(tmp / "pieces"), "--export-now"])
+    with pytest.raises(SystemExit, match="holds no checkpoint to export"):
+        peer_speculators.main(TINY + ["--out", str(tmp / "typo"), "--resume", "--export-now", "--export", str(tmp / "x")])
+    assert not (tmp / "typo").exists() and not (tmp / "x").exists()
 
 
 def test_a_miswired_export_is_refused(runs, monkeypatch, capsys):

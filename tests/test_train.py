@@ -258,7 +258,7 @@ def test_a_json_whose_optimizer_cannot_be_built_is_refused_before_weights_load(
         tmp_path, toolkit, json_name, edits, change, message):
     """On a GPU, a JSON `optimizer` block makes DeepSpeed compile FusedAdam (or CPU Adam under offload)
     at its first step; without the tools for it the run stops at the config, in one line naming them."""
-    from drafter.infra.engines import engine_settings
+    from drafter.infra.engine_choice import engine_settings
     state, refresh = toolkit
     state.update(change)
     refresh()
@@ -458,6 +458,35 @@ def test_invalid_values_are_refused_naming_the_key(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(str(REPO / "configs" / "v3.yaml"), ["data.path=/x", override])
 
+
+
+def test_each_component_setting_belongs_to_a_registered_choice_and_a_field_of_its_section():
+    """The tables of component settings against the registries and the schema: a typo in either
+    would refuse a key under its own component, or fail with an AttributeError instead of a ConfigError."""
+    from dataclasses import fields
+
+    from drafter.config import Config
+    from drafter.training.run_config import choices, settings
+    sections = {f.name: {g.name for g in fields(f.type)} for f in fields(Config)}
+    owners = {}
+    for chooser, readers in settings().items():
+        section = chooser.split(".")[0]
+        assert set(readers) <= set(choices()[chooser]), chooser
+        for key in {key for keys in readers.values() for key in keys}:
+            assert key in sections[section], f"{section}.{key}"
+            assert owners.setdefault(f"{section}.{key}", chooser) == chooser  # one chooser per key
+
+
+def test_a_misspelt_choice_or_a_bad_value_is_one_message_not_two():
+    v3 = str(REPO / "configs" / "v3.yaml")
+    for overrides, message, absent in ((["objective.loss=TV", "objective.tv_ce_weight=0.3"],
+                                        "objective.loss='TV' is not one of", "is read only"),
+                                       (["drafter.arch=dflash3", "drafter.selector_rank=8"],
+                                        "drafter.arch='dflash3' is not one of", "is read only"),
+                                       (["drafter.selector_rank=0"], "selector_rank=0 must be >= 1", "is read only")):
+        with pytest.raises(ConfigError, match=re.escape(message)) as refused:
+            load_config(v3, ["data.path=/x", *overrides])
+        assert absent not in str(refused.value)
 
 def test_a_value_or_key_the_schema_refuses_is_one_line_naming_the_key(tmp_path):
     broken = tmp_path / "broken.yaml"

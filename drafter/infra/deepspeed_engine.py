@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from drafter.infra.engine import EngineConfigError, StepResult, build_optimizers, deepspeed_muon, trainable
+from drafter.infra.engine import EngineConfigError, StepResult, build_optimizers, trainable, uses_muon
 from drafter.infra.repo_paths import find_in_repo
 from drafter.nested import flatten
 
@@ -23,6 +23,29 @@ ZERO_STAGES = (1, 2, 3)
 # authors, printed on every rank's first step, with nothing for a user to decide
 warnings.filterwarnings("ignore", message="`torch.distributed.all_gather_into_tensor` is deprecated",
                         category=FutureWarning)
+
+
+MUON_NS_METHOD = "gram"  # DeepSpeed's default Newton-Schulz form: see DeepSpeedEngine
+
+
+def deepspeed_muon(params: list[nn.Parameter], optim, device: torch.device) -> torch.optim.Optimizer:
+    """DeepSpeed's MuonWithAuxAdam over `params` with the settings of `build_optimizers`: Muon on the
+    matrices of `uses_muon` (tagged `param.use_muon`, which is how DeepSpeed's ZeRO finds them) at
+    optim.muon_lr, optim.muon_momentum, Nesterov and optim.weight_decay; torch's AdamW on the rest
+    (fused where its state is on a GPU). ZeRO runs DeepSpeed's `muon_update` (momentum, Nesterov,
+    Newton-Schulz, the sqrt(max(1, rows / cols)) scale) on the full matrices once per optimizer step,
+    where it reduces the gradients; the optimizer's own step then applies the update to its partition."""
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+
+    for param in params:
+        param.use_muon = uses_muon(param)
+    matrices, others = [p for p in params if p.use_muon], [p for p in params if not p.use_muon]
+    groups = [dict(params=matrices, use_muon=True, lr=optim.muon_lr, momentum=optim.muon_momentum,
+                   weight_decay=optim.weight_decay, ns_method=MUON_NS_METHOD),
+              dict(params=others, use_muon=False, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
+                   weight_decay=optim.weight_decay)]
+    return MuonWithAuxAdam([group for group in groups if group["params"]], adam_optimizer=torch.optim.AdamW,
+                           adam_optimizer_kwargs={"fused": True} if device.type == "cuda" else {})
 
 
 def deepspeed_config(json_path: str, cfg, world_size: int, bf16: bool, hidden_size: int,

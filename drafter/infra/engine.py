@@ -1,6 +1,6 @@
 """Training engines behind one small interface: DeepSpeed (ZeRO 1-3, offload, configured by the JSON)
 in deepspeed_engine.py, and torch FSDP2 (`fully_shard`, `torch.distributed.checkpoint`) in fsdp_engine.py;
-engines.py builds the one train.engine names. The training loop only uses:
+engine_choice.py builds the one train.engine names. The training loop only uses:
 
     engine.module                 the drafter to run forward (possibly sharded)
     engine.backward(loss)         one micro batch; the engine counts micro batches to the step
@@ -65,26 +65,3 @@ def build_optimizers(params: list[nn.Parameter], optim, device: torch.device | N
     return [torch.optim.Muon(matrices, lr=optim.muon_lr, momentum=optim.muon_momentum, nesterov=True,
                              weight_decay=optim.weight_decay, adjust_lr_fn="original"),
             torch.optim.AdamW(others, **adamw)]
-
-
-MUON_NS_METHOD = "gram"  # DeepSpeed's default Newton-Schulz form: see DeepSpeedEngine
-
-
-def deepspeed_muon(params: list[nn.Parameter], optim, device: torch.device) -> torch.optim.Optimizer:
-    """DeepSpeed's MuonWithAuxAdam over `params` with the settings of `build_optimizers`: Muon on the
-    matrices of `uses_muon` (tagged `param.use_muon`, which is how DeepSpeed's ZeRO finds them) at
-    optim.muon_lr, optim.muon_momentum, Nesterov and optim.weight_decay; torch's AdamW on the rest
-    (fused where its state is on a GPU). ZeRO runs DeepSpeed's `muon_update` (momentum, Nesterov,
-    Newton-Schulz, the sqrt(max(1, rows / cols)) scale) on the full matrices once per optimizer step,
-    where it reduces the gradients; the optimizer's own step then applies the update to its partition."""
-    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
-
-    for param in params:
-        param.use_muon = uses_muon(param)
-    matrices, others = [p for p in params if p.use_muon], [p for p in params if not p.use_muon]
-    groups = [dict(params=matrices, use_muon=True, lr=optim.muon_lr, momentum=optim.muon_momentum,
-                   weight_decay=optim.weight_decay, ns_method=MUON_NS_METHOD),
-              dict(params=others, use_muon=False, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
-                   weight_decay=optim.weight_decay)]
-    return MuonWithAuxAdam([group for group in groups if group["params"]], adam_optimizer=torch.optim.AdamW,
-                           adam_optimizer_kwargs={"fused": True} if device.type == "cuda" else {})

@@ -34,7 +34,7 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
     config_class = Qwen3Config
     _no_split_modules = ["DFlashDecoderLayer"]
     arch: ClassVar[str] = "dflash"                 # its name in the config (`drafter.arch`)
-    variant_keys: ClassVar[tuple[str, ...]] = ()  # its own `drafter.*` settings, exported in dflash_config
+    variant_keys: ClassVar[tuple[str, ...]] = ()  # its own `drafter.*` settings (exported; refused on another arch)
     drafts_marginals: ClassVar[bool] = True      # its chain is the argmax of its slots' marginals
     takes_draft_vocab: ClassVar[bool] = True     # its head may be a draft vocabulary's (draft_vocab.py)
 

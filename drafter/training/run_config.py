@@ -14,7 +14,7 @@ from drafter.config import load_yaml_config
 from drafter.errors import ConfigError
 from drafter.infra.launch import LaunchError, init_distributed
 from drafter.infra.engine import OPTIMIZER_SETTINGS, OPTIMIZERS
-from drafter.infra.engines import ENGINES
+from drafter.infra.engine_choice import ENGINES
 from drafter.infra.repo_paths import find_in_repo
 from drafter.losses import (BLOCK_LOSSES, DIVERGENCES, LABELS, NORMALIZATIONS, OBJECTIVE_SETTINGS, POSITION_WEIGHTS,
                             TRUNCATIONS)

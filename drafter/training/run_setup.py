@@ -20,7 +20,7 @@ from drafter.pipeline.feature_store import FeatureStore, StoreCache, StoreFeatur
 from drafter.pipeline.feature_store_format import labels_refusal, store_refusal
 from drafter.pipeline.sampler import held_out_share, plan_notes, sampler_from_config
 from drafter.errors import ConfigError
-from drafter.infra.engines import build_engine, engine_settings
+from drafter.infra.engine_choice import build_engine, engine_settings
 from drafter.infra.launch import local_world_size
 from drafter.losses.divergences import labels_needed
 from drafter.losses.lm_head import chunk_rows_for, logit_softcap, target_next_tokens
