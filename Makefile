@@ -82,7 +82,7 @@ demo-real-recipe: $(STAMP)
 		$(PY) data/features.py --cfg configs/smollm2.yaml --data artifacts/smollm2/$$set \
 			--out $(RECIPE_STORE)_$${dtype}_$$set --dtype $$dtype target.dtype=$$dtype || exit 1; done && \
 	.venv/bin/torchrun --nproc_per_node 2 train.py --cfg configs/smollm2.yaml run.out_dir=$(RECIPE) \
-		train.engine=fsdp target.dtype=$$dtype data.features=$(RECIPE_STORE)_$${dtype}_train_data \
+		train.engine=fsdp optim.name=muon target.dtype=$$dtype data.features=$(RECIPE_STORE)_$${dtype}_train_data \
 		data.eval_features=$(RECIPE_STORE)_$${dtype}_bench_chat_data train.epochs=1000 train.max_steps=1200 \
 		train.eval_every=200 train.save_every=200
 	$(PY) eval/ddtree_accept.py --ckpt $(RECIPE)/checkpoints/latest \
