@@ -63,11 +63,11 @@ def test_another_architectures_setting_is_refused_naming_the_key():
     """DFlash2's selector and convolution settings on a DFlash drafter would do nothing: refused by
     the config, from the architectures' `variant_keys`."""
     from drafter.config import ConfigError
-    v3 = [str(REPO / "configs" / "v3.yaml"), ["data.path=/x"]]
+    v3 = str(REPO / "configs" / "v3.yaml")
     for key in ("selector_rank", "conv_kernel_size"):
         with pytest.raises(ConfigError, match=re.escape(f"drafter.{key}=8 is read only with drafter.arch=dflash2")):
-            load_config(v3[0], v3[1] + [f"drafter.{key}=8"])
-    load_config(v3[0], v3[1] + ["drafter.arch=dflash2", "drafter.selector_rank=8"])
+            load_config(v3, ["data.path=/x", f"drafter.{key}=8"])
+    load_config(v3, ["data.path=/x", "drafter.arch=dflash2", "drafter.selector_rank=8"])
 
 
 def test_dflash2_shards_its_selector_and_dflash_only_its_layers(target):

@@ -459,7 +459,6 @@ def test_invalid_values_are_refused_naming_the_key(override, message):
         load_config(str(REPO / "configs" / "v3.yaml"), ["data.path=/x", override])
 
 
-
 def test_each_component_setting_belongs_to_a_registered_choice_and_a_field_of_its_section():
     """The tables of component settings against the registries and the schema: a typo in either
     would refuse a key under its own component, or fail with an AttributeError instead of a ConfigError."""
